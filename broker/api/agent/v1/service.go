@@ -1,0 +1,137 @@
+// Package agent serves kcp.tunnel.v1.AgentService: agents register the
+// logical clusters they serve on a control stream, and open one Tunnel
+// stream per dial the broker orders.
+package agent
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"io"
+	"log/slog"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"github.com/kcp-dev/tunnel-broker/broker/registry"
+	"github.com/kcp-dev/tunnel-broker/internal/identity"
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+)
+
+// Service implements AgentService.
+type Service struct {
+	tunnelv1.UnimplementedAgentServiceServer
+
+	Registry *registry.Registry
+	BrokerID string
+	Log      *slog.Logger
+}
+
+// Register adds the service to s.
+func (s *Service) Register(srv *grpc.Server) { tunnelv1.RegisterAgentServiceServer(srv, s) }
+
+// Connect implements AgentService.Connect: registration, then dial orders out
+// and dial failures in, until either side ends the stream.
+func (s *Service) Connect(stream tunnelv1.AgentService_ConnectServer) error {
+	ctx := stream.Context()
+	id, ok := identity.PeerID(ctx)
+	if !ok {
+		return status.Error(codes.Unauthenticated, "no SPIFFE ID")
+	}
+	first, err := stream.Recv()
+	if err != nil {
+		return err
+	}
+	reg := first.GetRegister()
+	if reg == nil {
+		return status.Error(codes.InvalidArgument, "the first message on a control stream must be a registration")
+	}
+	if len(reg.GetClusters()) == 0 {
+		return status.Error(codes.InvalidArgument, "an agent must serve at least one logical cluster")
+	}
+	for _, c := range reg.GetClusters() {
+		if err := tunnelv1.ValidateClusterName(c); err != nil {
+			return status.Error(codes.InvalidArgument, err.Error())
+		}
+	}
+
+	a := registry.NewAgent(sessionID(), id, reg.GetAgentName(), reg.GetClusters())
+	log := s.Log.With("agent", a.String(), "session", a.SessionID)
+	registered := &tunnelv1.ConnectResponse{Message: &tunnelv1.ConnectResponse_Registered{Registered: &tunnelv1.Registered{
+		BrokerId: s.BrokerID,
+		Since:    timestamppb.New(a.Since),
+	}}}
+	if err := stream.Send(registered); err != nil {
+		return err
+	}
+	s.Registry.Register(a)
+	defer s.Registry.Unregister(a)
+	log.Info("agent registered", "clusters", a.Clusters)
+
+	recvErr := make(chan error, 1)
+	go func() { recvErr <- s.receive(stream, a) }()
+	for {
+		select {
+		case order := <-a.Orders():
+			if err := stream.Send(&tunnelv1.ConnectResponse{Message: &tunnelv1.ConnectResponse_DialOrder{DialOrder: order}}); err != nil {
+				log.Info("agent disconnected", "error", err)
+				return err
+			}
+		case err := <-recvErr:
+			if err != nil {
+				log.Info("agent disconnected", "error", err)
+			} else {
+				log.Info("agent unregistered")
+			}
+			return err
+		}
+	}
+}
+
+// receive takes dial failures from the agent until it closes its side.
+func (s *Service) receive(stream tunnelv1.AgentService_ConnectServer, a *registry.Agent) error {
+	for {
+		msg, err := stream.Recv()
+		if errors.Is(err, io.EOF) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		f := msg.GetDialFailure()
+		if f == nil {
+			return status.Error(codes.InvalidArgument, "after registering, an agent may only report dial failures")
+		}
+		s.Registry.Fail(a, f)
+	}
+}
+
+// Tunnel implements AgentService.Tunnel: the first message names the dial;
+// the stream is then handed to that dial, which splices and finishes it.
+func (s *Service) Tunnel(stream tunnelv1.AgentService_TunnelServer) error {
+	id, ok := identity.PeerID(stream.Context())
+	if !ok {
+		return status.Error(codes.Unauthenticated, "no SPIFFE ID")
+	}
+	first, err := stream.Recv()
+	if err != nil {
+		return err
+	}
+	open := first.GetOpen()
+	if open == nil {
+		return status.Error(codes.InvalidArgument, "the first message on a tunnel must name its dial")
+	}
+	t, err := s.Registry.Claim(open.GetDialId(), id, stream)
+	if err != nil {
+		return err
+	}
+	return t.Wait(stream.Context())
+}
+
+func sessionID() string {
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}

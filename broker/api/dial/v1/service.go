@@ -1,0 +1,91 @@
+// Package dial serves kcp.tunnel.v1.DialService: a caller names a Service in
+// a logical cluster and gets a byte stream to it through an agent.
+package dial
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/kcp-dev/tunnel-broker/broker/registry"
+	"github.com/kcp-dev/tunnel-broker/internal/identity"
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+)
+
+// DefaultTimeout bounds a dial when the caller sets no shorter deadline. It
+// sits below the admission webhook default of 10s, so a dial that cannot
+// succeed fails with its own status, not the webhook's timeout.
+const DefaultTimeout = 5 * time.Second
+
+// Service implements DialService.
+type Service struct {
+	tunnelv1.UnimplementedDialServiceServer
+
+	Registry *registry.Registry
+	Timeout  time.Duration
+	Log      *slog.Logger
+}
+
+// Register adds the service to s.
+func (s *Service) Register(srv *grpc.Server) { tunnelv1.RegisterDialServiceServer(srv, s) }
+
+// Dial implements DialService.Dial.
+func (s *Service) Dial(stream tunnelv1.DialService_DialServer) error {
+	first, err := stream.Recv()
+	if errors.Is(err, io.EOF) {
+		return status.Error(codes.InvalidArgument, "stream closed before naming a target")
+	}
+	if err != nil {
+		return err
+	}
+	target := first.GetTarget()
+	if target == nil {
+		return status.Error(codes.InvalidArgument, "the first message of a dial must name a target")
+	}
+	if err := target.Validate(); err != nil {
+		return status.Error(codes.InvalidArgument, err.Error())
+	}
+	caller, _ := identity.PeerID(stream.Context())
+	log := s.Log.With("cluster", target.GetCluster(), "namespace", target.GetNamespace(),
+		"service", target.GetService(), "port", target.GetPort(), "caller", caller.String())
+
+	start := time.Now()
+	t, err := s.dial(stream.Context(), target)
+	if err != nil {
+		log.Info("dial failed", "code", status.Code(err).String(), "error", status.Convert(err).Message(), "took", time.Since(start))
+		return err
+	}
+	log = log.With("tunnel", t.ID, "agent", t.Agent.String())
+	established := &tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_Established{Established: &tunnelv1.Established{TunnelId: t.ID}}}
+	if err := stream.Send(established); err != nil {
+		t.Finish(status.Error(codes.Canceled, "caller went away"))
+		return err
+	}
+	log.Debug("tunnel established", "took", time.Since(start))
+
+	callerStatus, agentStatus := splice(stream, t.Stream)
+	t.Finish(agentStatus)
+	if agentStatus != nil {
+		log.Info("tunnel ended", "code", status.Code(callerStatus).String(), "error", status.Convert(agentStatus).Message())
+	} else {
+		log.Debug("tunnel closed")
+	}
+	return callerStatus
+}
+
+func (s *Service) dial(ctx context.Context, target *tunnelv1.Target) (*registry.Tunnel, error) {
+	timeout := s.Timeout
+	if timeout <= 0 {
+		timeout = DefaultTimeout
+	}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	deadline, _ := ctx.Deadline()
+	return s.Registry.Dial(ctx, target, uint32(time.Until(deadline).Milliseconds()))
+}

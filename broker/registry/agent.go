@@ -1,0 +1,58 @@
+// Package registry keeps the agents connected to this broker replica, by the
+// logical clusters they serve, and the dials waiting for an agent's tunnel.
+package registry
+
+import (
+	"sync"
+	"time"
+
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+)
+
+// Agent is one agent's control stream.
+type Agent struct {
+	// SessionID names this connection of the agent in logs.
+	SessionID string
+	// ID is the agent's SPIFFE ID; only it may open tunnels for its dials.
+	ID       spiffeid.ID
+	Name     string
+	Clusters []string
+	Since    time.Time
+
+	// orders is drained by the agent's control stream. Every send selects on
+	// gone as well, so a vanished agent never blocks a dial.
+	orders   chan *tunnelv1.DialOrder
+	gone     chan struct{}
+	goneOnce sync.Once
+}
+
+// NewAgent makes an agent ready to register.
+func NewAgent(sessionID string, id spiffeid.ID, name string, clusters []string) *Agent {
+	return &Agent{
+		SessionID: sessionID,
+		ID:        id,
+		Name:      name,
+		Clusters:  clusters,
+		Since:     time.Now(),
+		orders:    make(chan *tunnelv1.DialOrder, 64),
+		gone:      make(chan struct{}),
+	}
+}
+
+// Orders are the dial orders to send to the agent, in order.
+func (a *Agent) Orders() <-chan *tunnelv1.DialOrder { return a.orders }
+
+// Gone is closed once the agent is unregistered.
+func (a *Agent) Gone() <-chan struct{} { return a.gone }
+
+func (a *Agent) markGone() { a.goneOnce.Do(func() { close(a.gone) }) }
+
+// String names the agent in messages: its name and SPIFFE ID.
+func (a *Agent) String() string {
+	if a.Name == "" {
+		return a.ID.String()
+	}
+	return a.Name + " (" + a.ID.String() + ")"
+}

@@ -1,0 +1,238 @@
+package registry
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"sync"
+
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+)
+
+// Registry routes dials to agents. It holds no state shared across broker
+// replicas: every agent connects to every replica.
+type Registry struct {
+	mu        sync.Mutex
+	byCluster map[string][]*Agent
+	next      map[string]int // round-robin cursor per cluster
+	pending   map[uint64]*Pending
+	lastID    uint64
+}
+
+// New returns an empty registry.
+func New() *Registry {
+	var seed [8]byte
+	_, _ = rand.Read(seed[:])
+	return &Registry{
+		byCluster: map[string][]*Agent{},
+		next:      map[string]int{},
+		pending:   map[uint64]*Pending{},
+		// Dial IDs start at a random point so that IDs from an earlier
+		// incarnation of this replica are unlikely to match a new dial.
+		lastID: binary.BigEndian.Uint64(seed[:]) >> 1,
+	}
+}
+
+// Register makes a routable for its clusters.
+func (r *Registry) Register(a *Agent) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, c := range a.Clusters {
+		r.byCluster[c] = append(r.byCluster[c], a)
+	}
+}
+
+// Unregister removes a and fails the dials that wait on it with Unavailable.
+func (r *Registry) Unregister(a *Agent) {
+	r.mu.Lock()
+	for _, c := range a.Clusters {
+		agents := r.byCluster[c]
+		for i, x := range agents {
+			if x == a {
+				agents = append(agents[:i:i], agents[i+1:]...)
+				break
+			}
+		}
+		if len(agents) == 0 {
+			delete(r.byCluster, c)
+			delete(r.next, c)
+		} else {
+			r.byCluster[c] = agents
+		}
+	}
+	r.mu.Unlock()
+	a.markGone()
+}
+
+// Agents lists the registered agents.
+func (r *Registry) Agents() []*Agent {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	seen := map[*Agent]bool{}
+	var out []*Agent
+	for _, agents := range r.byCluster {
+		for _, a := range agents {
+			if !seen[a] {
+				seen[a] = true
+				out = append(out, a)
+			}
+		}
+	}
+	return out
+}
+
+// pick chooses the next agent for cluster, round-robin.
+func (r *Registry) pick(cluster string) *Agent {
+	agents := r.byCluster[cluster]
+	if len(agents) == 0 {
+		return nil
+	}
+	i := r.next[cluster] % len(agents)
+	r.next[cluster] = i + 1
+	return agents[i]
+}
+
+// Dial orders an agent that serves target's cluster to connect, and waits
+// until the agent opens the tunnel, reports a failure, goes away, or ctx ends.
+// The returned tunnel must be finished with Tunnel.Finish.
+func (r *Registry) Dial(ctx context.Context, target *tunnelv1.Target, timeoutMS uint32) (*Tunnel, error) {
+	r.mu.Lock()
+	a := r.pick(target.GetCluster())
+	if a == nil {
+		r.mu.Unlock()
+		return nil, status.Errorf(codes.Unavailable, "no agent serves logical cluster %q", target.GetCluster())
+	}
+	r.lastID++
+	p := &Pending{ID: r.lastID, Agent: a, Target: target, result: make(chan result, 1)}
+	r.pending[p.ID] = p
+	r.mu.Unlock()
+
+	order := &tunnelv1.DialOrder{DialId: p.ID, Target: target, TimeoutMs: timeoutMS}
+	select {
+	case a.orders <- order:
+	case <-a.gone:
+		r.forget(p)
+		return nil, agentGone(a)
+	case <-ctx.Done():
+		if r.forget(p) {
+			return nil, contextStatus(ctx, a)
+		}
+		return r.abandon(p, contextStatus(ctx, a))
+	}
+
+	select {
+	case res := <-p.result:
+		return res.tunnel, res.err
+	case <-a.gone:
+		if r.forget(p) {
+			return nil, agentGone(a)
+		}
+		return r.abandon(p, agentGone(a))
+	case <-ctx.Done():
+		if r.forget(p) {
+			return nil, contextStatus(ctx, a)
+		}
+		return r.abandon(p, contextStatus(ctx, a))
+	}
+}
+
+// forget drops a pending dial; false if it was already claimed, in which case
+// its result is on the way.
+func (r *Registry) forget(p *Pending) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if _, ok := r.pending[p.ID]; !ok {
+		return false
+	}
+	delete(r.pending, p.ID)
+	return true
+}
+
+// abandon takes the result of a claimed dial that nobody will use, and ends
+// its tunnel, if any, so the agent's stream does not hang.
+func (r *Registry) abandon(p *Pending, err error) (*Tunnel, error) {
+	res := <-p.result
+	if res.tunnel != nil {
+		res.tunnel.Finish(err)
+	}
+	return nil, err
+}
+
+// Claim binds an agent's Tunnel stream to the pending dial it names. Only the
+// agent the order went to (by SPIFFE ID) may claim it.
+func (r *Registry) Claim(dialID uint64, agentID spiffeid.ID, stream tunnelv1.AgentService_TunnelServer) (*Tunnel, error) {
+	r.mu.Lock()
+	p, ok := r.pending[dialID]
+	if ok && p.Agent.ID != agentID {
+		ok = false
+	}
+	if ok {
+		delete(r.pending, dialID)
+	}
+	r.mu.Unlock()
+	if !ok {
+		return nil, status.Errorf(codes.NotFound, "no pending dial %d for %s (it timed out or was cancelled)", dialID, agentID)
+	}
+	t := newTunnel(p, stream)
+	p.result <- result{tunnel: t}
+	return t, nil
+}
+
+// Fail answers a pending dial with the agent's failure.
+func (r *Registry) Fail(a *Agent, f *tunnelv1.DialFailure) {
+	r.mu.Lock()
+	p, ok := r.pending[f.GetDialId()]
+	if ok && p.Agent != a {
+		ok = false
+	}
+	if ok {
+		delete(r.pending, p.ID)
+	}
+	r.mu.Unlock()
+	if ok {
+		p.result <- result{err: agentFailure(a, f)}
+	}
+}
+
+// Pending is a dial waiting for its agent.
+type Pending struct {
+	ID     uint64
+	Agent  *Agent
+	Target *tunnelv1.Target
+	result chan result // buffered: the sender never blocks
+}
+
+type result struct {
+	tunnel *Tunnel
+	err    error
+}
+
+func agentGone(a *Agent) error {
+	return status.Errorf(codes.Unavailable, "agent %s went away", a)
+}
+
+func contextStatus(ctx context.Context, a *Agent) error {
+	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		return status.Errorf(codes.DeadlineExceeded, "agent %s did not connect in time", a)
+	}
+	return status.FromContextError(ctx.Err()).Err()
+}
+
+// agentFailure turns an agent's report into the caller's status. Only codes a
+// caller can act on pass through; anything else means the agent failed.
+func agentFailure(a *Agent, f *tunnelv1.DialFailure) error {
+	code := codes.Code(f.GetCode())
+	switch code {
+	case codes.NotFound, codes.Unavailable, codes.DeadlineExceeded, codes.PermissionDenied,
+		codes.ResourceExhausted, codes.InvalidArgument, codes.FailedPrecondition:
+	default:
+		code = codes.Unavailable
+	}
+	return status.Error(code, fmt.Sprintf("agent %s: %s", a.Name, f.GetMessage()))
+}

@@ -1,0 +1,55 @@
+package tunnelv1
+
+import (
+	"fmt"
+	"regexp"
+	"strings"
+)
+
+var (
+	// kcp's logical cluster names: generated ones are 16 base36 characters,
+	// "root" and friends are plain; "system:" names are kcp's own.
+	clusterNameRE = regexp.MustCompile(`^[a-z0-9][a-z0-9-]{0,61}[a-z0-9]$`)
+	// DNS-1123 label, as Kubernetes requires of namespace names.
+	dns1123LabelRE = regexp.MustCompile(`^[a-z0-9]([-a-z0-9]*[a-z0-9])?$`)
+	// DNS-1035 label, as Kubernetes requires of Service names.
+	dns1035LabelRE = regexp.MustCompile(`^[a-z]([-a-z0-9]*[a-z0-9])?$`)
+)
+
+const maxLabelLength = 63
+
+// ValidateClusterName reports whether name is a kcp logical cluster name.
+// Paths (root:org:ws) are not names: the broker routes by name.
+func ValidateClusterName(name string) error {
+	n := strings.TrimPrefix(name, "system:")
+	if !clusterNameRE.MatchString(n) {
+		return fmt.Errorf("logical cluster %q is not a valid logical cluster name (lower-case alphanumerics and '-', 2-63 characters, optionally prefixed with \"system:\"; a path such as root:org is not a name)", name)
+	}
+	return nil
+}
+
+// Validate reports the first problem with a dial target, in terms a caller can
+// act on; nil if the target is well formed.
+func (t *Target) Validate() error {
+	if t == nil {
+		return fmt.Errorf("no target: the first message of a dial must name a target")
+	}
+	if err := ValidateClusterName(t.GetCluster()); err != nil {
+		return err
+	}
+	if ns := t.GetNamespace(); len(ns) > maxLabelLength || !dns1123LabelRE.MatchString(ns) {
+		return fmt.Errorf("namespace %q is not a DNS-1123 label", ns)
+	}
+	if s := t.GetService(); len(s) > maxLabelLength || !dns1035LabelRE.MatchString(s) {
+		return fmt.Errorf("service %q is not a DNS-1035 label", s)
+	}
+	if p := t.GetPort(); p < 1 || p > 65535 {
+		return fmt.Errorf("port %d is outside 1-65535", p)
+	}
+	return nil
+}
+
+// Key is the target as namespace/service:port in cluster, for logs and maps.
+func (t *Target) Key() string {
+	return fmt.Sprintf("%s|%s/%s:%d", t.GetCluster(), t.GetNamespace(), t.GetService(), t.GetPort())
+}

@@ -1,0 +1,159 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+)
+
+// defaultConnectTimeout applies when an order carries no timeout.
+const defaultConnectTimeout = 5 * time.Second
+
+// serve answers one dial order: connect to the target, then open the Tunnel
+// stream and pipe; or report why not.
+func (a *Agent) serve(ctx context.Context, client tunnelv1.AgentServiceClient, order *tunnelv1.DialOrder, fail func(*tunnelv1.DialFailure)) {
+	t := order.GetTarget()
+	log := a.Log.With("dial", order.GetDialId(), "cluster", t.GetCluster(), "namespace", t.GetNamespace(),
+		"service", t.GetService(), "port", t.GetPort())
+	conn, err := a.connect(ctx, order)
+	if err != nil {
+		st := status.Convert(err)
+		log.Info("dial failed", "code", st.Code().String(), "error", st.Message())
+		fail(&tunnelv1.DialFailure{DialId: order.GetDialId(), Code: int32(st.Code()), Message: st.Message()})
+		return
+	}
+	defer conn.Close()
+
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	stream, err := client.Tunnel(ctx)
+	if err == nil {
+		err = stream.Send(&tunnelv1.TunnelRequest{Frame: &tunnelv1.TunnelRequest_Open{Open: &tunnelv1.TunnelOpen{DialId: order.GetDialId()}}})
+	}
+	if err != nil {
+		log.Info("could not open tunnel", "error", err)
+		fail(&tunnelv1.DialFailure{DialId: order.GetDialId(), Code: int32(codes.Unavailable), Message: "agent could not open a tunnel: " + err.Error()})
+		return
+	}
+	log.Debug("tunnel open", "target", conn.RemoteAddr().String())
+	if err := pipe(conn, stream, cancel); err != nil {
+		log.Info("tunnel ended", "error", err)
+	}
+}
+
+// connect dials the addresses the resolver returns, in order, until one
+// accepts. It dials nothing else.
+func (a *Agent) connect(ctx context.Context, order *tunnelv1.DialOrder) (*net.TCPConn, error) {
+	t := order.GetTarget()
+	if err := t.Validate(); err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	timeout := time.Duration(order.GetTimeoutMs()) * time.Millisecond
+	if timeout <= 0 {
+		timeout = defaultConnectTimeout
+	}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	addrs, err := a.Resolver.Resolve(ctx, t)
+	if err != nil {
+		return nil, err
+	}
+	var errs []error
+	var d net.Dialer
+	for _, addr := range addrs {
+		c, err := d.DialContext(ctx, "tcp", addr)
+		if err == nil {
+			return c.(*net.TCPConn), nil
+		}
+		errs = append(errs, err)
+		if ctx.Err() != nil {
+			break
+		}
+	}
+	if ctx.Err() != nil {
+		return nil, status.Errorf(codes.DeadlineExceeded, "connecting to %s/%s:%d timed out after %v",
+			t.GetNamespace(), t.GetService(), t.GetPort(), timeout)
+	}
+	return nil, status.Errorf(codes.Unavailable, "connecting to %s/%s:%d: %v",
+		t.GetNamespace(), t.GetService(), t.GetPort(), errors.Join(errs...))
+}
+
+// copyBufferSize is the largest data frame the agent sends.
+const copyBufferSize = 32 << 10
+
+var buffers = sync.Pool{New: func() any { b := make([]byte, copyBufferSize); return &b }}
+
+// pipe carries bytes between the target connection and the tunnel stream
+// until both directions are closed or either fails; cancel aborts the stream.
+func pipe(conn *net.TCPConn, stream tunnelv1.AgentService_TunnelClient, cancel context.CancelFunc) error {
+	upErr := make(chan error, 1)
+	go func() { upErr <- targetToStream(conn, stream, cancel) }()
+	downErr := streamToTarget(stream, conn)
+	if downErr != nil {
+		// The stream failed: abort the target, which ends the other side.
+		conn.SetLinger(0)
+		conn.Close()
+		cancel()
+		<-upErr
+		return downErr
+	}
+	return <-upErr
+}
+
+// targetToStream forwards the target's bytes, then its half-close.
+func targetToStream(conn *net.TCPConn, stream tunnelv1.AgentService_TunnelClient, cancel context.CancelFunc) error {
+	bp := buffers.Get().(*[]byte)
+	defer buffers.Put(bp)
+	buf := *bp
+	for {
+		n, err := conn.Read(buf)
+		if n > 0 {
+			// Send marshals before it returns, so buf can be reused.
+			if err := stream.Send(&tunnelv1.TunnelRequest{Frame: &tunnelv1.TunnelRequest_Data{Data: buf[:n]}}); err != nil {
+				return err
+			}
+		}
+		if errors.Is(err, io.EOF) {
+			return stream.CloseSend()
+		}
+		if err != nil {
+			cancel()
+			return fmt.Errorf("reading from target: %w", err)
+		}
+	}
+}
+
+// streamToTarget forwards the caller's bytes, then its half-close, until the
+// broker ends the stream. It returns nil only for a clean end.
+func streamToTarget(stream tunnelv1.AgentService_TunnelClient, conn *net.TCPConn) error {
+	for {
+		msg, err := stream.Recv()
+		if errors.Is(err, io.EOF) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		switch f := msg.GetFrame().(type) {
+		case *tunnelv1.TunnelResponse_Data:
+			if _, err := conn.Write(f.Data); err != nil {
+				return fmt.Errorf("writing to target: %w", err)
+			}
+		case *tunnelv1.TunnelResponse_CloseWrite:
+			if err := conn.CloseWrite(); err != nil {
+				return fmt.Errorf("half-closing target: %w", err)
+			}
+		default:
+			return fmt.Errorf("protocol error: unexpected %T from broker", f)
+		}
+	}
+}

@@ -1,0 +1,92 @@
+// Command syncer-agent runs beside a syncer: it registers with the broker
+// the logical clusters it serves and connects dials to their Services.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
+
+	"github.com/kcp-dev/tunnel-broker/internal/identity"
+	"github.com/kcp-dev/tunnel-broker/syncer-agent/agent"
+	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
+)
+
+func main() {
+	if err := run(); err != nil {
+		fmt.Fprintln(os.Stderr, "syncer-agent:", err)
+		os.Exit(1)
+	}
+}
+
+func run() error {
+	var (
+		broker   = flag.String("broker", "", "broker address, host:port")
+		brokerID = flag.String("broker-spiffe-id", "", "SPIFFE ID the broker must present (default: any ID in the agent's trust domain)")
+		name     = flag.String("name", "", "name shown in the broker's logs, e.g. the sync target")
+		services = flag.String("services", "", "static mapping file of Services to addresses (YAML)")
+		files    identity.Files
+		jsonLogs = flag.Bool("log-json", false, "log JSON lines instead of text")
+		verbose  = flag.Bool("v", false, "log every tunnel, not only failures")
+	)
+	flag.StringVar(&files.Cert, "svid-cert", "", "X.509-SVID certificate chain (PEM, leaf first)")
+	flag.StringVar(&files.Key, "svid-key", "", "X.509-SVID private key (PEM, PKCS#8)")
+	flag.StringVar(&files.Bundle, "trust-bundle", "", "trust bundle of the agent's trust domain (PEM)")
+	flag.Parse()
+
+	opts := &slog.HandlerOptions{Level: slog.LevelInfo}
+	if *verbose {
+		opts.Level = slog.LevelDebug
+	}
+	var log *slog.Logger
+	if *jsonLogs {
+		log = slog.New(slog.NewJSONHandler(os.Stderr, opts))
+	} else {
+		log = slog.New(slog.NewTextHandler(os.Stderr, opts))
+	}
+
+	if *broker == "" {
+		return fmt.Errorf("--broker is required")
+	}
+	if *services == "" {
+		return fmt.Errorf("--services is required")
+	}
+	if files.Cert == "" || files.Key == "" || files.Bundle == "" {
+		return fmt.Errorf("--svid-cert, --svid-key and --trust-bundle are required: the agent speaks only mTLS")
+	}
+	resolver, err := lookup.LoadStatic(*services)
+	if err != nil {
+		return err
+	}
+	src, err := identity.Load(files)
+	if err != nil {
+		return err
+	}
+	authorize := tlsconfig.AuthorizeMemberOf(src.ID().TrustDomain())
+	if *brokerID != "" {
+		id, err := spiffeid.FromString(*brokerID)
+		if err != nil {
+			return fmt.Errorf("--broker-spiffe-id: %w", err)
+		}
+		authorize = tlsconfig.AuthorizeID(id)
+	}
+
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	a := &agent.Agent{
+		Broker:      *broker,
+		Credentials: identity.ClientCredentials(src, authorize),
+		Name:        *name,
+		Resolver:    resolver,
+		Log:         log,
+	}
+	log.Info("agent starting", "broker", *broker, "id", src.ID().String(), "clusters", resolver.Clusters())
+	return a.Run(ctx)
+}
