@@ -33,6 +33,9 @@ func splice(caller tunnelv1.DialService_DialServer, agent tunnelv1.AgentService_
 			continue
 		}
 		if f.byCaller {
+			if status.Code(f.err) == codes.InvalidArgument {
+				return f.err, status.Errorf(codes.Canceled, "caller broke the protocol: %v", f.err)
+			}
 			return status.Error(codes.Canceled, "caller went away"),
 				status.Errorf(codes.Canceled, "caller went away: %v", f.err)
 		}
@@ -57,7 +60,7 @@ func copyUp(caller tunnelv1.DialService_DialServer, agent tunnelv1.AgentService_
 		}
 		data := msg.GetData()
 		if len(data) == 0 {
-			return &failure{byCaller: true, err: errors.New("protocol error: after the target, a caller may only send data")}
+			return &failure{byCaller: true, err: status.Error(codes.InvalidArgument, "protocol error: after the target, a caller may only send non-empty data")}
 		}
 		if err := agent.Send(&tunnelv1.TunnelResponse{Frame: &tunnelv1.TunnelResponse_Data{Data: data}}); err != nil {
 			return &failure{err: err}

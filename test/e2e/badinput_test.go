@@ -1,0 +1,209 @@
+package e2e
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
+	"github.com/kcp-dev/tunnel-broker/test/harness"
+)
+
+// TestBadInputs sends every kind of bad dial, through kcpplugin and straight
+// to the broker's Dial RPC, and checks the status each gets. TestMain checks
+// that nothing leaked.
+func TestBadInputs(t *testing.T) {
+	env := harness.NewEnv(t)
+	b := env.StartBroker(harness.BrokerOptions{DialTimeout: 500 * time.Millisecond})
+
+	// A port that refuses: listen, note the port, close.
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	refused := l.Addr().String()
+	l.Close()
+	echo := startEcho(t)
+
+	env.StartAgent(b.Addr, "/agent/sync-target-1", lookup.StaticFile{Services: []lookup.StaticService{
+		{Cluster: cluster, Namespace: "default", Name: "echo", Ports: map[string]string{"80": echo}},
+		{Cluster: cluster, Namespace: "default", Name: "refused", Ports: map[string]string{"80": refused}},
+	}})
+	// An agent that registers and then ignores every order.
+	startSilentAgent(t, env, b.Addr, "silent-cluster")
+
+	dialer := env.Dialer(b.Addr, "/kcp")
+	raw := tunnelv1.NewDialServiceClient(env.BrokerConn(b.Addr, "/kcp"))
+
+	cases := []struct {
+		name                        string
+		cluster, namespace, service string
+		port                        int32
+		code                        codes.Code
+		message                     string
+	}{
+		{"cluster name with capitals", "Root", "default", "echo", 80, codes.InvalidArgument, "not a valid logical cluster name"},
+		{"cluster path instead of name", "root:org", "default", "echo", 80, codes.InvalidArgument, "not a valid logical cluster name"},
+		{"empty cluster", "", "default", "echo", 80, codes.InvalidArgument, "logical cluster"},
+		{"namespace not a DNS-1123 label", cluster, "-default", "echo", 80, codes.InvalidArgument, "namespace"},
+		{"namespace too long", cluster, strings.Repeat("n", 64), "echo", 80, codes.InvalidArgument, "namespace"},
+		{"service not a DNS-1035 label", cluster, "default", "9echo", 80, codes.InvalidArgument, "service"},
+		{"service with a dot", cluster, "default", "echo.default", 80, codes.InvalidArgument, "service"},
+		{"port zero", cluster, "default", "echo", 0, codes.InvalidArgument, "port"},
+		{"port too large", cluster, "default", "echo", 70000, codes.InvalidArgument, "port"},
+		{"unknown cluster", "elsewhere", "default", "echo", 80, codes.Unavailable, `no agent serves logical cluster "elsewhere"`},
+		{"unknown service", cluster, "default", "nope", 80, codes.NotFound, "no service default/nope"},
+		{"unknown port", cluster, "default", "echo", 81, codes.NotFound, "port 81"},
+		{"refused target", cluster, "default", "refused", 80, codes.Unavailable, "connection refused"},
+		{"agent never answers", "silent-cluster", "default", "echo", 80, codes.DeadlineExceeded, "did not connect in time"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+
+			conn, err := dialer.DialService(ctx, tc.cluster, tc.namespace, tc.service, tc.port)
+			if conn != nil {
+				conn.Close()
+			}
+			checkStatus(t, "kcpplugin", err, tc.code, tc.message)
+
+			if tc.port < 0 || tc.port > 65535 {
+				return // not expressible on the wire
+			}
+			err = rawDial(ctx, raw, &tunnelv1.Target{Cluster: tc.cluster, Namespace: tc.namespace, Service: tc.service, Port: uint32(tc.port)})
+			checkStatus(t, "Dial RPC", err, tc.code, tc.message)
+		})
+	}
+
+	t.Run("first message is data", func(t *testing.T) {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		stream, err := raw.Dial(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := stream.Send(&tunnelv1.DialRequest{Frame: &tunnelv1.DialRequest_Data{Data: []byte("x")}}); err != nil {
+			t.Fatal(err)
+		}
+		_, err = stream.Recv()
+		checkStatus(t, "Dial RPC", err, codes.InvalidArgument, "must name a target")
+	})
+	t.Run("stream closed before the target", func(t *testing.T) {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		stream, err := raw.Dial(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		stream.CloseSend()
+		_, err = stream.Recv()
+		checkStatus(t, "Dial RPC", err, codes.InvalidArgument, "before naming a target")
+	})
+	t.Run("a second target after the first", func(t *testing.T) {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		stream, err := raw.Dial(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		target := &tunnelv1.DialRequest{Frame: &tunnelv1.DialRequest_Target{Target: &tunnelv1.Target{Cluster: cluster, Namespace: "default", Service: "echo", Port: 80}}}
+		stream.Send(target)
+		if msg, err := stream.Recv(); err != nil || msg.GetEstablished() == nil {
+			t.Fatalf("dial: %v %v", msg, err)
+		}
+		stream.Send(target)
+		for {
+			if _, err = stream.Recv(); err != nil {
+				break
+			}
+		}
+		checkStatus(t, "Dial RPC", err, codes.InvalidArgument, "may only send non-empty data")
+	})
+}
+
+func checkStatus(t *testing.T, via string, err error, code codes.Code, message string) {
+	t.Helper()
+	if status.Code(err) != code {
+		t.Errorf("%s: got %v, want %v", via, err, code)
+		return
+	}
+	if !strings.Contains(status.Convert(err).Message(), message) {
+		t.Errorf("%s: message %q does not mention %q", via, status.Convert(err).Message(), message)
+	}
+}
+
+// rawDial sends one target on the Dial RPC and returns the broker's answer.
+func rawDial(ctx context.Context, client tunnelv1.DialServiceClient, target *tunnelv1.Target) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	stream, err := client.Dial(ctx)
+	if err != nil {
+		return err
+	}
+	if err := stream.Send(&tunnelv1.DialRequest{Frame: &tunnelv1.DialRequest_Target{Target: target}}); err != nil && !errors.Is(err, io.EOF) {
+		return err
+	}
+	msg, err := stream.Recv()
+	if err != nil {
+		return err
+	}
+	if msg.GetEstablished() == nil {
+		return errors.New("no established frame")
+	}
+	return nil
+}
+
+// startEcho serves TCP echo on loopback until the test ends.
+func startEcho(t testing.TB) string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				io.Copy(c, c)
+			}()
+		}
+	}()
+	t.Cleanup(func() { l.Close(); <-done })
+	return l.Addr().String()
+}
+
+// startSilentAgent registers an agent for cluster that never answers orders.
+func startSilentAgent(t testing.TB, env *harness.Env, brokerAddr, cluster string) {
+	client := tunnelv1.NewAgentServiceClient(env.BrokerConn(brokerAddr, "/agent/silent"))
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	stream, err := client.Connect(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stream.Send(&tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_Register{Register: &tunnelv1.Register{Clusters: []string{cluster}}}})
+	if _, err := stream.Recv(); err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		for {
+			if _, err := stream.Recv(); err != nil {
+				return
+			}
+		}
+	}()
+}

@@ -1,0 +1,108 @@
+// Package harness starts the tunnel's real parts for end-to-end tests, the
+// demo and benchmarks: a dev SPIFFE trust domain, brokers and agents (in
+// process or as the built binaries), callers and TLS webhook servers, all on
+// loopback.
+package harness
+
+import (
+	"context"
+	"net"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
+	"google.golang.org/grpc"
+
+	"github.com/kcp-dev/tunnel-broker/internal/identity"
+	"github.com/kcp-dev/tunnel-broker/kcpplugin"
+	"github.com/kcp-dev/tunnel-broker/test/devca"
+)
+
+// TrustDomain is the dev trust domain every test identity belongs to.
+const TrustDomain = "tunnel.test"
+
+// Env is one test's world: a trust domain and the SVIDs of its workloads.
+type Env struct {
+	T   testing.TB
+	Dir string
+	CA  *devca.CA
+}
+
+// NewEnv makes a fresh trust domain in a temp dir.
+func NewEnv(t testing.TB) *Env {
+	t.Helper()
+	ca, err := devca.New("tunnel.test dev CA", TrustDomain)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &Env{T: t, Dir: t.TempDir(), CA: ca}
+}
+
+// SVID writes an SVID for a workload named by path (e.g. "/broker") and
+// returns its files. Broker SVIDs also name localhost, so that grpcurl can
+// verify them.
+func (e *Env) SVID(path string) devca.Files {
+	e.T.Helper()
+	f, err := e.CA.WriteSVID(filepath.Join(e.Dir, "svid", filepath.Base(path)), devca.Leaf{
+		SPIFFEID: path,
+		DNSNames: []string{"localhost"},
+		IPs:      []net.IP{net.IPv4(127, 0, 0, 1)},
+	})
+	if err != nil {
+		e.T.Fatal(err)
+	}
+	return f
+}
+
+// Identity loads an SVID written by SVID.
+func (e *Env) Identity(path string) *identity.Source {
+	e.T.Helper()
+	f := e.SVID(path)
+	src, err := identity.Load(identity.Files{Cert: f.Cert, Key: f.Key, Bundle: f.Bundle})
+	if err != nil {
+		e.T.Fatal(err)
+	}
+	return src
+}
+
+// ID is the SPIFFE ID of path in the dev trust domain.
+func ID(path string) spiffeid.ID {
+	return spiffeid.RequireFromPath(spiffeid.RequireTrustDomainFromString(TrustDomain), path)
+}
+
+// Dialer is a kcpplugin dialer with the caller identity path (e.g. "/kcp"),
+// connected to the broker at addr. The connection closes with the test.
+func (e *Env) Dialer(addr, path string) *kcpplugin.Dialer {
+	e.T.Helper()
+	conn := e.BrokerConn(addr, path)
+	return kcpplugin.NewDialer(conn)
+}
+
+// BrokerConn is a gRPC client connection to the broker at addr, as path.
+func (e *Env) BrokerConn(addr, path string) *grpc.ClientConn {
+	e.T.Helper()
+	src := e.Identity(path)
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(
+		identity.ClientCredentials(src, tlsconfig.AuthorizeMemberOf(src.ID().TrustDomain()))))
+	if err != nil {
+		e.T.Fatal(err)
+	}
+	e.T.Cleanup(func() { conn.Close() })
+	return conn
+}
+
+// Eventually polls cond until it holds or the timeout passes.
+func Eventually(t testing.TB, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	for !cond() {
+		select {
+		case <-ctx.Done():
+			t.Fatalf("timed out after %v waiting for %s", timeout, what)
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}

@@ -1,0 +1,122 @@
+package harness
+
+import (
+	"context"
+	"log/slog"
+	"net"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
+
+	"github.com/kcp-dev/tunnel-broker/broker/server"
+	"github.com/kcp-dev/tunnel-broker/internal/identity"
+	"github.com/kcp-dev/tunnel-broker/syncer-agent/agent"
+	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
+)
+
+// Broker is a broker replica running in the test process.
+type Broker struct {
+	Addr   string
+	Server *server.Server
+	stop   func()
+}
+
+// Stop stops the broker and waits for it.
+func (b *Broker) Stop() { b.stop() }
+
+// BrokerOptions tune an in-process broker.
+type BrokerOptions struct {
+	ID          string
+	DialTimeout time.Duration
+}
+
+// StartBroker runs a broker replica on a loopback port until the test ends.
+func (e *Env) StartBroker(opts BrokerOptions) *Broker {
+	e.T.Helper()
+	if opts.ID == "" {
+		opts.ID = "broker-0"
+	}
+	src := e.Identity("/broker")
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		e.T.Fatal(err)
+	}
+	srv := server.New(server.Config{
+		ID:          opts.ID,
+		Identity:    src,
+		Authorize:   tlsconfig.AuthorizeMemberOf(src.ID().TrustDomain()),
+		DialTimeout: opts.DialTimeout,
+		Log:         Logger(),
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		_ = srv.Serve(ctx, l)
+	}()
+	b := &Broker{Addr: l.Addr().String(), Server: srv}
+	var once sync.Once
+	b.stop = func() { once.Do(func() { cancel(); <-done }) }
+	e.T.Cleanup(b.stop)
+	return b
+}
+
+// Agent is a syncer agent running in the test process.
+type Agent struct {
+	stop func()
+}
+
+// Stop stops the agent and waits until its tunnels are gone.
+func (a *Agent) Stop() { a.stop() }
+
+// StartAgent runs an agent with identity path that serves the static
+// services, and waits until the broker at brokerAddr has registered it.
+func (e *Env) StartAgent(brokerAddr, path string, services lookup.StaticFile) *Agent {
+	e.T.Helper()
+	resolver, err := lookup.NewStatic(services)
+	if err != nil {
+		e.T.Fatal(err)
+	}
+	src := e.Identity(path)
+	registered := make(chan struct{}, 1)
+	a := &agent.Agent{
+		Broker:      brokerAddr,
+		Credentials: identity.ClientCredentials(src, tlsconfig.AuthorizeID(ID("/broker"))),
+		Name:        path[1:],
+		Resolver:    resolver,
+		Log:         Logger(),
+		Registered: func(string) {
+			select {
+			case registered <- struct{}{}:
+			default:
+			}
+		},
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		_ = a.Run(ctx)
+	}()
+	select {
+	case <-registered:
+	case <-time.After(10 * time.Second):
+		cancel()
+		e.T.Fatal("agent did not register within 10s")
+	}
+	var once sync.Once
+	stop := func() { once.Do(func() { cancel(); <-done }) }
+	e.T.Cleanup(stop)
+	return &Agent{stop: stop}
+}
+
+// Logger logs at warning level unless TUNNEL_TEST_LOG=debug asks for all.
+func Logger() *slog.Logger {
+	level := slog.LevelWarn
+	if os.Getenv("TUNNEL_TEST_LOG") == "debug" {
+		level = slog.LevelDebug
+	}
+	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
+}

@@ -1,0 +1,178 @@
+package harness
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"sync"
+	"testing"
+	"time"
+
+	"sigs.k8s.io/yaml"
+
+	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
+)
+
+var (
+	buildOnce sync.Once
+	binDir    string
+	buildErr  error
+)
+
+// Binaries returns a folder holding the built broker and syncer-agent. It
+// uses $TUNNEL_BIN_DIR when set (make builds there), else builds them once
+// per test process.
+func Binaries(t testing.TB) string {
+	t.Helper()
+	buildOnce.Do(func() {
+		if dir := os.Getenv("TUNNEL_BIN_DIR"); dir != "" {
+			binDir = dir
+			return
+		}
+		binDir, buildErr = os.MkdirTemp("", "tunnel-bin-")
+		if buildErr != nil {
+			return
+		}
+		cmd := exec.Command("go", "build", "-o", binDir+"/",
+			"github.com/kcp-dev/tunnel-broker/broker", "github.com/kcp-dev/tunnel-broker/syncer-agent")
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			buildErr = fmt.Errorf("building binaries: %v\n%s", err, out)
+		}
+	})
+	if buildErr != nil {
+		t.Fatal(buildErr)
+	}
+	return binDir
+}
+
+// Process is a broker or agent binary running for a test.
+type Process struct {
+	Cmd  *exec.Cmd
+	done chan struct{}
+	err  error
+}
+
+// Stop sends SIGTERM and waits for the process to exit.
+func (p *Process) Stop() error {
+	select {
+	case <-p.done:
+		return p.err
+	default:
+	}
+	_ = p.Cmd.Process.Signal(os.Interrupt)
+	select {
+	case <-p.done:
+	case <-time.After(10 * time.Second):
+		_ = p.Cmd.Process.Kill()
+		<-p.done
+	}
+	return p.err
+}
+
+// Kill ends the process abruptly, as a crash would.
+func (p *Process) Kill() {
+	_ = p.Cmd.Process.Kill()
+	<-p.done
+}
+
+// start runs a binary, copying its log to the test log and to lines.
+func start(t testing.TB, name string, args []string, lines chan<- string) *Process {
+	t.Helper()
+	cmd := exec.Command(filepath.Join(Binaries(t), name), args...)
+	stderr, err := cmd.StderrPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.Stdout = cmd.Stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	p := &Process{Cmd: cmd, done: make(chan struct{})}
+	logged := make(chan struct{})
+	go func() {
+		defer close(logged)
+		s := bufio.NewScanner(stderr)
+		for s.Scan() {
+			if os.Getenv("TUNNEL_TEST_LOG") != "" {
+				fmt.Fprintf(os.Stderr, "%s: %s\n", name, s.Text())
+			}
+			if lines != nil {
+				select {
+				case lines <- s.Text():
+				default:
+				}
+			}
+		}
+		_, _ = io.Copy(io.Discard, stderr)
+	}()
+	go func() {
+		<-logged
+		p.err = cmd.Wait()
+		close(p.done)
+	}()
+	t.Cleanup(func() { _ = p.Stop() })
+	return p
+}
+
+var servingRE = regexp.MustCompile(`broker serving"? address=(\S+)`)
+
+// StartBrokerProcess runs the broker binary on a loopback port with the
+// broker's SVID files and returns it with its address.
+func (e *Env) StartBrokerProcess(extra ...string) (*Process, string) {
+	e.T.Helper()
+	f := e.SVID("/broker")
+	lines := make(chan string, 100)
+	args := append([]string{"--listen", "127.0.0.1:0", "--svid-cert", f.Cert, "--svid-key", f.Key, "--trust-bundle", f.Bundle}, extra...)
+	p := start(e.T, "broker", args, lines)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	for {
+		select {
+		case line := <-lines:
+			if m := servingRE.FindStringSubmatch(line); m != nil {
+				return p, m[1]
+			}
+		case <-p.done:
+			e.T.Fatalf("broker exited: %v", p.err)
+		case <-ctx.Done():
+			e.T.Fatal("broker did not start serving within 20s")
+		}
+	}
+}
+
+// StartAgentProcess runs the syncer-agent binary with identity path and the
+// static services, and waits until it has registered with the broker.
+func (e *Env) StartAgentProcess(brokerAddr, path string, services lookup.StaticFile, extra ...string) *Process {
+	e.T.Helper()
+	f := e.SVID(path)
+	raw, err := yaml.Marshal(services)
+	if err != nil {
+		e.T.Fatal(err)
+	}
+	servicesFile := filepath.Join(f.Dir, "services.yaml")
+	must(e.T, os.WriteFile(servicesFile, raw, 0o600))
+	lines := make(chan string, 100)
+	args := append([]string{"--broker", brokerAddr, "--name", filepath.Base(path), "--services", servicesFile,
+		"--svid-cert", f.Cert, "--svid-key", f.Key, "--trust-bundle", f.Bundle}, extra...)
+	p := start(e.T, "syncer-agent", args, lines)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	for {
+		select {
+		case line := <-lines:
+			if regexp.MustCompile(`registered with broker`).MatchString(line) {
+				return p
+			}
+		case <-p.done:
+			e.T.Fatalf("agent exited: %v", p.err)
+		case <-ctx.Done():
+			e.T.Fatal("agent did not register within 20s")
+		}
+	}
+}

@@ -1,0 +1,88 @@
+package harness
+
+import (
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/json"
+	"net"
+	"net/http"
+	"testing"
+
+	admissionv1 "k8s.io/api/admission/v1"
+
+	"github.com/kcp-dev/tunnel-broker/test/devca"
+)
+
+// Webhook is an HTTPS admission webhook server on loopback, with a
+// certificate for its Service name (name.namespace.svc) from its own CA.
+type Webhook struct {
+	Addr string
+	// CABundle is the webhook configuration's caBundle.
+	CABundle []byte
+}
+
+// WebhookOptions describe a webhook server.
+type WebhookOptions struct {
+	Namespace, Name string
+	// ClientCA, if set, makes the server require a client certificate
+	// signed by it.
+	ClientCA *devca.CA
+}
+
+// StartWebhook serves review on a loopback port until the test ends. The
+// review function sees the request and, for a required client certificate,
+// the peer's common name.
+func StartWebhook(t testing.TB, opts WebhookOptions, review func(req *admissionv1.AdmissionRequest, clientCN string) *admissionv1.AdmissionResponse) *Webhook {
+	t.Helper()
+	ca, err := devca.New("webhook CA", "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	leaf, err := ca.Issue(devca.Leaf{
+		CommonName: opts.Name + "." + opts.Namespace + ".svc",
+		DNSNames:   []string{opts.Name + "." + opts.Namespace + ".svc"},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cert, err := tls.X509KeyPair(leaf.CertPEM, leaf.KeyPEM)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12}
+	if opts.ClientCA != nil {
+		pool := x509.NewCertPool()
+		pool.AddCert(opts.ClientCA.Cert)
+		cfg.ClientCAs = pool
+		cfg.ClientAuth = tls.RequireAndVerifyClientCert
+	}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: AdmissionHandler(review), TLSConfig: cfg}
+	go func() { _ = srv.ServeTLS(l, "", "") }()
+	t.Cleanup(func() { srv.Close() })
+	return &Webhook{Addr: l.Addr().String(), CABundle: ca.BundlePEM()}
+}
+
+// AdmissionHandler decodes AdmissionReviews and answers with review's
+// response.
+func AdmissionHandler(review func(req *admissionv1.AdmissionRequest, clientCN string) *admissionv1.AdmissionResponse) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var in admissionv1.AdmissionReview
+		if err := json.NewDecoder(r.Body).Decode(&in); err != nil || in.Request == nil {
+			http.Error(w, "not an AdmissionReview", http.StatusBadRequest)
+			return
+		}
+		cn := ""
+		if r.TLS != nil && len(r.TLS.PeerCertificates) > 0 {
+			cn = r.TLS.PeerCertificates[0].Subject.CommonName
+		}
+		resp := review(in.Request, cn)
+		resp.UID = in.Request.UID
+		out := admissionv1.AdmissionReview{TypeMeta: in.TypeMeta, Response: resp}
+		w.Header().Set("Content-Type", "application/json")
+		_ = json.NewEncoder(w).Encode(&out)
+	})
+}
