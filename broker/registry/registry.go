@@ -234,5 +234,5 @@ func agentFailure(a *Agent, f *tunnelv1.DialFailure) error {
 	default:
 		code = codes.Unavailable
 	}
-	return status.Error(code, fmt.Sprintf("agent %s: %s", a.Name, f.GetMessage()))
+	return status.Error(code, fmt.Sprintf("agent %s: %s", a, f.GetMessage()))
 }

@@ -127,8 +127,8 @@ func (a *Agent) session(ctx context.Context, client tunnelv1.AgentServiceClient,
 	}
 }
 
-// backoff is exponential with full jitter, so agents that lost the same
-// broker do not come back in lockstep.
+// backoff is exponential with jitter (each wait drawn from [d/2, d]), so
+// agents that lost the same broker do not come back in lockstep.
 type backoff struct {
 	min, max, cur time.Duration
 }

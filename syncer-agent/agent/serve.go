@@ -67,6 +67,9 @@ func (a *Agent) connect(ctx context.Context, order *tunnelv1.DialOrder) (*net.TC
 	if err != nil {
 		return nil, err
 	}
+	if len(addrs) == 0 {
+		return nil, status.Errorf(codes.Unavailable, "service %s/%s has no endpoints", t.GetNamespace(), t.GetService())
+	}
 	var errs []error
 	var d net.Dialer
 	for _, addr := range addrs {
@@ -95,6 +98,10 @@ var buffers = sync.Pool{New: func() any { b := make([]byte, copyBufferSize); ret
 // pipe carries bytes between the target connection and the tunnel stream
 // until both directions are closed or either fails; cancel aborts the stream.
 func pipe(conn *net.TCPConn, stream tunnelv1.AgentService_TunnelClient, cancel context.CancelFunc) error {
+	// A Write blocked on a target that does not read would not see the
+	// stream end: fail it then. On a clean end nothing is being written.
+	stop := context.AfterFunc(stream.Context(), func() { _ = conn.SetWriteDeadline(time.Now()) })
+	defer stop()
 	upErr := make(chan error, 1)
 	go func() { upErr <- targetToStream(conn, stream, cancel) }()
 	downErr := streamToTarget(stream, conn)

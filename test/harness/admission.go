@@ -8,7 +8,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"testing"
 	"time"
 
 	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
@@ -30,8 +29,8 @@ import (
 // WebhookService is where a webhook configuration points: a Service port.
 type WebhookService struct {
 	Namespace, Name, Path string
-	Port                int32
-	CABundle            []byte
+	Port                  int32
+	CABundle              []byte
 }
 
 // ClientConfig is the webhook configuration's clientConfig for s.
@@ -61,7 +60,7 @@ type AdmissionOptions struct {
 }
 
 // NewAdmission builds and starts the plugin; it stops with the test.
-func NewAdmission(t testing.TB, opts AdmissionOptions) *Admission {
+func NewAdmission(t T, opts AdmissionOptions) *Admission {
 	t.Helper()
 	fail := admissionregistrationv1.Fail
 	none := admissionregistrationv1.SideEffectClassNone
@@ -133,7 +132,7 @@ func NewAdmission(t testing.TB, opts AdmissionOptions) *Admission {
 
 // admissionConfig is a WebhookAdmissionConfiguration whose kubeconfig gives
 // kcp's client certificate to every *.svc webhook, as an operator would.
-func admissionConfig(t testing.TB, cert *devca.Issued) io.Reader {
+func admissionConfig(t T, cert *devca.Issued) io.Reader {
 	if cert == nil {
 		return nil
 	}
@@ -180,7 +179,7 @@ func (a *Admission) Admit(ctx context.Context, cm *corev1.ConfigMap) (*corev1.Co
 	}
 }
 
-func must(t testing.TB, err error) {
+func must(t T, err error) {
 	t.Helper()
 	if err != nil {
 		t.Fatal(err)

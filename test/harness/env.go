@@ -6,9 +6,10 @@ package harness
 
 import (
 	"context"
+	"fmt"
 	"net"
+	"os"
 	"path/filepath"
-	"testing"
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
@@ -25,13 +26,13 @@ const TrustDomain = "tunnel.test"
 
 // Env is one test's world: a trust domain and the SVIDs of its workloads.
 type Env struct {
-	T   testing.TB
+	T   T
 	Dir string
 	CA  *devca.CA
 }
 
 // NewEnv makes a fresh trust domain in a temp dir.
-func NewEnv(t testing.TB) *Env {
+func NewEnv(t T) *Env {
 	t.Helper()
 	ca, err := devca.New("tunnel.test dev CA", TrustDomain)
 	if err != nil {
@@ -94,7 +95,7 @@ func (e *Env) BrokerConn(addr, path string) *grpc.ClientConn {
 }
 
 // Eventually polls cond until it holds or the timeout passes.
-func Eventually(t testing.TB, timeout time.Duration, what string, cond func() bool) {
+func Eventually(t T, timeout time.Duration, what string, cond func() bool) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
@@ -105,4 +106,49 @@ func Eventually(t testing.TB, timeout time.Duration, what string, cond func() bo
 		case <-time.After(20 * time.Millisecond):
 		}
 	}
+}
+
+// T is what the harness needs of a test: testing.TB satisfies it, and so
+// does the demo's Main.
+type T interface {
+	Helper()
+	Fatal(args ...any)
+	Fatalf(format string, args ...any)
+	Cleanup(func())
+	TempDir() string
+}
+
+// Main is a T for programs: Fatal prints and exits after running cleanups.
+type Main struct {
+	cleanups []func()
+	dirs     []string
+}
+
+func (m *Main) Helper() {}
+
+func (m *Main) Fatal(args ...any) {
+	fmt.Fprintln(os.Stderr, append([]any{"error:"}, args...)...)
+	m.Close()
+	os.Exit(1)
+}
+
+func (m *Main) Fatalf(format string, args ...any) { m.Fatal(fmt.Sprintf(format, args...)) }
+
+func (m *Main) Cleanup(f func()) { m.cleanups = append(m.cleanups, f) }
+
+func (m *Main) TempDir() string {
+	dir, err := os.MkdirTemp("", "tunnel-")
+	if err != nil {
+		m.Fatal(err)
+	}
+	m.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
+}
+
+// Close runs the cleanups, last first.
+func (m *Main) Close() {
+	for i := len(m.cleanups) - 1; i >= 0; i-- {
+		m.cleanups[i]()
+	}
+	m.cleanups = nil
 }

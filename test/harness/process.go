@@ -10,7 +10,6 @@ import (
 	"path/filepath"
 	"regexp"
 	"sync"
-	"testing"
 	"time"
 
 	"sigs.k8s.io/yaml"
@@ -27,7 +26,7 @@ var (
 // Binaries returns a folder holding the built broker and syncer-agent. It
 // uses $TUNNEL_BIN_DIR when set (make builds there), else builds them once
 // per test process.
-func Binaries(t testing.TB) string {
+func Binaries(t T) string {
 	t.Helper()
 	buildOnce.Do(func() {
 		if dir := os.Getenv("TUNNEL_BIN_DIR"); dir != "" {
@@ -82,7 +81,7 @@ func (p *Process) Kill() {
 }
 
 // start runs a binary, copying its log to the test log and to lines.
-func start(t testing.TB, name string, args []string, lines chan<- string) *Process {
+func start(t T, name string, args []string, lines chan<- string) *Process {
 	t.Helper()
 	cmd := exec.Command(filepath.Join(Binaries(t), name), args...)
 	stderr, err := cmd.StderrPipe()

@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"net"
 	"net/http"
-	"testing"
 
 	admissionv1 "k8s.io/api/admission/v1"
 
@@ -32,7 +31,7 @@ type WebhookOptions struct {
 // StartWebhook serves review on a loopback port until the test ends. The
 // review function sees the request and, for a required client certificate,
 // the peer's common name.
-func StartWebhook(t testing.TB, opts WebhookOptions, review func(req *admissionv1.AdmissionRequest, clientCN string) *admissionv1.AdmissionResponse) *Webhook {
+func StartWebhook(t T, opts WebhookOptions, review func(req *admissionv1.AdmissionRequest, clientCN string) *admissionv1.AdmissionResponse) *Webhook {
 	t.Helper()
 	ca, err := devca.New("webhook CA", "")
 	if err != nil {

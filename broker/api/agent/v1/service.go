@@ -63,11 +63,13 @@ func (s *Service) Connect(stream tunnelv1.AgentService_ConnectServer) error {
 		BrokerId: s.BrokerID,
 		Since:    timestamppb.New(a.Since),
 	}}}
+	// Routable before the agent hears it is registered, so that its
+	// registration is in force once it knows.
+	s.Registry.Register(a)
+	defer s.Registry.Unregister(a)
 	if err := stream.Send(registered); err != nil {
 		return err
 	}
-	s.Registry.Register(a)
-	defer s.Registry.Unregister(a)
 	log.Info("agent registered", "clusters", a.Clusters)
 
 	recvErr := make(chan error, 1)

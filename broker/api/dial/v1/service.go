@@ -72,7 +72,7 @@ func (s *Service) Dial(stream tunnelv1.DialService_DialServer) error {
 	callerStatus, agentStatus := splice(stream, t.Stream)
 	t.Finish(agentStatus)
 	if agentStatus != nil {
-		log.Info("tunnel ended", "code", status.Code(callerStatus).String(), "error", status.Convert(agentStatus).Message())
+		log.Info("tunnel ended", "caller_code", status.Code(callerStatus).String(), "agent_code", status.Code(agentStatus).String(), "error", status.Convert(agentStatus).Message())
 	} else {
 		log.Debug("tunnel closed")
 	}
@@ -87,5 +87,7 @@ func (s *Service) dial(ctx context.Context, target *tunnelv1.Target) (*registry.
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	deadline, _ := ctx.Deadline()
-	return s.Registry.Dial(ctx, target, uint32(time.Until(deadline).Milliseconds()))
+	// At least 1ms: zero would mean "no timeout given" to the agent.
+	remaining := max(time.Until(deadline).Milliseconds(), 1)
+	return s.Registry.Dial(ctx, target, uint32(remaining))
 }

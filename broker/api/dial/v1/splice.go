@@ -27,8 +27,18 @@ func splice(caller tunnelv1.DialService_DialServer, agent tunnelv1.AgentService_
 	results := make(chan *failure, 2)
 	go func() { results <- copyUp(caller, agent) }()
 	go func() { results <- copyDown(agent, caller) }()
-	for range 2 {
-		f := <-results
+	for pending := 2; pending > 0; {
+		var f *failure
+		// A copy blocked in Send on one stream does not see the other
+		// stream end, so watch both ends here as well.
+		select {
+		case f = <-results:
+			pending--
+		case <-caller.Context().Done():
+			f = &failure{byCaller: true, err: caller.Context().Err()}
+		case <-agent.Context().Done():
+			f = &failure{err: agent.Context().Err()}
+		}
 		if f == nil {
 			continue
 		}

@@ -714,7 +714,10 @@ type DialFailure struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
 	DialId uint64                 `protobuf:"varint,1,opt,name=dial_id,json=dialId,proto3" json:"dial_id,omitempty"`
 	// A google.rpc.Code: NotFound for no such Service or port, Unavailable for
-	// a refused or unreachable endpoint, DeadlineExceeded, PermissionDenied.
+	// a refused or unreachable endpoint, DeadlineExceeded, PermissionDenied for
+	// a refused target, ResourceExhausted, InvalidArgument, FailedPrecondition.
+	// The broker passes these to the caller and turns any other into
+	// Unavailable.
 	Code          int32  `protobuf:"varint,2,opt,name=code,proto3" json:"code,omitempty"`
 	Message       string `protobuf:"bytes,3,opt,name=message,proto3" json:"message,omitempty"`
 	unknownFields protoimpl.UnknownFields
