@@ -8,6 +8,9 @@ export GRPCURL        := $(BIN)/grpcurl
 
 .PHONY: all build tools demo test unit lint generate check-generated clean
 
+# Heavier test tools (kube-apiserver, etcd, SPIRE) have makefiles of their own.
+-include test/tools/*.mk
+
 all: build
 
 ## build: the broker and syncer-agent binaries, into bin/

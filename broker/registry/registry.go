@@ -48,9 +48,27 @@ func (r *Registry) Register(a *Agent) {
 	}
 }
 
+// Update replaces the clusters a serves. Dials already ordered go on.
+func (r *Registry) Update(a *Agent, clusters []string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.remove(a)
+	a.Clusters = clusters
+	for _, c := range a.Clusters {
+		r.byCluster[c] = append(r.byCluster[c], a)
+	}
+}
+
 // Unregister removes a and fails the dials that wait on it with Unavailable.
 func (r *Registry) Unregister(a *Agent) {
 	r.mu.Lock()
+	r.remove(a)
+	r.mu.Unlock()
+	a.markGone()
+}
+
+// remove takes a out of the routing table; r.mu is held.
+func (r *Registry) remove(a *Agent) {
 	for _, c := range a.Clusters {
 		agents := r.byCluster[c]
 		for i, x := range agents {
@@ -66,8 +84,6 @@ func (r *Registry) Unregister(a *Agent) {
 			r.byCluster[c] = agents
 		}
 	}
-	r.mu.Unlock()
-	a.markGone()
 }
 
 // Agents lists the registered agents.

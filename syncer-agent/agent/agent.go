@@ -100,10 +100,29 @@ func (a *Agent) session(ctx context.Context, client tunnelv1.AgentServiceClient,
 	}
 
 	var sendMu sync.Mutex // a gRPC stream takes one sender at a time
-	fail := func(f *tunnelv1.DialFailure) {
+	send := func(m *tunnelv1.ConnectRequest) {
 		sendMu.Lock()
 		defer sendMu.Unlock()
-		_ = control.Send(&tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_DialFailure{DialFailure: f}})
+		_ = control.Send(m)
+	}
+	fail := func(f *tunnelv1.DialFailure) {
+		send(&tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_DialFailure{DialFailure: f}})
+	}
+	if w, ok := a.Resolver.(lookup.ClusterWatcher); ok {
+		go func() {
+			for {
+				select {
+				case <-w.ClustersChanged():
+					clusters := a.Resolver.Clusters()
+					a.Log.Info("clusters changed, re-registering", "broker", a.Broker, "clusters", clusters)
+					send(&tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_Register{Register: &tunnelv1.Register{
+						Clusters: clusters, AgentName: a.Name,
+					}}})
+				case <-controlCtx.Done():
+					return
+				}
+			}
+		}()
 	}
 	for {
 		msg, err := control.Recv()

@@ -18,3 +18,12 @@ type Resolver interface {
 	// Clusters are the logical clusters this resolver serves.
 	Clusters() []string
 }
+
+// ClusterWatcher is a Resolver whose set of clusters changes over time, e.g.
+// as workspaces bind to the agent's sync target. The agent re-registers with
+// the new set each time the channel fires.
+type ClusterWatcher interface {
+	// ClustersChanged receives a value after Clusters changed. It is
+	// buffered: changes that come while nobody listens collapse into one.
+	ClustersChanged() <-chan struct{}
+}

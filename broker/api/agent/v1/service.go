@@ -48,13 +48,8 @@ func (s *Service) Connect(stream tunnelv1.AgentService_ConnectServer) error {
 	if reg == nil {
 		return status.Error(codes.InvalidArgument, "the first message on a control stream must be a registration")
 	}
-	if len(reg.GetClusters()) == 0 {
-		return status.Error(codes.InvalidArgument, "an agent must serve at least one logical cluster")
-	}
-	for _, c := range reg.GetClusters() {
-		if err := tunnelv1.ValidateClusterName(c); err != nil {
-			return status.Error(codes.InvalidArgument, err.Error())
-		}
+	if err := validateClusters(reg.GetClusters()); err != nil {
+		return err
 	}
 
 	a := registry.NewAgent(sessionID(), id, reg.GetAgentName(), reg.GetClusters())
@@ -102,12 +97,30 @@ func (s *Service) receive(stream tunnelv1.AgentService_ConnectServer, a *registr
 		if err != nil {
 			return err
 		}
-		f := msg.GetDialFailure()
-		if f == nil {
-			return status.Error(codes.InvalidArgument, "after registering, an agent may only report dial failures")
+		switch m := msg.GetMessage().(type) {
+		case *tunnelv1.ConnectRequest_DialFailure:
+			s.Registry.Fail(a, m.DialFailure)
+		case *tunnelv1.ConnectRequest_Register:
+			if err := validateClusters(m.Register.GetClusters()); err != nil {
+				return err
+			}
+			s.Registry.Update(a, m.Register.GetClusters())
+			s.Log.Info("agent clusters changed", "agent", a.String(), "session", a.SessionID, "clusters", m.Register.GetClusters())
+		default:
+			return status.Error(codes.InvalidArgument, "after registering, an agent may only report dial failures or re-register")
 		}
-		s.Registry.Fail(a, f)
 	}
+}
+
+// validateClusters checks the clusters an agent claims to serve. An agent
+// may serve none for a while (a sync target no workspace uses yet).
+func validateClusters(clusters []string) error {
+	for _, c := range clusters {
+		if err := tunnelv1.ValidateClusterName(c); err != nil {
+			return status.Error(codes.InvalidArgument, err.Error())
+		}
+	}
+	return nil
 }
 
 // Tunnel implements AgentService.Tunnel: the first message names the dial;

@@ -439,7 +439,9 @@ type isConnectRequest_Message interface {
 }
 
 type ConnectRequest_Register struct {
-	// First message, and only then.
+	// First message: the registration. Sent again later, it replaces the
+	// set of clusters served (e.g. when a workspace binds to the sync
+	// target); the broker does not answer it.
 	Register *Register `protobuf:"bytes,1,opt,name=register,proto3,oneof"`
 }
 
