@@ -12,9 +12,8 @@ import (
 	"os/signal"
 	"syscall"
 
-	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
-
 	dialv1 "github.com/kcp-dev/tunnel-broker/broker/api/dial/v1"
+	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/server"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 )
@@ -28,23 +27,32 @@ func main() {
 
 func run() error {
 	var (
-		listen   = flag.String("listen", ":8443", "address to serve gRPC on")
-		id       = flag.String("id", hostname(), "name of this replica, sent to agents")
-		files    identity.Files
-		timeout  = flag.Duration("dial-timeout", dialv1.DefaultTimeout, "how long a dial may wait for its agent")
-		jsonLogs = flag.Bool("log-json", false, "log JSON lines instead of text")
-		verbose  = flag.Bool("v", false, "log every tunnel, not only failures")
+		listen     = flag.String("listen", ":8443", "address to serve gRPC on")
+		id         = flag.String("id", hostname(), "name of this replica, sent to agents")
+		policyFile = flag.String("policy", "", "authorization policy file (YAML): which SPIFFE IDs may register, dial and administer")
+		timeout    = flag.Duration("dial-timeout", dialv1.DefaultTimeout, "how long a dial may wait for its agent")
+		jsonLogs   = flag.Bool("log-json", false, "log JSON lines instead of text")
+		verbose    = flag.Bool("v", false, "log every tunnel, not only failures")
+		idOpts     = identity.AddFlags(flag.CommandLine)
 	)
-	flag.StringVar(&files.Cert, "svid-cert", "", "X.509-SVID certificate chain (PEM, leaf first)")
-	flag.StringVar(&files.Key, "svid-key", "", "X.509-SVID private key (PEM, PKCS#8)")
-	flag.StringVar(&files.Bundle, "trust-bundle", "", "trust bundle of the broker's trust domain (PEM)")
 	flag.Parse()
 
 	log := newLogger(*jsonLogs, *verbose)
-	if files.Cert == "" || files.Key == "" || files.Bundle == "" {
-		return fmt.Errorf("--svid-cert, --svid-key and --trust-bundle are required: the broker serves only mTLS")
+	if *policyFile == "" {
+		return fmt.Errorf("--policy is required: the broker admits no one by default")
 	}
-	src, err := identity.Load(files)
+	pol, err := policy.Load(*policyFile)
+	if err != nil {
+		return err
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	src, err := identity.Open(ctx, *idOpts, log)
+	if err != nil {
+		return err
+	}
+	defer src.Close()
+	self, err := identity.IDOf(src)
 	if err != nil {
 		return err
 	}
@@ -55,13 +63,11 @@ func run() error {
 	srv := server.New(server.Config{
 		ID:          *id,
 		Identity:    src,
-		Authorize:   tlsconfig.AuthorizeMemberOf(src.ID().TrustDomain()),
+		Policy:      pol,
 		DialTimeout: *timeout,
 		Log:         log,
 	})
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	log.Info("broker serving", "address", l.Addr().String(), "id", src.ID().String(), "replica", *id)
+	log.Info("broker serving", "address", l.Addr().String(), "id", self.String(), "replica", *id)
 	return srv.Serve(ctx, l)
 }
 

@@ -17,6 +17,8 @@ import (
 
 	agentv1 "github.com/kcp-dev/tunnel-broker/broker/api/agent/v1"
 	dialv1 "github.com/kcp-dev/tunnel-broker/broker/api/dial/v1"
+	"github.com/kcp-dev/tunnel-broker/broker/authz"
+	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 )
@@ -27,8 +29,8 @@ type Config struct {
 	ID string
 	// Identity is the broker's SVID and the bundles it trusts.
 	Identity identity.SVIDSource
-	// Authorize decides which peers may complete a TLS handshake.
-	Authorize   tlsconfig.Authorizer
+	// Policy says which SPIFFE IDs may do what.
+	Policy      *policy.Policy
 	DialTimeout time.Duration
 	Log         *slog.Logger
 }
@@ -47,15 +49,21 @@ func New(cfg Config) *Server {
 		log = slog.Default()
 	}
 	reg := registry.New()
-	srv := grpc.NewServer(
-		grpc.Creds(identity.ServerCredentials(cfg.Identity, cfg.Authorize)),
+	authorizer := &authz.Authorizer{Policy: cfg.Policy, Log: log}
+	// The handshake admits any SVID that chains to a trusted bundle; the
+	// policy then decides per RPC, so a refused peer gets PermissionDenied,
+	// not a bare TLS alert.
+	creds := identity.LogRefusedHandshakes(identity.ServerCredentials(cfg.Identity, tlsconfig.AuthorizeAny()), log)
+	opts := append(authorizer.ServerOptions(),
+		grpc.Creds(creds),
 		// Agents ping to notice a dead broker quickly; allow it.
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}),
 		// And the broker pings idle agents, so a vanished agent is dropped in seconds.
 		grpc.KeepaliveParams(keepalive.ServerParameters{Time: 15 * time.Second, Timeout: 5 * time.Second}),
 	)
-	(&dialv1.Service{Registry: reg, Timeout: cfg.DialTimeout, Log: log.With("service", "dial")}).Register(srv)
-	(&agentv1.Service{Registry: reg, BrokerID: cfg.ID, Log: log.With("service", "agent")}).Register(srv)
+	srv := grpc.NewServer(opts...)
+	(&dialv1.Service{Registry: reg, Policy: cfg.Policy, Timeout: cfg.DialTimeout, Log: log.With("service", "dial")}).Register(srv)
+	(&agentv1.Service{Registry: reg, Policy: cfg.Policy, BrokerID: cfg.ID, Log: log.With("service", "agent")}).Register(srv)
 	hs := health.NewServer()
 	healthpb.RegisterHealthServer(srv, hs)
 	reflection.Register(srv)

@@ -58,7 +58,7 @@ func (e *Env) SVID(path string) devca.Files {
 }
 
 // Identity loads an SVID written by SVID.
-func (e *Env) Identity(path string) *identity.Source {
+func (e *Env) Identity(path string) *identity.FileSource {
 	e.T.Helper()
 	f := e.SVID(path)
 	src, err := identity.Load(identity.Files{Cert: f.Cert, Key: f.Key, Bundle: f.Bundle})

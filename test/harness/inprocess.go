@@ -10,6 +10,7 @@ import (
 
 	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
 
+	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/server"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/agent"
@@ -30,6 +31,10 @@ func (b *Broker) Stop() { b.stop() }
 type BrokerOptions struct {
 	ID          string
 	DialTimeout time.Duration
+	// Policy defaults to DefaultPolicy.
+	Policy *policy.File
+	// Identity defaults to the SVID of /broker.
+	Identity identity.SVIDSource
 }
 
 // StartBroker runs a broker replica on a loopback port until the test ends.
@@ -38,7 +43,10 @@ func (e *Env) StartBroker(opts BrokerOptions) *Broker {
 	if opts.ID == "" {
 		opts.ID = "broker-0"
 	}
-	src := e.Identity("/broker")
+	var src identity.SVIDSource = opts.Identity
+	if src == nil {
+		src = e.Identity("/broker")
+	}
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		e.T.Fatal(err)
@@ -46,7 +54,7 @@ func (e *Env) StartBroker(opts BrokerOptions) *Broker {
 	srv := server.New(server.Config{
 		ID:          opts.ID,
 		Identity:    src,
-		Authorize:   tlsconfig.AuthorizeMemberOf(src.ID().TrustDomain()),
+		Policy:      e.policyFor(opts.Policy),
 		DialTimeout: opts.DialTimeout,
 		Log:         Logger(),
 	})

@@ -10,11 +10,14 @@ import (
 	"io"
 	"log/slog"
 
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
+	"github.com/kcp-dev/tunnel-broker/broker/metrics"
+	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
@@ -25,6 +28,7 @@ type Service struct {
 	tunnelv1.UnimplementedAgentServiceServer
 
 	Registry *registry.Registry
+	Policy   *policy.Policy
 	BrokerID string
 	Log      *slog.Logger
 }
@@ -48,7 +52,7 @@ func (s *Service) Connect(stream tunnelv1.AgentService_ConnectServer) error {
 	if reg == nil {
 		return status.Error(codes.InvalidArgument, "the first message on a control stream must be a registration")
 	}
-	if err := validateClusters(reg.GetClusters()); err != nil {
+	if err := s.checkClusters(id, reg.GetClusters()); err != nil {
 		return err
 	}
 
@@ -101,7 +105,7 @@ func (s *Service) receive(stream tunnelv1.AgentService_ConnectServer, a *registr
 		case *tunnelv1.ConnectRequest_DialFailure:
 			s.Registry.Fail(a, m.DialFailure)
 		case *tunnelv1.ConnectRequest_Register:
-			if err := validateClusters(m.Register.GetClusters()); err != nil {
+			if err := s.checkClusters(a.ID, m.Register.GetClusters()); err != nil {
 				return err
 			}
 			s.Registry.Update(a, m.Register.GetClusters())
@@ -112,13 +116,20 @@ func (s *Service) receive(stream tunnelv1.AgentService_ConnectServer, a *registr
 	}
 }
 
-// validateClusters checks the clusters an agent claims to serve. An agent
-// may serve none for a while (a sync target no workspace uses yet).
-func validateClusters(clusters []string) error {
+// checkClusters checks the clusters an agent claims to serve: names, then
+// policy. A claim the policy refuses ends the control stream, and nothing of
+// it is routed. An agent may serve no cluster for a while (a sync target no
+// workspace uses yet).
+func (s *Service) checkClusters(id spiffeid.ID, clusters []string) error {
 	for _, c := range clusters {
 		if err := tunnelv1.ValidateClusterName(c); err != nil {
 			return status.Error(codes.InvalidArgument, err.Error())
 		}
+	}
+	if err := s.Policy.MayServe(id, clusters); err != nil {
+		metrics.Denied.WithLabelValues("Register").Inc()
+		s.Log.Warn("permission denied", "peer", id.String(), "error", err)
+		return status.Error(codes.PermissionDenied, err.Error())
 	}
 	return nil
 }

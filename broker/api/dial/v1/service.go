@@ -13,6 +13,8 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/kcp-dev/tunnel-broker/broker/metrics"
+	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
@@ -28,6 +30,7 @@ type Service struct {
 	tunnelv1.UnimplementedDialServiceServer
 
 	Registry *registry.Registry
+	Policy   *policy.Policy
 	Timeout  time.Duration
 	Log      *slog.Logger
 }
@@ -52,6 +55,11 @@ func (s *Service) Dial(stream tunnelv1.DialService_DialServer) error {
 		return status.Error(codes.InvalidArgument, err.Error())
 	}
 	caller, _ := identity.PeerID(stream.Context())
+	if err := s.Policy.MayDial(caller, target.GetCluster()); err != nil {
+		metrics.Denied.WithLabelValues("Dial").Inc()
+		s.Log.Warn("permission denied", "peer", caller.String(), "cluster", target.GetCluster())
+		return status.Error(codes.PermissionDenied, err.Error())
+	}
 	log := s.Log.With("cluster", target.GetCluster(), "namespace", target.GetNamespace(),
 		"service", target.GetService(), "port", target.GetPort(), "caller", caller.String())
 

@@ -1,0 +1,77 @@
+package policy
+
+import (
+	"fmt"
+
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+)
+
+// IsAgent reports whether id may register as an agent at all.
+func (p *Policy) IsAgent(id spiffeid.ID) bool {
+	for _, m := range p.agents {
+		if m.matches(id) {
+			return true
+		}
+	}
+	return false
+}
+
+// IsCaller reports whether id may call Dial at all.
+func (p *Policy) IsCaller(id spiffeid.ID) bool {
+	for _, m := range p.callers {
+		if m.id == id {
+			return true
+		}
+	}
+	return false
+}
+
+// IsOperator reports whether id may call the admin RPCs.
+func (p *Policy) IsOperator(id spiffeid.ID) bool { return p.operators[id] }
+
+// MayServe returns nil if id may serve every cluster in clusters, else an
+// error naming the first it may not.
+func (p *Policy) MayServe(id spiffeid.ID, clusters []string) error {
+	for _, c := range clusters {
+		if !p.mayServe(id, c) {
+			return fmt.Errorf("%s may not serve logical cluster %q", id, c)
+		}
+	}
+	return nil
+}
+
+func (p *Policy) mayServe(id spiffeid.ID, cluster string) bool {
+	for _, m := range p.agents {
+		if !m.matches(id) {
+			continue
+		}
+		if m.template == nil {
+			if m.clusters.has(cluster) {
+				return true
+			}
+			continue
+		}
+		target := m.template.FindStringSubmatch(id.String())[1]
+		if st, ok := p.syncTargets[target]; ok && st.has(cluster) {
+			return true
+		}
+	}
+	return false
+}
+
+// MayDial returns nil if id may dial Services of cluster.
+func (p *Policy) MayDial(id spiffeid.ID, cluster string) error {
+	for _, m := range p.callers {
+		if m.id == id && m.clusters.has(cluster) {
+			return nil
+		}
+	}
+	return fmt.Errorf("%s may not dial logical cluster %q", id, cluster)
+}
+
+func (m agentMatcher) matches(id spiffeid.ID) bool {
+	if m.template != nil {
+		return m.template.MatchString(id.String())
+	}
+	return m.exact == id
+}

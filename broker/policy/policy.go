@@ -1,0 +1,220 @@
+// Package policy decides which SPIFFE IDs may do what on the broker: which
+// agents may serve which logical clusters, which callers may dial which
+// clusters, and which operators may use the admin RPCs. It is loaded from a
+// file and validated at start.
+package policy
+
+import (
+	"fmt"
+	"os"
+	"regexp"
+	"slices"
+	"strings"
+
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"sigs.k8s.io/yaml"
+
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+)
+
+// File is the policy file's format (YAML or JSON):
+//
+//	agents:
+//	# One syncer per sync target; the template binds each to its clusters.
+//	- id: spiffe://example.org/ns/kcp-syncer/sa/syncer-{syncTarget}
+//	# A fixed identity with a fixed set of clusters.
+//	- id: spiffe://example.org/ns/legacy/sa/agent
+//	  clusters: [root]
+//	syncTargets:
+//	  us-east-1: [root, 2x3y4z5w6v7u8t9s]
+//	callers:
+//	- id: spiffe://example.org/ns/kcp/sa/kcp      # any cluster
+//	- id: spiffe://example.org/ns/team-a/sa/kcp-shard
+//	  clusters: [2x3y4z5w6v7u8t9s]                # only these
+//	operators:
+//	- id: spiffe://example.org/ns/kcp-system/sa/oncall
+type File struct {
+	Agents      []AgentRule         `json:"agents"`
+	SyncTargets map[string][]string `json:"syncTargets,omitempty"`
+	Callers     []CallerRule        `json:"callers"`
+	Operators   []OperatorRule      `json:"operators,omitempty"`
+}
+
+// AgentRule lets an ID register as an agent. An ID with the {syncTarget}
+// placeholder serves the clusters listed for that sync target under
+// syncTargets; a plain ID serves its own clusters list ("*" for any).
+type AgentRule struct {
+	ID       string   `json:"id"`
+	Clusters []string `json:"clusters,omitempty"`
+}
+
+// CallerRule lets an ID call Dial, for the listed clusters or, when none are
+// listed, for any.
+type CallerRule struct {
+	ID       string   `json:"id"`
+	Clusters []string `json:"clusters,omitempty"`
+}
+
+// OperatorRule lets an ID call the admin RPCs.
+type OperatorRule struct {
+	ID string `json:"id"`
+}
+
+const placeholder = "{syncTarget}"
+
+// A sync target's name as it can appear in a SPIFFE ID path segment.
+var syncTargetRE = regexp.MustCompile(`^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$`)
+
+// Policy is a validated policy.
+type Policy struct {
+	agents      []agentMatcher
+	callers     []callerMatcher
+	operators   map[spiffeid.ID]bool
+	syncTargets map[string]clusterSet
+}
+
+type agentMatcher struct {
+	exact    spiffeid.ID
+	template *regexp.Regexp // set for templates; captures the sync target
+	clusters clusterSet     // for exact IDs
+}
+
+type callerMatcher struct {
+	id       spiffeid.ID
+	clusters clusterSet
+}
+
+// clusterSet is a set of cluster names; any means "*".
+type clusterSet struct {
+	any   bool
+	names []string
+}
+
+func (s clusterSet) has(c string) bool { return s.any || slices.Contains(s.names, c) }
+
+// Load reads and validates a policy file.
+func Load(path string) (*Policy, error) {
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	p, err := Parse(raw)
+	if err != nil {
+		return nil, fmt.Errorf("policy %s: %w", path, err)
+	}
+	return p, nil
+}
+
+// Parse validates a policy, naming the first bad field.
+func Parse(raw []byte) (*Policy, error) {
+	var f File
+	if err := yaml.UnmarshalStrict(raw, &f); err != nil {
+		return nil, err
+	}
+	return New(f)
+}
+
+// New validates f.
+func New(f File) (*Policy, error) {
+	p := &Policy{operators: map[spiffeid.ID]bool{}}
+	syncTargets := map[string]clusterSet{}
+	for name, clusters := range f.SyncTargets {
+		if !syncTargetRE.MatchString(name) {
+			return nil, fmt.Errorf("syncTargets: %q is not a sync target name", name)
+		}
+		set, err := parseClusters(clusters, false)
+		if err != nil {
+			return nil, fmt.Errorf("syncTargets.%s: %w", name, err)
+		}
+		syncTargets[name] = set
+	}
+	for i, r := range f.Agents {
+		m, err := newAgentMatcher(r)
+		if err != nil {
+			return nil, fmt.Errorf("agents[%d]: %w", i, err)
+		}
+		p.agents = append(p.agents, m)
+	}
+	for i, r := range f.Callers {
+		id, err := spiffeid.FromString(r.ID)
+		if err != nil {
+			return nil, fmt.Errorf("callers[%d].id: %w", i, err)
+		}
+		set := clusterSet{any: true}
+		if len(r.Clusters) > 0 {
+			if set, err = parseClusters(r.Clusters, true); err != nil {
+				return nil, fmt.Errorf("callers[%d].clusters: %w", i, err)
+			}
+		}
+		p.callers = append(p.callers, callerMatcher{id: id, clusters: set})
+	}
+	for i, r := range f.Operators {
+		id, err := spiffeid.FromString(r.ID)
+		if err != nil {
+			return nil, fmt.Errorf("operators[%d].id: %w", i, err)
+		}
+		p.operators[id] = true
+	}
+	if len(p.agents) == 0 {
+		return nil, fmt.Errorf("agents: no rule, so no agent could register")
+	}
+	if len(p.callers) == 0 {
+		return nil, fmt.Errorf("callers: no rule, so nobody could dial")
+	}
+	p.syncTargets = syncTargets
+	return p, nil
+}
+
+func newAgentMatcher(r AgentRule) (agentMatcher, error) {
+	if !strings.Contains(r.ID, placeholder) {
+		id, err := spiffeid.FromString(r.ID)
+		if err != nil {
+			return agentMatcher{}, fmt.Errorf("id: %w", err)
+		}
+		if len(r.Clusters) == 0 {
+			return agentMatcher{}, fmt.Errorf("clusters: an agent ID without %s needs the clusters it may serve (\"*\" for any)", placeholder)
+		}
+		set, err := parseClusters(r.Clusters, true)
+		if err != nil {
+			return agentMatcher{}, fmt.Errorf("clusters: %w", err)
+		}
+		return agentMatcher{exact: id, clusters: set}, nil
+	}
+	if strings.Count(r.ID, placeholder) != 1 {
+		return agentMatcher{}, fmt.Errorf("id: %s may appear once", placeholder)
+	}
+	if len(r.Clusters) > 0 {
+		return agentMatcher{}, fmt.Errorf("clusters: a template's clusters come from syncTargets")
+	}
+	// The placeholder must sit in the path, where the SPIFFE ID is still
+	// valid with a sync target name in its place.
+	example, err := spiffeid.FromString(strings.Replace(r.ID, placeholder, "x", 1))
+	if err != nil {
+		return agentMatcher{}, fmt.Errorf("id: %w", err)
+	}
+	if !strings.Contains(example.Path(), "x") || !strings.HasPrefix(r.ID, "spiffe://"+example.TrustDomain().Name()+"/") ||
+		strings.Contains(example.TrustDomain().Name(), placeholder) {
+		return agentMatcher{}, fmt.Errorf("id: %s must be in the path", placeholder)
+	}
+	before, after, _ := strings.Cut(r.ID, placeholder)
+	re := regexp.MustCompile("^" + regexp.QuoteMeta(before) + `([a-z0-9]([a-z0-9.-]*[a-z0-9])?)` + regexp.QuoteMeta(after) + "$")
+	return agentMatcher{template: re}, nil
+}
+
+func parseClusters(names []string, allowAny bool) (clusterSet, error) {
+	var set clusterSet
+	for _, c := range names {
+		if c == "*" {
+			if !allowAny {
+				return clusterSet{}, fmt.Errorf(`"*" is not allowed here`)
+			}
+			set.any = true
+			continue
+		}
+		if err := tunnelv1.ValidateClusterName(c); err != nil {
+			return clusterSet{}, err
+		}
+		set.names = append(set.names, c)
+	}
+	return set, nil
+}
