@@ -1,0 +1,166 @@
+package lookup
+
+import (
+	"net/netip"
+	"slices"
+	"sort"
+	"strings"
+	"sync/atomic"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	"k8s.io/client-go/tools/cache"
+)
+
+// EndpointSliceController is the managed-by value of the EndpointSlices that
+// Kubernetes' own controller writes from a Service's selector.
+const EndpointSliceController = "endpointslice-controller.k8s.io"
+
+// byService indexes EndpointSlices by "<namespace>/<Service name>".
+const byService = "service"
+
+func endpointSliceIndexers() cache.Indexers {
+	return cache.Indexers{byService: func(obj any) ([]string, error) {
+		s, ok := obj.(*discoveryv1.EndpointSlice)
+		if !ok {
+			return nil, nil
+		}
+		name, ok := s.Labels[discoveryv1.LabelServiceName]
+		if !ok {
+			return nil, nil
+		}
+		return []string{s.Namespace + "/" + name}, nil
+	}}
+}
+
+// servicePort is the Service's TCP port that a dial names.
+func servicePort(svc *corev1.Service, port uint32, what string) (corev1.ServicePort, error) {
+	for _, sp := range svc.Spec.Ports {
+		if uint32(sp.Port) == port && (sp.Protocol == "" || sp.Protocol == corev1.ProtocolTCP) {
+			return sp, nil
+		}
+	}
+	return corev1.ServicePort{}, status.Errorf(codes.NotFound, "%s: the Service has no TCP port %d", what, port)
+}
+
+// endpointPicker chooses endpoints from the Services' EndpointSlices.
+type endpointPicker struct {
+	slices         cache.Indexer
+	allowUnmanaged bool
+	// next rotates the first endpoint from dial to dial, to spread load.
+	next atomic.Uint64
+}
+
+// addresses are the host:port addresses of the ready, serving endpoints of
+// the Service port sp, in the order the agent should try them.
+//
+// The EndpointSlice controller resolves targetPort, a number or a container
+// port's name, per pod, and writes the result under the Service port's name;
+// so the slice's port with that name is the targetPort, in either form, and
+// Services without a selector, whose slices someone else writes, work alike.
+func (p *endpointPicker) addresses(svc *corev1.Service, sp corev1.ServicePort, apiServer map[netip.Addr]bool, what string) ([]string, error) {
+	objs, err := p.slices.ByIndex(byService, svc.Namespace+"/"+svc.Name)
+	if err != nil {
+		return nil, status.Errorf(codes.Internal, "endpointslice index: %v", err)
+	}
+	var (
+		ready     = map[string]bool{}
+		refused   []refusedError
+		untrusted []string
+		unready   int
+	)
+	for _, obj := range objs {
+		slice := obj.(*discoveryv1.EndpointSlice)
+		if !p.allowUnmanaged && slice.Labels[discoveryv1.LabelManagedBy] != EndpointSliceController {
+			untrusted = append(untrusted, slice.Name)
+			continue
+		}
+		port, ok := slicePort(slice, sp.Name)
+		if !ok {
+			continue
+		}
+		for _, ep := range slice.Endpoints {
+			if !isReady(ep.Conditions) {
+				unready++
+				continue
+			}
+			for _, a := range ep.Addresses {
+				if slice.AddressType != discoveryv1.AddressTypeIPv4 && slice.AddressType != discoveryv1.AddressTypeIPv6 {
+					refused = append(refused, refusedError{a, "not an IP address (address type " + string(slice.AddressType) + ")"})
+					continue
+				}
+				ip, err := netip.ParseAddr(a)
+				if err != nil {
+					refused = append(refused, refusedError{a, "not an IP address"})
+					continue
+				}
+				addr := netip.AddrPortFrom(ip.Unmap(), port).String()
+				if why := refusedAddress(ip, apiServer); why != "" {
+					refused = append(refused, refusedError{addr, why})
+					continue
+				}
+				ready[addr] = true
+			}
+		}
+	}
+	if len(ready) > 0 {
+		return p.rotate(ready), nil
+	}
+	if len(refused) > 0 {
+		var reasons []string
+		for _, r := range refused {
+			if !slices.Contains(reasons, r.String()) { // a pod may be in two slices
+				reasons = append(reasons, r.String())
+			}
+		}
+		return nil, status.Errorf(codes.PermissionDenied, "%s: refusing its endpoints: %s", what, strings.Join(reasons, "; "))
+	}
+	if len(untrusted) > 0 {
+		sort.Strings(untrusted)
+		return nil, status.Errorf(codes.PermissionDenied,
+			"%s: its only EndpointSlices (%s) are not managed by %s, and the agent does not trust others (see --allow-unmanaged-endpointslices)",
+			what, strings.Join(untrusted, ", "), EndpointSliceController)
+	}
+	if unready > 0 {
+		return nil, status.Errorf(codes.Unavailable, "%s: none of its %d endpoints is ready", what, unready)
+	}
+	return nil, status.Errorf(codes.Unavailable, "%s: the Service has no endpoints", what)
+}
+
+// slicePort is the port number that slice gives the Service port named name.
+func slicePort(slice *discoveryv1.EndpointSlice, name string) (uint16, bool) {
+	for _, p := range slice.Ports {
+		if p.Port == nil || *p.Port < 1 || *p.Port > 65535 {
+			continue
+		}
+		if p.Protocol != nil && *p.Protocol != corev1.ProtocolTCP {
+			continue
+		}
+		if (p.Name == nil && name == "") || (p.Name != nil && *p.Name == name) {
+			return uint16(*p.Port), true
+		}
+	}
+	return 0, false
+}
+
+// isReady: ready and serving (nil means true for both, as the API says), and
+// not terminating.
+func isReady(c discoveryv1.EndpointConditions) bool {
+	return (c.Ready == nil || *c.Ready) &&
+		(c.Serving == nil || *c.Serving) &&
+		(c.Terminating == nil || !*c.Terminating)
+}
+
+// rotate returns the addresses sorted, then turned so that successive dials
+// start at successive endpoints; the rest follow for the agent to fall back on.
+func (p *endpointPicker) rotate(set map[string]bool) []string {
+	addrs := make([]string, 0, len(set))
+	for a := range set {
+		addrs = append(addrs, a)
+	}
+	sort.Strings(addrs)
+	i := int(p.next.Add(1) % uint64(len(addrs)))
+	return append(addrs[i:], addrs[:i]...)
+}

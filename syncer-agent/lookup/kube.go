@@ -1,0 +1,261 @@
+package lookup
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/netip"
+	"slices"
+	"sync"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
+
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+)
+
+// KubeOptions configure a Kube resolver. Exactly one of SyncTarget.Name and
+// PlainCluster is set.
+type KubeOptions struct {
+	// SyncTarget selects syncer mode: the agent serves the namespaces that
+	// kcp's syncer made for this sync target, found by their locator
+	// annotations, for every logical cluster they come from.
+	SyncTarget SyncTarget
+	// PlainCluster selects plain mode: the agent serves this one logical
+	// cluster, whose namespaces have the same names here.
+	PlainCluster string
+	// AllowUnmanagedEndpointSlices trusts EndpointSlices that Kubernetes'
+	// EndpointSlice controller did not write. Off, a tenant who can get a
+	// hand-made EndpointSlice synced cannot aim the agent at any address.
+	AllowUnmanagedEndpointSlices bool
+	// APIServerAddrs are the API server's addresses as the agent reaches
+	// it. They are refused as targets, as are the addresses of the
+	// default/kubernetes Service.
+	APIServerAddrs []netip.Addr
+	Log            *slog.Logger
+}
+
+// Kube resolves Services of the physical cluster from shared informers on
+// namespaces, Services and EndpointSlices: a dial makes no API call, and the
+// agent keeps serving from its caches while the API server is away (the
+// informers reconnect with backoff by themselves).
+type Kube struct {
+	factory    informers.SharedInformerFactory
+	namespaces cache.SharedIndexInformer
+	services   cache.SharedIndexInformer
+	slices     cache.SharedIndexInformer
+	mapper     namespaceMapper
+	picker     *endpointPicker
+	apiServer  []netip.Addr
+	log        *slog.Logger
+
+	changed      chan struct{}
+	mu           sync.Mutex
+	watching     bool // set once the caches synced: the baseline is known
+	lastClusters []string
+}
+
+// NewKube sets up the informers; Start runs them.
+func NewKube(client kubernetes.Interface, opts KubeOptions) (*Kube, error) {
+	syncer, plain := opts.SyncTarget.Name != "", opts.PlainCluster != ""
+	switch {
+	case syncer == plain:
+		return nil, errors.New("give either a sync target name (syncer mode) or a plain cluster (plain mode)")
+	case syncer && opts.SyncTarget.Cluster == "" && opts.SyncTarget.UID == "":
+		return nil, errors.New("a sync target name is unique only within its workspace: give its cluster or its UID as well")
+	case plain:
+		if err := tunnelv1.ValidateClusterName(opts.PlainCluster); err != nil {
+			return nil, err
+		}
+	}
+	if opts.Log == nil {
+		opts.Log = slog.New(slog.NewTextHandler(io.Discard, nil))
+	}
+
+	factory := informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithTransform(dropManagedFields))
+	k := &Kube{
+		factory:    factory,
+		namespaces: factory.Core().V1().Namespaces().Informer(),
+		services:   factory.Core().V1().Services().Informer(),
+		slices:     factory.Discovery().V1().EndpointSlices().Informer(),
+		apiServer:  opts.APIServerAddrs,
+		log:        opts.Log,
+		changed:    make(chan struct{}, 1),
+	}
+	if err := k.slices.AddIndexers(endpointSliceIndexers()); err != nil {
+		return nil, err
+	}
+	k.picker = &endpointPicker{slices: k.slices.GetIndexer(), allowUnmanaged: opts.AllowUnmanagedEndpointSlices}
+	if plain {
+		k.mapper = &plainNamespaces{indexer: k.namespaces.GetIndexer(), cluster: opts.PlainCluster}
+	} else {
+		if err := k.namespaces.AddIndexers(namespaceIndexers(opts.SyncTarget)); err != nil {
+			return nil, err
+		}
+		k.mapper = &syncerNamespaces{indexer: k.namespaces.GetIndexer(), syncTarget: opts.SyncTarget}
+		notify := func(any) { k.noteClusters() }
+		if _, err := k.namespaces.AddEventHandler(cache.ResourceEventHandlerFuncs{
+			AddFunc:    notify,
+			UpdateFunc: func(_, obj any) { notify(obj) },
+			DeleteFunc: notify,
+		}); err != nil {
+			return nil, err
+		}
+	}
+	for resource, inf := range map[string]cache.SharedIndexInformer{
+		"namespaces": k.namespaces, "services": k.services, "endpointslices": k.slices,
+	} {
+		if err := inf.SetWatchErrorHandler(func(_ *cache.Reflector, err error) {
+			if !errors.Is(err, io.EOF) { // a watch the server closed is routine
+				k.log.Warn("watching the physical cluster failed; serving from cache and retrying", "resource", resource, "error", err)
+			}
+		}); err != nil {
+			return nil, err
+		}
+	}
+	return k, nil
+}
+
+// dropManagedFields keeps the caches small: the agent never reads them.
+func dropManagedFields(obj any) (any, error) {
+	switch o := obj.(type) {
+	case *corev1.Namespace:
+		o.ManagedFields = nil
+	case *corev1.Service:
+		o.ManagedFields = nil
+	case *discoveryv1.EndpointSlice:
+		o.ManagedFields = nil
+	}
+	return obj, nil
+}
+
+// Start runs the informers until ctx ends; Shutdown waits for them.
+func (k *Kube) Start(ctx context.Context) { k.factory.Start(ctx.Done()) }
+
+// Shutdown waits for the informers to stop after Start's ctx ended.
+func (k *Kube) Shutdown() { k.factory.Shutdown() }
+
+// WaitForCacheSync returns once every cache holds the cluster's state, or an
+// error when ctx ends first. The agent must not register before: it would
+// announce too few clusters and refuse dials it could serve.
+func (k *Kube) WaitForCacheSync(ctx context.Context) error {
+	for typ, ok := range k.factory.WaitForCacheSync(ctx.Done()) {
+		if !ok {
+			return fmt.Errorf("cache of %v did not sync: %w", typ, context.Cause(ctx))
+		}
+	}
+	// The clusters now are the ones the agent registers first: a change
+	// is whatever differs from them.
+	k.mu.Lock()
+	k.watching, k.lastClusters = true, k.mapper.clusters()
+	k.mu.Unlock()
+	return nil
+}
+
+func (k *Kube) synced() bool {
+	return k.namespaces.HasSynced() && k.services.HasSynced() && k.slices.HasSynced()
+}
+
+// Clusters implements Resolver.
+func (k *Kube) Clusters() []string { return k.mapper.clusters() }
+
+// ClustersChanged implements ClusterWatcher.
+func (k *Kube) ClustersChanged() <-chan struct{} { return k.changed }
+
+// noteClusters fires ClustersChanged if the set of clusters is not the one
+// last seen. Namespace events call it after the cache has the change.
+func (k *Kube) noteClusters() {
+	k.mu.Lock()
+	now := k.mapper.clusters()
+	same := !k.watching || slices.Equal(now, k.lastClusters)
+	if k.watching {
+		k.lastClusters = now
+	}
+	k.mu.Unlock()
+	if same {
+		return
+	}
+	k.log.Info("logical clusters changed", "clusters", now)
+	select {
+	case k.changed <- struct{}{}:
+	default: // one pending signal is enough: the listener reads Clusters anew
+	}
+}
+
+// Resolve implements Resolver: the ready endpoints of the target's Service
+// port in the namespace mapped to the target's namespace, best first.
+func (k *Kube) Resolve(_ context.Context, t *tunnelv1.Target) ([]string, error) {
+	if err := t.Validate(); err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	if !k.synced() {
+		return nil, status.Error(codes.Unavailable, "the agent has not yet read the physical cluster's Services")
+	}
+	what := fmt.Sprintf("service %s/%s port %d of logical cluster %s", t.GetNamespace(), t.GetService(), t.GetPort(), t.GetCluster())
+	ns, err := k.mapper.downstream(t)
+	if err != nil {
+		return nil, err
+	}
+	svc, err := k.service(ns, t.GetService())
+	if err != nil {
+		if apierrors.IsNotFound(err) {
+			return nil, status.Errorf(codes.NotFound, "%s: no such Service", what)
+		}
+		return nil, status.Errorf(codes.Internal, "%s: %v", what, err)
+	}
+	if svc.Spec.Type == corev1.ServiceTypeExternalName {
+		return nil, status.Errorf(codes.PermissionDenied, "%s: ExternalName Services are refused: the agent connects only to endpoints of the physical cluster", what)
+	}
+	sp, err := servicePort(svc, t.GetPort(), what)
+	if err != nil {
+		return nil, err
+	}
+	return k.picker.addresses(svc, sp, k.apiServerAddrs(), what)
+}
+
+func (k *Kube) service(namespace, name string) (*corev1.Service, error) {
+	obj, exists, err := k.services.GetIndexer().GetByKey(namespace + "/" + name)
+	if err != nil {
+		return nil, err
+	}
+	if !exists {
+		return nil, apierrors.NewNotFound(corev1.Resource("services"), name)
+	}
+	return obj.(*corev1.Service), nil
+}
+
+// apiServerAddrs are the configured API server addresses and those of the
+// default/kubernetes Service, its cluster IPs and endpoints, as cached now.
+func (k *Kube) apiServerAddrs() map[netip.Addr]bool {
+	addrs := map[netip.Addr]bool{}
+	for _, a := range k.apiServer {
+		addrs[a.Unmap()] = true
+	}
+	if svc, err := k.service(metav1.NamespaceDefault, "kubernetes"); err == nil {
+		for _, ip := range append([]string{svc.Spec.ClusterIP}, svc.Spec.ClusterIPs...) {
+			if a, err := netip.ParseAddr(ip); err == nil {
+				addrs[a.Unmap()] = true
+			}
+		}
+	}
+	objs, _ := k.slices.GetIndexer().ByIndex(byService, metav1.NamespaceDefault+"/kubernetes")
+	for _, obj := range objs {
+		for _, ep := range obj.(*discoveryv1.EndpointSlice).Endpoints {
+			for _, ip := range ep.Addresses {
+				if a, err := netip.ParseAddr(ip); err == nil {
+					addrs[a.Unmap()] = true
+				}
+			}
+		}
+	}
+	return addrs
+}
