@@ -16,7 +16,6 @@ import (
 
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/agent"
-	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
 )
 
 func main() {
@@ -31,7 +30,6 @@ func run() error {
 		broker   = flag.String("broker", "", "broker address, host:port")
 		brokerID = flag.String("broker-spiffe-id", "", "SPIFFE ID the broker must present (default: any ID in the agent's trust domain)")
 		name     = flag.String("name", "", "name shown in the broker's logs, e.g. the sync target")
-		services = flag.String("services", "", "static mapping file of Services to addresses (YAML)")
 		files    identity.Files
 		jsonLogs = flag.Bool("log-json", false, "log JSON lines instead of text")
 		verbose  = flag.Bool("v", false, "log every tunnel, not only failures")
@@ -39,6 +37,7 @@ func run() error {
 	flag.StringVar(&files.Cert, "svid-cert", "", "X.509-SVID certificate chain (PEM, leaf first)")
 	flag.StringVar(&files.Key, "svid-key", "", "X.509-SVID private key (PEM, PKCS#8)")
 	flag.StringVar(&files.Bundle, "trust-bundle", "", "trust bundle of the agent's trust domain (PEM)")
+	resolverFlags := addResolverFlags(flag.CommandLine)
 	flag.Parse()
 
 	opts := &slog.HandlerOptions{Level: slog.LevelInfo}
@@ -55,15 +54,8 @@ func run() error {
 	if *broker == "" {
 		return fmt.Errorf("--broker is required")
 	}
-	if *services == "" {
-		return fmt.Errorf("--services is required")
-	}
 	if files.Cert == "" || files.Key == "" || files.Bundle == "" {
 		return fmt.Errorf("--svid-cert, --svid-key and --trust-bundle are required: the agent speaks only mTLS")
-	}
-	resolver, err := lookup.LoadStatic(*services)
-	if err != nil {
-		return err
 	}
 	src, err := identity.Load(files)
 	if err != nil {
@@ -80,13 +72,27 @@ func run() error {
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	resolver, err := resolverFlags.newResolver(ctx, log)
+	if err != nil {
+		return err
+	}
+	defer resolver.stop()
+	defer stop() // resolver.stop waits for ctx to end
+	// Register only with a complete view: the clusters served, and every
+	// Service a dial may name.
+	if err := resolver.ready(ctx); err != nil {
+		return err
+	}
 	a := &agent.Agent{
 		Broker:      *broker,
 		Credentials: identity.ClientCredentials(src, authorize),
 		Name:        *name,
-		Resolver:    resolver,
+		Resolver:    resolver.Resolver, // itself, so that the agent sees it is a ClusterWatcher
 		Log:         log,
 	}
 	log.Info("agent starting", "broker", *broker, "id", src.ID().String(), "clusters", resolver.Clusters())
+	if len(resolver.Clusters()) == 0 {
+		log.Warn("no logical cluster to serve yet: the broker refuses the registration until one appears")
+	}
 	return a.Run(ctx)
 }
