@@ -36,33 +36,46 @@ type conn struct {
 
 	// The receive goroutine hands frames to Read one at a time; gRPC's flow
 	// control holds back the rest, so a slow reader stalls only its tunnel.
-	frames  chan []byte
-	readErr error // set before frames is closed: io.EOF or the stream's status
-	readMu  sync.Mutex
-	unread  []byte
-	readDL  *deadline
+	frames chan []byte
+	// Set by the receive goroutine before it closes frames: what Read
+	// returns once it has read backlog, io.EOF or the stream's status.
+	readErr error
+	// Frames that arrived after a Send failed, for Read; set before frames
+	// is closed. A failed Send means the stream is over, so Write need not
+	// wait for a reader to learn why.
+	backlog [][]byte
+	// Why the stream ended: io.EOF for OK, else the error that ended it. Set
+	// before received is closed.
+	endErr error
+
+	readMu sync.Mutex
+	unread []byte
+	readDL *deadline
 
 	writeMu     sync.Mutex
 	writeDL     *deadline
 	writeClosed bool
 	writeErr    error // sticky after a write failed or timed out
 
-	closeOnce sync.Once
-	closed    chan struct{}
-	received  chan struct{} // closed when the receive goroutine is done
+	closeOnce  sync.Once
+	closed     chan struct{}
+	sendFailed chan struct{} // closed after a Send failed: stop holding frames back
+	failOnce   sync.Once
+	received   chan struct{} // closed when the receive goroutine is done
 }
 
 func newConn(stream tunnelv1.DialService_DialClient, cancel context.CancelFunc, remote net.Addr) *conn {
 	c := &conn{
-		stream:   stream,
-		cancel:   cancel,
-		local:    addr("kcp-tunnel-client"),
-		remote:   remote,
-		frames:   make(chan []byte),
-		readDL:   newDeadline(),
-		writeDL:  newDeadline(),
-		closed:   make(chan struct{}),
-		received: make(chan struct{}),
+		stream:     stream,
+		cancel:     cancel,
+		local:      addr("kcp-tunnel-client"),
+		remote:     remote,
+		frames:     make(chan []byte),
+		readDL:     newDeadline(),
+		writeDL:    newDeadline(),
+		closed:     make(chan struct{}),
+		sendFailed: make(chan struct{}),
+		received:   make(chan struct{}),
 	}
 	go c.receive()
 	return c
@@ -73,7 +86,9 @@ func newConn(stream tunnelv1.DialService_DialClient, cancel context.CancelFunc, 
 func (c *conn) receive() {
 	defer close(c.received)
 	defer c.cancel()
-	open := true // frames not yet closed
+	open := true    // frames not yet closed
+	holding := true // frames go to Read one at a time, not to backlog
+	var brokeProtocol error
 	finish := func(err error) {
 		if open {
 			c.readErr = err
@@ -84,30 +99,46 @@ func (c *conn) receive() {
 	for {
 		msg, err := c.stream.Recv()
 		if err != nil {
-			if errors.Is(err, io.EOF) {
+			switch {
+			case brokeProtocol != nil:
+				err = brokeProtocol // we cancelled the stream for it
+			case errors.Is(err, io.EOF):
 				// A clean end always follows the peer's close_write, but
 				// should it not, it still means no more data.
-				finish(io.EOF)
-			} else {
-				finish(streamError(err))
+				err = io.EOF
+			default:
+				err = streamError(err)
 			}
+			c.endErr = err
+			finish(err)
 			return
 		}
 		switch f := msg.GetFrame().(type) {
 		case *tunnelv1.DialResponse_Data:
-			if !open {
-				c.cancel() // data after close_write: the broker is broken
-				continue
-			}
-			select {
-			case c.frames <- f.Data:
-			case <-c.closed:
-				// Nobody reads any more: discard until the stream ends.
+			switch {
+			case !open:
+				// Data after close_write: the broker is broken.
+				brokeProtocol = status.Error(codes.Internal, "protocol error: data after close_write from broker")
+				c.cancel()
+			case !holding:
+				c.backlog = append(c.backlog, f.Data)
+			default:
+				select {
+				case c.frames <- f.Data:
+				case <-c.sendFailed:
+					holding = false
+					c.backlog = append(c.backlog, f.Data)
+				case <-c.closed:
+					// Nobody reads any more: discard until the stream ends.
+				}
 			}
 		case *tunnelv1.DialResponse_CloseWrite:
 			finish(io.EOF)
 		default:
-			finish(status.Errorf(codes.Internal, "protocol error: unexpected %T from broker", f))
+			if brokeProtocol == nil {
+				brokeProtocol = status.Errorf(codes.Internal, "protocol error: unexpected %T from broker", f)
+			}
+			finish(brokeProtocol)
 			c.cancel()
 		}
 	}
@@ -125,18 +156,25 @@ func streamError(err error) error {
 func (c *conn) Read(b []byte) (int, error) {
 	c.readMu.Lock()
 	defer c.readMu.Unlock()
-	if len(c.unread) == 0 {
-		select {
-		case <-c.closed:
-			return 0, net.ErrClosed
-		default:
-		}
+	// As on a TCP conn, Close and a passed deadline fail a Read even if data
+	// is buffered.
+	switch {
+	case isClosed(c.closed):
+		return 0, net.ErrClosed
+	case isClosed(c.readDL.wait()):
+		return 0, os.ErrDeadlineExceeded
+	}
+	for len(c.unread) == 0 {
 		select {
 		case data, ok := <-c.frames:
-			if !ok {
+			switch {
+			case ok:
+				c.unread = data
+			case len(c.backlog) > 0:
+				c.unread, c.backlog = c.backlog[0], c.backlog[1:]
+			default:
 				return 0, c.readErr
 			}
-			c.unread = data
 		case <-c.readDL.wait():
 			return 0, os.ErrDeadlineExceeded
 		case <-c.closed:
@@ -163,37 +201,75 @@ func (c *conn) Write(b []byte) (int, error) {
 		return 0, errors.New("tunnel: write after CloseWrite")
 	case isClosed(c.writeDL.wait()):
 		return 0, os.ErrDeadlineExceeded
-	}
-	if at := c.writeDL.time(); !at.IsZero() {
-		abort := time.AfterFunc(time.Until(at), c.cancel)
-		defer abort.Stop()
+	case len(b) == 0:
+		return 0, nil
 	}
 
+	stop := c.abortAtWriteDeadline()
 	written := 0
+	var err error
 	for len(b) > 0 {
 		chunk := b[:min(len(b), maxFrame)]
-		if err := c.stream.Send(&tunnelv1.DialRequest{Frame: &tunnelv1.DialRequest_Data{Data: chunk}}); err != nil {
-			if isClosed(c.writeDL.wait()) {
-				c.writeErr = os.ErrDeadlineExceeded
-			} else {
-				c.writeErr = c.sendError()
-			}
-			return written, c.writeErr
+		if err = c.stream.Send(&tunnelv1.DialRequest{Frame: &tunnelv1.DialRequest_Data{Data: chunk}}); err != nil {
+			break
 		}
 		written += len(chunk)
 		b = b[len(chunk):]
 	}
-	return written, nil
+	switch {
+	case stop():
+		// The deadline passed and aborted the tunnel, maybe after the last
+		// Send: what was written may not arrive.
+		c.writeErr = os.ErrDeadlineExceeded
+	case err != nil:
+		c.writeErr = c.sendError(err)
+	default:
+		return written, nil
+	}
+	return written, c.writeErr
 }
 
-// sendError is what a failed Send means: Send reports only io.EOF, and the
-// stream's status comes from the receive side.
-func (c *conn) sendError() error {
-	<-c.received
-	if c.readErr != nil && c.readErr != io.EOF {
-		return c.readErr
+// abortAtWriteDeadline aborts the tunnel if the write deadline passes before
+// stop is called, also if the deadline is set or moved in the meantime.
+// stop reports whether it aborted.
+func (c *conn) abortAtWriteDeadline() (stop func() bool) {
+	// A deadline not yet passed keeps its channel when it is moved.
+	passed := c.writeDL.wait()
+	done := make(chan struct{})
+	aborted := make(chan bool, 1)
+	go func() {
+		select {
+		case <-passed:
+			c.cancel()
+			aborted <- true
+		case <-done:
+			aborted <- false
+		}
+	}()
+	return func() bool {
+		close(done)
+		return <-aborted
 	}
-	return net.ErrClosed
+}
+
+// sendError is what a failed Send means. Send reports io.EOF, and the
+// stream's status comes from the receive side. The stream is over, so the
+// receive goroutine stops waiting for Read to take its frames and reaches
+// the status without a reader.
+func (c *conn) sendError(err error) error {
+	if !errors.Is(err, io.EOF) {
+		return streamError(err)
+	}
+	c.failOnce.Do(func() { close(c.sendFailed) })
+	select {
+	case <-c.received:
+	case <-c.closed:
+		return net.ErrClosed
+	}
+	if errors.Is(c.endErr, io.EOF) {
+		return errors.New("tunnel: the broker ended the stream")
+	}
+	return c.endErr
 }
 
 // CloseWrite half-closes the tunnel: the target reads EOF, and this side may
@@ -201,7 +277,12 @@ func (c *conn) sendError() error {
 func (c *conn) CloseWrite() error {
 	c.writeMu.Lock()
 	defer c.writeMu.Unlock()
-	if c.writeClosed || c.writeErr != nil {
+	switch {
+	case isClosed(c.closed):
+		return net.ErrClosed
+	case c.writeErr != nil:
+		return c.writeErr
+	case c.writeClosed:
 		return nil
 	}
 	c.writeClosed = true

@@ -10,7 +10,6 @@ import (
 type deadline struct {
 	mu     sync.Mutex
 	timer  *time.Timer
-	at     time.Time
 	passed chan struct{} // closed when the deadline passes
 }
 
@@ -24,7 +23,6 @@ func (d *deadline) set(t time.Time) {
 		<-d.passed // the timer fired: wait for it to close the channel
 	}
 	d.timer = nil
-	d.at = t
 
 	closed := isClosed(d.passed)
 	if t.IsZero() {
@@ -46,14 +44,8 @@ func (d *deadline) set(t time.Time) {
 	}
 }
 
-// time is the deadline, zero if none.
-func (d *deadline) time() time.Time {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	return d.at
-}
-
-// wait is closed once the deadline passes.
+// wait is closed once the deadline passes. Until then, moving the deadline
+// keeps the channel, so a waiter sees the move.
 func (d *deadline) wait() <-chan struct{} {
 	d.mu.Lock()
 	defer d.mu.Unlock()

@@ -7,6 +7,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"time"
 
@@ -92,17 +93,28 @@ func (d *Dialer) open(ctx context.Context, target *tunnelv1.Target) (tunnelv1.Di
 	}
 	if err := stream.Send(&tunnelv1.DialRequest{Frame: &tunnelv1.DialRequest_Target{Target: target}}); err != nil {
 		// Send reports io.EOF; the reason is the stream's status.
-		_, err = stream.Recv()
-		return nil, err
+		if _, err := stream.Recv(); err != nil {
+			return nil, answerError(err)
+		}
+		return nil, status.Error(codes.Internal, "protocol error: broker answered a dial it did not read")
 	}
 	first, err := stream.Recv()
 	if err != nil {
-		return nil, err
+		return nil, answerError(err)
 	}
 	if first.GetEstablished() == nil {
 		return nil, status.Errorf(codes.Internal, "protocol error: broker answered a dial with %T", first.GetFrame())
 	}
 	return stream, nil
+}
+
+// answerError is the error for a dial whose stream ended before the broker
+// answered: its status, which must not be OK.
+func answerError(err error) error {
+	if errors.Is(err, io.EOF) {
+		return status.Error(codes.Internal, "protocol error: broker ended a dial without answering")
+	}
+	return err
 }
 
 func targetString(t *tunnelv1.Target) string {

@@ -59,6 +59,7 @@ require (
 
 require (
 	github.com/kcp-dev/tunnel-broker/proto v0.0.0-00010101000000-000000000000
+	go.uber.org/goleak v1.3.0
 	google.golang.org/grpc v1.85.0
 	k8s.io/apiserver v0.37.2
 	k8s.io/client-go v0.37.2

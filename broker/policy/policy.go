@@ -131,7 +131,7 @@ func New(f File) (*Policy, error) {
 	for i, r := range f.Agents {
 		m, err := newAgentMatcher(r)
 		if err != nil {
-			return nil, fmt.Errorf("agents[%d]: %w", i, err)
+			return nil, fmt.Errorf("agents[%d].%w", i, err)
 		}
 		p.agents = append(p.agents, m)
 	}

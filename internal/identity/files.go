@@ -153,6 +153,9 @@ func (s *FileSource) load(raw []byte) error {
 	if err != nil {
 		return fmt.Errorf("loading trust bundle of %s from %s: %w", svid.ID.TrustDomain(), s.files.Bundle, err)
 	}
+	if len(own.X509Authorities()) == 0 {
+		return fmt.Errorf("trust bundle %s holds no certificate", s.files.Bundle)
+	}
 	set := x509bundle.NewSet(own)
 	for _, name := range sortedKeys(s.files.Federated) {
 		td, err := spiffeid.TrustDomainFromString(name)
@@ -162,6 +165,9 @@ func (s *FileSource) load(raw []byte) error {
 		b, err := x509bundle.Load(td, s.files.Federated[name])
 		if err != nil {
 			return fmt.Errorf("loading trust bundle of %s from %s: %w", td, s.files.Federated[name], err)
+		}
+		if len(b.X509Authorities()) == 0 {
+			return fmt.Errorf("trust bundle %s holds no certificate", s.files.Federated[name])
 		}
 		set.Add(b)
 	}

@@ -10,9 +10,9 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/kcp-dev/tunnel-broker/internal/devca"
 	"github.com/kcp-dev/tunnel-broker/kcpplugin"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
-	"github.com/kcp-dev/tunnel-broker/test/devca"
 	"github.com/kcp-dev/tunnel-broker/test/harness"
 )
 

@@ -23,7 +23,7 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 	"k8s.io/client-go/kubernetes/scheme"
 
-	"github.com/kcp-dev/tunnel-broker/test/devca"
+	"github.com/kcp-dev/tunnel-broker/internal/devca"
 )
 
 // WebhookService is where a webhook configuration points: a Service port.

@@ -16,9 +16,9 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
 	"google.golang.org/grpc"
 
+	"github.com/kcp-dev/tunnel-broker/internal/devca"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	"github.com/kcp-dev/tunnel-broker/kcpplugin"
-	"github.com/kcp-dev/tunnel-broker/test/devca"
 )
 
 // TrustDomain is the dev trust domain every test identity belongs to.
@@ -29,6 +29,8 @@ type Env struct {
 	T   T
 	Dir string
 	CA  *devca.CA
+
+	sources []string
 }
 
 // NewEnv makes a fresh trust domain in a temp dir.
@@ -151,4 +153,40 @@ func (m *Main) Close() {
 		m.cleanups[i]()
 	}
 	m.cleanups = nil
+}
+
+// Source issues l from ca and loads it, trusting ca's trust domain and, for
+// federation, those of also.
+func (e *Env) Source(ca *devca.CA, l devca.Leaf, also ...*devca.CA) *identity.FileSource {
+	e.T.Helper()
+	dir := filepath.Join(e.Dir, "src", fmt.Sprintf("%d", len(e.sources)))
+	e.sources = append(e.sources, dir)
+	f, err := ca.WriteSVID(dir, l)
+	if err != nil {
+		e.T.Fatal(err)
+	}
+	files := identity.Files{Cert: f.Cert, Key: f.Key, Bundle: f.Bundle, Federated: map[string]string{}}
+	for i, other := range also {
+		path := filepath.Join(dir, fmt.Sprintf("federated-%d.crt", i))
+		must(e.T, os.WriteFile(path, other.BundlePEM(), 0o600))
+		files.Federated[other.TrustDomain] = path
+	}
+	src, err := identity.LoadFiles(files, nil)
+	if err != nil {
+		e.T.Fatal(err)
+	}
+	return src
+}
+
+// ConnWith is a gRPC connection to the broker at addr with src's identity,
+// expecting the broker's SPIFFE ID.
+func (e *Env) ConnWith(addr string, src identity.SVIDSource) *grpc.ClientConn {
+	e.T.Helper()
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(
+		identity.ClientCredentials(src, tlsconfig.AuthorizeID(ID("/broker")))))
+	if err != nil {
+		e.T.Fatal(err)
+	}
+	e.T.Cleanup(func() { conn.Close() })
+	return conn
 }

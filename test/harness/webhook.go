@@ -9,7 +9,7 @@ import (
 
 	admissionv1 "k8s.io/api/admission/v1"
 
-	"github.com/kcp-dev/tunnel-broker/test/devca"
+	"github.com/kcp-dev/tunnel-broker/internal/devca"
 )
 
 // Webhook is an HTTPS admission webhook server on loopback, with a
