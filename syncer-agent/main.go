@@ -30,13 +30,10 @@ func run() error {
 		broker   = flag.String("broker", "", "broker address, host:port")
 		brokerID = flag.String("broker-spiffe-id", "", "SPIFFE ID the broker must present (default: any ID in the agent's trust domain)")
 		name     = flag.String("name", "", "name shown in the broker's logs, e.g. the sync target")
-		files    identity.Files
 		jsonLogs = flag.Bool("log-json", false, "log JSON lines instead of text")
 		verbose  = flag.Bool("v", false, "log every tunnel, not only failures")
+		idOpts   = identity.AddFlags(flag.CommandLine)
 	)
-	flag.StringVar(&files.Cert, "svid-cert", "", "X.509-SVID certificate chain (PEM, leaf first)")
-	flag.StringVar(&files.Key, "svid-key", "", "X.509-SVID private key (PEM, PKCS#8)")
-	flag.StringVar(&files.Bundle, "trust-bundle", "", "trust bundle of the agent's trust domain (PEM)")
 	resolverFlags := addResolverFlags(flag.CommandLine)
 	flag.Parse()
 
@@ -54,14 +51,18 @@ func run() error {
 	if *broker == "" {
 		return fmt.Errorf("--broker is required")
 	}
-	if files.Cert == "" || files.Key == "" || files.Bundle == "" {
-		return fmt.Errorf("--svid-cert, --svid-key and --trust-bundle are required: the agent speaks only mTLS")
-	}
-	src, err := identity.Load(files)
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	src, err := identity.Open(ctx, *idOpts, log)
 	if err != nil {
 		return err
 	}
-	authorize := tlsconfig.AuthorizeMemberOf(src.ID().TrustDomain())
+	defer src.Close()
+	self, err := identity.IDOf(src)
+	if err != nil {
+		return err
+	}
+	authorize := tlsconfig.AuthorizeMemberOf(self.TrustDomain())
 	if *brokerID != "" {
 		id, err := spiffeid.FromString(*brokerID)
 		if err != nil {
@@ -70,8 +71,6 @@ func run() error {
 		authorize = tlsconfig.AuthorizeID(id)
 	}
 
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
 	resolver, err := resolverFlags.newResolver(ctx, log)
 	if err != nil {
 		return err
@@ -90,9 +89,9 @@ func run() error {
 		Resolver:    resolver.Resolver, // itself, so that the agent sees it is a ClusterWatcher
 		Log:         log,
 	}
-	log.Info("agent starting", "broker", *broker, "id", src.ID().String(), "clusters", resolver.Clusters())
+	log.Info("agent starting", "broker", *broker, "id", self.String(), "clusters", resolver.Clusters())
 	if len(resolver.Clusters()) == 0 {
-		log.Warn("no logical cluster to serve yet: the broker refuses the registration until one appears")
+		log.Warn("no logical cluster to serve yet: registering with none, and again when one appears")
 	}
 	return a.Run(ctx)
 }
