@@ -13,9 +13,12 @@ import (
 	"syscall"
 
 	dialv1 "github.com/kcp-dev/tunnel-broker/broker/api/dial/v1"
+	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
+	"github.com/kcp-dev/tunnel-broker/broker/registry"
 	"github.com/kcp-dev/tunnel-broker/broker/server"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
+	"github.com/kcp-dev/tunnel-broker/internal/ops"
 )
 
 func main() {
@@ -31,6 +34,14 @@ func run() error {
 		id         = flag.String("id", hostname(), "name of this replica, sent to agents")
 		policyFile = flag.String("policy", "", "authorization policy file (YAML): which SPIFFE IDs may register, dial and administer")
 		timeout    = flag.Duration("dial-timeout", dialv1.DefaultTimeout, "how long a dial may wait for its agent")
+		grace      = flag.Duration("grace", server.DefaultGrace, "on SIGTERM, how long tunnels in flight may still run")
+		idle       = flag.Duration("idle-timeout", server.DefaultIdleTimeout, "end tunnels that carry nothing for this long (negative: never)")
+		maxPending = flag.Int64("max-pending-dials-per-agent", 256, "dials one agent may have waiting (0: no limit)")
+		maxAgent   = flag.Int64("max-tunnels-per-agent", 20000, "tunnels one agent may carry (0: no limit)")
+		maxCaller  = flag.Int64("max-tunnels-per-caller", 20000, "tunnels one caller SPIFFE ID may hold (0: no limit)")
+		maxMsg     = flag.Int("max-message-size", server.DefaultMaxMessageSize, "largest gRPC message accepted, in bytes")
+		opsListen  = flag.String("metrics-listen", ":9090", "address for /metrics, /healthz and /readyz (empty: off)")
+		pprof      = flag.String("pprof-listen", "", "address for /debug/pprof (empty: off; keep it on loopback)")
 		jsonLogs   = flag.Bool("log-json", false, "log JSON lines instead of text")
 		verbose    = flag.Bool("v", false, "log every tunnel, not only failures")
 		idOpts     = identity.AddFlags(flag.CommandLine)
@@ -61,12 +72,20 @@ func run() error {
 		return err
 	}
 	srv := server.New(server.Config{
-		ID:          *id,
-		Identity:    src,
-		Policy:      pol,
-		DialTimeout: *timeout,
-		Log:         log,
+		ID:                  *id,
+		Identity:            src,
+		Policy:              pol,
+		DialTimeout:         *timeout,
+		Grace:               *grace,
+		IdleTimeout:         *idle,
+		Limits:              registry.Limits{MaxPendingPerAgent: *maxPending, MaxTunnelsPerAgent: *maxAgent},
+		MaxTunnelsPerCaller: *maxCaller,
+		MaxMessageSize:      *maxMsg,
+		Log:                 log,
 	})
+	if err := ops.Serve(ctx, ops.Options{Listen: *opsListen, Pprof: *pprof, Ready: srv.Ready, Metrics: metrics.Registry}, log); err != nil {
+		return err
+	}
 	log.Info("broker serving", "address", l.Addr().String(), "id", self.String(), "replica", *id)
 	return srv.Serve(ctx, l)
 }

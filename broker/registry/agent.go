@@ -4,6 +4,7 @@ package registry
 
 import (
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
@@ -26,7 +27,21 @@ type Agent struct {
 	orders   chan *tunnelv1.DialOrder
 	gone     chan struct{}
 	goneOnce sync.Once
+
+	draining atomic.Bool
+	pending  atomic.Int64 // dials ordered and not yet answered
+	tunnels  atomic.Int64 // tunnels open through the agent
 }
+
+// Drain marks the agent as shutting down: dials go to other agents of its
+// clusters when there are any.
+func (a *Agent) Drain() { a.draining.Store(true) }
+
+// Draining reports whether the agent announced it is shutting down.
+func (a *Agent) Draining() bool { return a.draining.Load() }
+
+// Tunnels is the number of tunnels open through the agent.
+func (a *Agent) Tunnels() int64 { return a.tunnels.Load() }
 
 // NewAgent makes an agent ready to register.
 func NewAgent(sessionID string, id spiffeid.ID, name string, clusters []string) *Agent {

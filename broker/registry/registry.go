@@ -18,11 +18,22 @@ import (
 // Registry routes dials to agents. It holds no state shared across broker
 // replicas: every agent connects to every replica.
 type Registry struct {
+	Limits Limits
+
 	mu        sync.Mutex
 	byCluster map[string][]*Agent
 	next      map[string]int // round-robin cursor per cluster
 	pending   map[uint64]*Pending
 	lastID    uint64
+}
+
+// Limits bound what one agent may be asked to carry; zero means no limit.
+type Limits struct {
+	// MaxPendingPerAgent bounds dials ordered and not yet answered, so a
+	// stuck agent cannot pile up waiting webhook calls.
+	MaxPendingPerAgent int64
+	// MaxTunnelsPerAgent bounds tunnels open through one agent.
+	MaxTunnelsPerAgent int64
 }
 
 // New returns an empty registry.
@@ -103,15 +114,43 @@ func (r *Registry) Agents() []*Agent {
 	return out
 }
 
-// pick chooses the next agent for cluster, round-robin.
-func (r *Registry) pick(cluster string) *Agent {
+// pick chooses the next agent for cluster, round-robin, skipping agents
+// that drain or are at a limit. A draining agent is used only when no other
+// serves the cluster: it may still finish a dial within its grace period.
+func (r *Registry) pick(cluster string) (*Agent, error) {
 	agents := r.byCluster[cluster]
 	if len(agents) == 0 {
-		return nil
+		return nil, status.Errorf(codes.Unavailable, "no agent serves logical cluster %q", cluster)
 	}
-	i := r.next[cluster] % len(agents)
-	r.next[cluster] = i + 1
-	return agents[i]
+	start := r.next[cluster]
+	r.next[cluster] = start + 1
+	var draining, full *Agent
+	for i := range agents {
+		a := agents[(start+i)%len(agents)]
+		switch {
+		case r.atLimit(a):
+			full = a
+		case a.Draining():
+			if draining == nil {
+				draining = a
+			}
+		default:
+			return a, nil
+		}
+	}
+	if draining != nil {
+		return draining, nil
+	}
+	if full.pending.Load() >= r.Limits.MaxPendingPerAgent && r.Limits.MaxPendingPerAgent > 0 {
+		return nil, status.Errorf(codes.ResourceExhausted, "every agent of logical cluster %q has %d dials pending", cluster, r.Limits.MaxPendingPerAgent)
+	}
+	return nil, status.Errorf(codes.ResourceExhausted, "every agent of logical cluster %q carries %d tunnels", cluster, r.Limits.MaxTunnelsPerAgent)
+}
+
+func (r *Registry) atLimit(a *Agent) bool {
+	l := r.Limits
+	return l.MaxPendingPerAgent > 0 && a.pending.Load() >= l.MaxPendingPerAgent ||
+		l.MaxTunnelsPerAgent > 0 && a.tunnels.Load() >= l.MaxTunnelsPerAgent
 }
 
 // Dial orders an agent that serves target's cluster to connect, and waits
@@ -119,15 +158,17 @@ func (r *Registry) pick(cluster string) *Agent {
 // The returned tunnel must be finished with Tunnel.Finish.
 func (r *Registry) Dial(ctx context.Context, target *tunnelv1.Target, timeoutMS uint32) (*Tunnel, error) {
 	r.mu.Lock()
-	a := r.pick(target.GetCluster())
-	if a == nil {
+	a, err := r.pick(target.GetCluster())
+	if err != nil {
 		r.mu.Unlock()
-		return nil, status.Errorf(codes.Unavailable, "no agent serves logical cluster %q", target.GetCluster())
+		return nil, err
 	}
 	r.lastID++
 	p := &Pending{ID: r.lastID, Agent: a, Target: target, result: make(chan result, 1)}
 	r.pending[p.ID] = p
+	a.pending.Add(1)
 	r.mu.Unlock()
+	defer a.pending.Add(-1)
 
 	order := &tunnelv1.DialOrder{DialId: p.ID, Target: target, TimeoutMs: timeoutMS}
 	select {

@@ -22,6 +22,7 @@ type Tunnel struct {
 }
 
 func newTunnel(p *Pending, stream tunnelv1.AgentService_TunnelServer) *Tunnel {
+	p.Agent.tunnels.Add(1)
 	return &Tunnel{
 		ID:     fmt.Sprintf("%016x", p.ID),
 		Agent:  p.Agent,
@@ -36,6 +37,7 @@ func newTunnel(p *Pending, stream tunnelv1.AgentService_TunnelServer) *Tunnel {
 func (t *Tunnel) Finish(err error) {
 	t.once.Do(func() {
 		t.err = err
+		t.Agent.tunnels.Add(-1)
 		close(t.done)
 	})
 }

@@ -1,5 +1,6 @@
 // Package server assembles the broker's gRPC server: mTLS with SPIFFE, the
-// dial and agent services, health and reflection.
+// dial and agent services, authorization, health and reflection, and the
+// shutdown sequence that drains them.
 package server
 
 import (
@@ -23,6 +24,13 @@ import (
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 )
 
+// Defaults for Config's zero values.
+const (
+	DefaultGrace          = 20 * time.Second
+	DefaultIdleTimeout    = 10 * time.Minute
+	DefaultMaxMessageSize = 1 << 20
+)
+
 // Config is what a broker replica needs.
 type Config struct {
 	// ID names this replica to agents and in logs.
@@ -32,23 +40,52 @@ type Config struct {
 	// Policy says which SPIFFE IDs may do what.
 	Policy      *policy.Policy
 	DialTimeout time.Duration
-	Log         *slog.Logger
+	// Grace is how long tunnels in flight may run once shutdown begins.
+	Grace time.Duration
+	// IdleTimeout ends tunnels that carry nothing for so long; <0: never.
+	IdleTimeout time.Duration
+	// Limits bound each agent; MaxTunnelsPerCaller each caller identity.
+	Limits              registry.Limits
+	MaxTunnelsPerCaller int64
+	// MaxMessageSize bounds a received message (data frames are far smaller).
+	MaxMessageSize int
+	Log            *slog.Logger
 }
 
 // Server is one broker replica.
 type Server struct {
+	cfg      Config
 	grpc     *grpc.Server
 	health   *health.Server
+	dial     *dialv1.Service
+	draining chan struct{}
+	stopping chan struct{}
 	Registry *registry.Registry
 }
 
 // New builds a broker replica; Serve starts it.
 func New(cfg Config) *Server {
-	log := cfg.Log
-	if log == nil {
-		log = slog.Default()
+	if cfg.Log == nil {
+		cfg.Log = slog.Default()
 	}
-	reg := registry.New()
+	if cfg.Grace == 0 {
+		cfg.Grace = DefaultGrace
+	}
+	if cfg.IdleTimeout == 0 {
+		cfg.IdleTimeout = DefaultIdleTimeout
+	}
+	if cfg.MaxMessageSize == 0 {
+		cfg.MaxMessageSize = DefaultMaxMessageSize
+	}
+	log := cfg.Log
+	s := &Server{
+		cfg:      cfg,
+		draining: make(chan struct{}),
+		stopping: make(chan struct{}),
+		Registry: registry.New(),
+	}
+	s.Registry.Limits = cfg.Limits
+
 	authorizer := &authz.Authorizer{Policy: cfg.Policy, Log: log}
 	// The handshake admits any SVID that chains to a trusted bundle; the
 	// policy then decides per RPC, so a refused peer gets PermissionDenied,
@@ -56,26 +93,91 @@ func New(cfg Config) *Server {
 	creds := identity.LogRefusedHandshakes(identity.ServerCredentials(cfg.Identity, tlsconfig.AuthorizeAny()), log)
 	opts := append(authorizer.ServerOptions(),
 		grpc.Creds(creds),
+		grpc.MaxRecvMsgSize(cfg.MaxMessageSize),
 		// Agents ping to notice a dead broker quickly; allow it.
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}),
-		// And the broker pings idle agents, so a vanished agent is dropped in seconds.
-		grpc.KeepaliveParams(keepalive.ServerParameters{Time: 15 * time.Second, Timeout: 5 * time.Second}),
+		// And the broker pings quiet peers, so a vanished agent is dropped in seconds.
+		grpc.KeepaliveParams(keepalive.ServerParameters{Time: 10 * time.Second, Timeout: 5 * time.Second}),
 	)
-	srv := grpc.NewServer(opts...)
-	(&dialv1.Service{Registry: reg, Policy: cfg.Policy, Timeout: cfg.DialTimeout, Log: log.With("service", "dial")}).Register(srv)
-	(&agentv1.Service{Registry: reg, Policy: cfg.Policy, BrokerID: cfg.ID, Log: log.With("service", "agent")}).Register(srv)
-	hs := health.NewServer()
-	healthpb.RegisterHealthServer(srv, hs)
-	reflection.Register(srv)
-	return &Server{grpc: srv, health: hs, Registry: reg}
+	s.grpc = grpc.NewServer(opts...)
+	idle := cfg.IdleTimeout
+	if idle < 0 {
+		idle = 0
+	}
+	s.dial = &dialv1.Service{
+		Registry: s.Registry, Policy: cfg.Policy, Timeout: cfg.DialTimeout,
+		IdleTimeout: idle, MaxTunnelsPerCaller: cfg.MaxTunnelsPerCaller,
+		Draining: s.draining, Stopping: s.stopping,
+		Log: log.With("service", "dial"),
+	}
+	s.dial.Register(s.grpc)
+	(&agentv1.Service{
+		Registry: s.Registry, Policy: cfg.Policy, BrokerID: cfg.ID,
+		Draining: s.draining, Stopping: s.stopping, Grace: cfg.Grace,
+		Log: log.With("service", "agent"),
+	}).Register(s.grpc)
+	s.health = health.NewServer()
+	healthpb.RegisterHealthServer(s.grpc, s.health)
+	reflection.Register(s.grpc)
+	return s
 }
 
-// Serve serves on l until ctx ends, then stops: in-flight RPCs are cancelled.
-func (s *Server) Serve(ctx context.Context, l net.Listener) error {
-	stop := context.AfterFunc(ctx, func() {
-		s.health.Shutdown()
-		s.grpc.Stop()
-	})
-	defer stop()
-	return s.grpc.Serve(l)
+// Ready reports whether the replica takes dials: it serves and does not drain.
+func (s *Server) Ready() bool {
+	select {
+	case <-s.draining:
+		return false
+	default:
+		return true
+	}
 }
+
+// Serve serves on l until ctx ends, then shuts down: it stops taking dials
+// and says so (health NOT_SERVING, agents told to drain), lets tunnels in
+// flight run for the grace period, then ends them with Unavailable.
+func (s *Server) Serve(ctx context.Context, l net.Listener) error {
+	served := make(chan error, 1)
+	go func() { served <- s.grpc.Serve(l) }()
+	select {
+	case err := <-served:
+		return err
+	case <-ctx.Done():
+	}
+	s.shutdown()
+	return <-served
+}
+
+func (s *Server) shutdown() {
+	log := s.cfg.Log
+	s.health.Shutdown()
+	close(s.draining)
+	log.Info("draining", "tunnels", s.dial.Active(), "grace", s.cfg.Grace)
+	deadline := time.NewTimer(s.cfg.Grace)
+	defer deadline.Stop()
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+wait:
+	for s.dial.Active() > 0 {
+		select {
+		case <-deadline.C:
+			break wait
+		case <-tick.C:
+		}
+	}
+	if n := s.dial.Active(); n > 0 {
+		log.Info("grace period over, ending tunnels", "tunnels", n)
+	}
+	close(s.stopping)
+	// Every handler now returns promptly; GracefulStop lets their statuses
+	// reach the peers before the connections close.
+	stopped := make(chan struct{})
+	go func() { s.grpc.GracefulStop(); close(stopped) }()
+	select {
+	case <-stopped:
+	case <-time.After(5 * time.Second):
+		s.grpc.Stop()
+	}
+}
+
+// Stop ends the replica at once, as a crash would for its peers.
+func (s *Server) Stop() { s.grpc.Stop() }

@@ -24,8 +24,14 @@ type Broker struct {
 	stop   func()
 }
 
-// Stop stops the broker and waits for it.
+// Stop shuts the broker down as on SIGTERM (drain, grace, stop) and waits.
 func (b *Broker) Stop() { b.stop() }
+
+// Kill ends the broker's connections at once, as a crash would.
+func (b *Broker) Kill() {
+	b.Server.Stop()
+	b.stop()
+}
 
 // BrokerOptions tune an in-process broker.
 type BrokerOptions struct {
@@ -35,6 +41,12 @@ type BrokerOptions struct {
 	Policy *policy.File
 	// Identity defaults to the SVID of /broker.
 	Identity identity.SVIDSource
+	// Grace on Stop; defaults to 2s in tests.
+	Grace time.Duration
+	// Listen defaults to 127.0.0.1:0.
+	Listen string
+	// Config adjusts the rest of the broker's configuration.
+	Config func(*server.Config)
 }
 
 // StartBroker runs a broker replica on a loopback port until the test ends.
@@ -47,17 +59,28 @@ func (e *Env) StartBroker(opts BrokerOptions) *Broker {
 	if src == nil {
 		src = e.Identity("/broker")
 	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if opts.Listen == "" {
+		opts.Listen = "127.0.0.1:0"
+	}
+	if opts.Grace == 0 {
+		opts.Grace = 2 * time.Second
+	}
+	l, err := net.Listen("tcp", opts.Listen)
 	if err != nil {
 		e.T.Fatal(err)
 	}
-	srv := server.New(server.Config{
+	cfg := server.Config{
 		ID:          opts.ID,
 		Identity:    src,
 		Policy:      e.policyFor(opts.Policy),
 		DialTimeout: opts.DialTimeout,
+		Grace:       opts.Grace,
 		Log:         Logger(),
-	})
+	}
+	if opts.Config != nil {
+		opts.Config(&cfg)
+	}
+	srv := server.New(cfg)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {

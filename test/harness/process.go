@@ -127,7 +127,7 @@ func (e *Env) StartBrokerProcess(extra ...string) (*Process, string) {
 	e.T.Helper()
 	f := e.SVID("/broker")
 	lines := make(chan string, 100)
-	args := append([]string{"--listen", "127.0.0.1:0", "--policy", e.WritePolicy(nil),
+	args := append([]string{"--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--policy", e.WritePolicy(nil),
 		"--svid-cert", f.Cert, "--svid-key", f.Key, "--trust-bundle", f.Bundle}, extra...)
 	p := start(e.T, "broker", args, lines)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)

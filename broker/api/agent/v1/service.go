@@ -9,6 +9,7 @@ import (
 	"errors"
 	"io"
 	"log/slog"
+	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"google.golang.org/grpc"
@@ -30,7 +31,12 @@ type Service struct {
 	Registry *registry.Registry
 	Policy   *policy.Policy
 	BrokerID string
-	Log      *slog.Logger
+	// Draining closes when the broker stops taking dials: agents are told,
+	// with Grace as the time tunnels in flight still have. Stopping closes
+	// when that time is over: control streams end.
+	Draining, Stopping <-chan struct{}
+	Grace              time.Duration
+	Log                *slog.Logger
 }
 
 // Register adds the service to s.
@@ -72,9 +78,18 @@ func (s *Service) Connect(stream tunnelv1.AgentService_ConnectServer) error {
 	log.Info("agent registered", "clusters", a.Clusters)
 
 	recvErr := make(chan error, 1)
-	go func() { recvErr <- s.receive(stream, a) }()
+	go func() { recvErr <- s.receive(stream, a, log) }()
+	draining := s.Draining
 	for {
 		select {
+		case <-draining:
+			draining = nil // tell once
+			drain := &tunnelv1.ConnectResponse{Message: &tunnelv1.ConnectResponse_Drain{Drain: &tunnelv1.Drain{GraceMs: uint32(s.Grace.Milliseconds())}}}
+			if err := stream.Send(drain); err != nil {
+				return err
+			}
+		case <-s.Stopping:
+			return status.Error(codes.Unavailable, "the broker is shutting down")
 		case order := <-a.Orders():
 			if err := stream.Send(&tunnelv1.ConnectResponse{Message: &tunnelv1.ConnectResponse_DialOrder{DialOrder: order}}); err != nil {
 				log.Info("agent disconnected", "error", err)
@@ -92,7 +107,7 @@ func (s *Service) Connect(stream tunnelv1.AgentService_ConnectServer) error {
 }
 
 // receive takes dial failures from the agent until it closes its side.
-func (s *Service) receive(stream tunnelv1.AgentService_ConnectServer, a *registry.Agent) error {
+func (s *Service) receive(stream tunnelv1.AgentService_ConnectServer, a *registry.Agent, log *slog.Logger) error {
 	for {
 		msg, err := stream.Recv()
 		if errors.Is(err, io.EOF) {
@@ -104,12 +119,15 @@ func (s *Service) receive(stream tunnelv1.AgentService_ConnectServer, a *registr
 		switch m := msg.GetMessage().(type) {
 		case *tunnelv1.ConnectRequest_DialFailure:
 			s.Registry.Fail(a, m.DialFailure)
+		case *tunnelv1.ConnectRequest_Drain:
+			a.Drain()
+			log.Info("agent draining", "grace", time.Duration(m.Drain.GetGraceMs())*time.Millisecond, "tunnels", a.Tunnels())
 		case *tunnelv1.ConnectRequest_Register:
 			if err := s.checkClusters(a.ID, m.Register.GetClusters()); err != nil {
 				return err
 			}
 			s.Registry.Update(a, m.Register.GetClusters())
-			s.Log.Info("agent clusters changed", "agent", a.String(), "session", a.SessionID, "clusters", m.Register.GetClusters())
+			log.Info("agent clusters changed", "clusters", m.Register.GetClusters())
 		default:
 			return status.Error(codes.InvalidArgument, "after registering, an agent may only report dial failures or re-register")
 		}

@@ -7,8 +7,11 @@ import (
 	"errors"
 	"io"
 	"log/slog"
+	"sync"
+	"sync/atomic"
 	"time"
 
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -32,8 +35,21 @@ type Service struct {
 	Registry *registry.Registry
 	Policy   *policy.Policy
 	Timeout  time.Duration
-	Log      *slog.Logger
+	// IdleTimeout ends tunnels that carry nothing for this long; 0: never.
+	IdleTimeout time.Duration
+	// MaxTunnelsPerCaller bounds the tunnels one SPIFFE ID holds; 0: none.
+	MaxTunnelsPerCaller int64
+	// Draining closes when the broker stops taking dials; Stopping when
+	// its grace period for tunnels in flight is over.
+	Draining, Stopping <-chan struct{}
+	Log                *slog.Logger
+
+	active    atomic.Int64
+	perCaller sync.Map // spiffeid.ID -> *atomic.Int64
 }
+
+// Active is the number of tunnels spliced right now.
+func (s *Service) Active() int64 { return s.active.Load() }
 
 // Register adds the service to s.
 func (s *Service) Register(srv *grpc.Server) { tunnelv1.RegisterDialServiceServer(srv, s) }
@@ -62,6 +78,16 @@ func (s *Service) Dial(stream tunnelv1.DialService_DialServer) error {
 	}
 	log := s.Log.With("cluster", target.GetCluster(), "namespace", target.GetNamespace(),
 		"service", target.GetService(), "port", target.GetPort(), "caller", caller.String())
+	if isClosed(s.Draining) {
+		return status.Error(codes.Unavailable, "this broker replica is shutting down: dial another")
+	}
+	held := s.callerTunnels(caller)
+	if n := held.Add(1); s.MaxTunnelsPerCaller > 0 && n > s.MaxTunnelsPerCaller {
+		held.Add(-1)
+		log.Warn("dial refused: caller at its tunnel limit", "limit", s.MaxTunnelsPerCaller)
+		return status.Errorf(codes.ResourceExhausted, "%s already holds %d tunnels, the most a caller may", caller, s.MaxTunnelsPerCaller)
+	}
+	defer held.Add(-1)
 
 	start := time.Now()
 	t, err := s.dial(stream.Context(), target)
@@ -77,7 +103,9 @@ func (s *Service) Dial(stream tunnelv1.DialService_DialServer) error {
 	}
 	log.Debug("tunnel established", "took", time.Since(start))
 
-	callerStatus, agentStatus := splice(stream, t.Stream)
+	s.active.Add(1)
+	defer s.active.Add(-1)
+	callerStatus, agentStatus := splicer{stopping: s.Stopping, idle: s.IdleTimeout}.splice(stream, t.Stream)
 	t.Finish(agentStatus)
 	if agentStatus != nil {
 		log.Info("tunnel ended", "caller_code", status.Code(callerStatus).String(), "agent_code", status.Code(agentStatus).String(), "error", status.Convert(agentStatus).Message())
@@ -98,4 +126,18 @@ func (s *Service) dial(ctx context.Context, target *tunnelv1.Target) (*registry.
 	// At least 1ms: zero would mean "no timeout given" to the agent.
 	remaining := max(time.Until(deadline).Milliseconds(), 1)
 	return s.Registry.Dial(ctx, target, uint32(remaining))
+}
+
+func (s *Service) callerTunnels(id spiffeid.ID) *atomic.Int64 {
+	n, _ := s.perCaller.LoadOrStore(id, new(atomic.Int64))
+	return n.(*atomic.Int64)
+}
+
+func isClosed(c <-chan struct{}) bool {
+	select {
+	case <-c:
+		return true
+	default:
+		return false
+	}
 }

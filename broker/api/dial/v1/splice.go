@@ -2,7 +2,10 @@ package dial
 
 import (
 	"errors"
+	"fmt"
 	"io"
+	"sync/atomic"
+	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -11,9 +14,21 @@ import (
 )
 
 // failure is the end of a splice that was not clean, with the side at fault.
+// A failure by neither side (the broker's own: shutdown, idle) carries the
+// statuses for both.
 type failure struct {
 	byCaller bool
 	err      error
+	// Set for the broker's own reasons.
+	callerStatus, agentStatus error
+}
+
+// splicer holds what a splice watches besides its two streams.
+type splicer struct {
+	// stopping closes when the broker's grace period is over.
+	stopping <-chan struct{}
+	// idle ends a tunnel that carried nothing for this long; 0 for never.
+	idle time.Duration
 }
 
 // splice carries bytes both ways between the caller's Dial stream and the
@@ -23,10 +38,18 @@ type failure struct {
 // Each direction runs in its own goroutine because a gRPC Recv cannot be
 // interrupted: only the end of its RPC frees it. So when one side fails, both
 // handlers return and the blocked Recv of the other direction ends with them.
-func splice(caller tunnelv1.DialService_DialServer, agent tunnelv1.AgentService_TunnelServer) (callerStatus, agentStatus error) {
+func (sp splicer) splice(caller tunnelv1.DialService_DialServer, agent tunnelv1.AgentService_TunnelServer) (callerStatus, agentStatus error) {
+	var active activity
+	active.touch()
 	results := make(chan *failure, 2)
-	go func() { results <- copyUp(caller, agent) }()
-	go func() { results <- copyDown(agent, caller) }()
+	go func() { results <- copyUp(caller, agent, &active) }()
+	go func() { results <- copyDown(agent, caller, &active) }()
+	var idle <-chan time.Time
+	if sp.idle > 0 {
+		t := time.NewTicker(sp.idle / 4)
+		defer t.Stop()
+		idle = t.C
+	}
 	for pending := 2; pending > 0; {
 		var f *failure
 		// A copy blocked in Send on one stream does not see the other
@@ -38,25 +61,45 @@ func splice(caller tunnelv1.DialService_DialServer, agent tunnelv1.AgentService_
 			f = &failure{byCaller: true, err: caller.Context().Err()}
 		case <-agent.Context().Done():
 			f = &failure{err: agent.Context().Err()}
+		case <-sp.stopping:
+			f = &failure{
+				callerStatus: status.Error(codes.Unavailable, "the broker is shutting down and its grace period is over"),
+				agentStatus:  status.Error(codes.Unavailable, "the broker is shutting down"),
+			}
+		case <-idle:
+			if active.since() < sp.idle {
+				continue
+			}
+			msg := fmt.Sprintf("tunnel carried nothing for %v", sp.idle)
+			f = &failure{callerStatus: status.Error(codes.DeadlineExceeded, msg), agentStatus: status.Error(codes.DeadlineExceeded, msg)}
 		}
-		if f == nil {
+		switch {
+		case f == nil:
 			continue
-		}
-		if f.byCaller {
+		case f.callerStatus != nil:
+			return f.callerStatus, f.agentStatus
+		case f.byCaller:
 			if status.Code(f.err) == codes.InvalidArgument {
 				return f.err, status.Errorf(codes.Canceled, "caller broke the protocol: %v", f.err)
 			}
 			return status.Error(codes.Canceled, "caller went away"),
 				status.Errorf(codes.Canceled, "caller went away: %v", f.err)
+		default:
+			return status.Errorf(codes.Unavailable, "tunnel lost on the agent's side: %v", f.err),
+				status.Errorf(codes.Aborted, "tunnel aborted: %v", f.err)
 		}
-		return status.Errorf(codes.Unavailable, "tunnel lost on the agent's side: %v", f.err),
-			status.Errorf(codes.Aborted, "tunnel aborted: %v", f.err)
 	}
 	return nil, nil
 }
 
+// activity is when a tunnel last carried a frame.
+type activity struct{ last atomic.Int64 }
+
+func (a *activity) touch()               { a.last.Store(time.Now().UnixNano()) }
+func (a *activity) since() time.Duration { return time.Duration(time.Now().UnixNano() - a.last.Load()) }
+
 // copyUp forwards the caller's bytes to the agent, then its half-close.
-func copyUp(caller tunnelv1.DialService_DialServer, agent tunnelv1.AgentService_TunnelServer) *failure {
+func copyUp(caller tunnelv1.DialService_DialServer, agent tunnelv1.AgentService_TunnelServer, active *activity) *failure {
 	for {
 		msg, err := caller.Recv()
 		if errors.Is(err, io.EOF) {
@@ -68,6 +111,7 @@ func copyUp(caller tunnelv1.DialService_DialServer, agent tunnelv1.AgentService_
 		if err != nil {
 			return &failure{byCaller: true, err: err}
 		}
+		active.touch()
 		data := msg.GetData()
 		if len(data) == 0 {
 			return &failure{byCaller: true, err: status.Error(codes.InvalidArgument, "protocol error: after the target, a caller may only send non-empty data")}
@@ -79,7 +123,7 @@ func copyUp(caller tunnelv1.DialService_DialServer, agent tunnelv1.AgentService_
 }
 
 // copyDown forwards the agent's bytes to the caller, then its half-close.
-func copyDown(agent tunnelv1.AgentService_TunnelServer, caller tunnelv1.DialService_DialServer) *failure {
+func copyDown(agent tunnelv1.AgentService_TunnelServer, caller tunnelv1.DialService_DialServer, active *activity) *failure {
 	for {
 		msg, err := agent.Recv()
 		if errors.Is(err, io.EOF) {
@@ -91,6 +135,7 @@ func copyDown(agent tunnelv1.AgentService_TunnelServer, caller tunnelv1.DialServ
 		if err != nil {
 			return &failure{err: err}
 		}
+		active.touch()
 		data := msg.GetData()
 		if len(data) == 0 {
 			return &failure{err: errors.New("protocol error: after opening, an agent may only send data")}

@@ -374,6 +374,7 @@ type ConnectRequest struct {
 	//
 	//	*ConnectRequest_Register
 	//	*ConnectRequest_DialFailure
+	//	*ConnectRequest_Drain
 	Message       isConnectRequest_Message `protobuf_oneof:"message"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -434,6 +435,15 @@ func (x *ConnectRequest) GetDialFailure() *DialFailure {
 	return nil
 }
 
+func (x *ConnectRequest) GetDrain() *Drain {
+	if x != nil {
+		if x, ok := x.Message.(*ConnectRequest_Drain); ok {
+			return x.Drain
+		}
+	}
+	return nil
+}
+
 type isConnectRequest_Message interface {
 	isConnectRequest_Message()
 }
@@ -450,9 +460,17 @@ type ConnectRequest_DialFailure struct {
 	DialFailure *DialFailure `protobuf:"bytes,2,opt,name=dial_failure,json=dialFailure,proto3,oneof"`
 }
 
+type ConnectRequest_Drain struct {
+	// The agent is shutting down: route it no new dials. Tunnels in flight
+	// go on until they end or the agent's grace period runs out.
+	Drain *Drain `protobuf:"bytes,3,opt,name=drain,proto3,oneof"`
+}
+
 func (*ConnectRequest_Register) isConnectRequest_Message() {}
 
 func (*ConnectRequest_DialFailure) isConnectRequest_Message() {}
+
+func (*ConnectRequest_Drain) isConnectRequest_Message() {}
 
 type ConnectResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -460,6 +478,7 @@ type ConnectResponse struct {
 	//
 	//	*ConnectResponse_Registered
 	//	*ConnectResponse_DialOrder
+	//	*ConnectResponse_Drain
 	Message       isConnectResponse_Message `protobuf_oneof:"message"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -520,6 +539,15 @@ func (x *ConnectResponse) GetDialOrder() *DialOrder {
 	return nil
 }
 
+func (x *ConnectResponse) GetDrain() *Drain {
+	if x != nil {
+		if x, ok := x.Message.(*ConnectResponse_Drain); ok {
+			return x.Drain
+		}
+	}
+	return nil
+}
+
 type isConnectResponse_Message interface {
 	isConnectResponse_Message()
 }
@@ -534,9 +562,64 @@ type ConnectResponse_DialOrder struct {
 	DialOrder *DialOrder `protobuf:"bytes,2,opt,name=dial_order,json=dialOrder,proto3,oneof"`
 }
 
+type ConnectResponse_Drain struct {
+	// The broker replica is shutting down: it sends no more orders, and the
+	// control stream ends after its grace period. Tunnels in flight go on
+	// until then.
+	Drain *Drain `protobuf:"bytes,3,opt,name=drain,proto3,oneof"`
+}
+
 func (*ConnectResponse_Registered) isConnectResponse_Message() {}
 
 func (*ConnectResponse_DialOrder) isConnectResponse_Message() {}
+
+func (*ConnectResponse_Drain) isConnectResponse_Message() {}
+
+// Drain announces that the sender is shutting down.
+type Drain struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// How long tunnels in flight may still run (milliseconds).
+	GraceMs       uint32 `protobuf:"varint,1,opt,name=grace_ms,json=graceMs,proto3" json:"grace_ms,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Drain) Reset() {
+	*x = Drain{}
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Drain) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Drain) ProtoMessage() {}
+
+func (x *Drain) ProtoReflect() protoreflect.Message {
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Drain.ProtoReflect.Descriptor instead.
+func (*Drain) Descriptor() ([]byte, []int) {
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *Drain) GetGraceMs() uint32 {
+	if x != nil {
+		return x.GraceMs
+	}
+	return 0
+}
 
 // Register states which logical clusters the agent serves.
 type Register struct {
@@ -551,7 +634,7 @@ type Register struct {
 
 func (x *Register) Reset() {
 	*x = Register{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[7]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -563,7 +646,7 @@ func (x *Register) String() string {
 func (*Register) ProtoMessage() {}
 
 func (x *Register) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[7]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -576,7 +659,7 @@ func (x *Register) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Register.ProtoReflect.Descriptor instead.
 func (*Register) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{7}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *Register) GetClusters() []string {
@@ -606,7 +689,7 @@ type Registered struct {
 
 func (x *Registered) Reset() {
 	*x = Registered{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[8]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -618,7 +701,7 @@ func (x *Registered) String() string {
 func (*Registered) ProtoMessage() {}
 
 func (x *Registered) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[8]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -631,7 +714,7 @@ func (x *Registered) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Registered.ProtoReflect.Descriptor instead.
 func (*Registered) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{8}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *Registered) GetBrokerId() string {
@@ -662,7 +745,7 @@ type DialOrder struct {
 
 func (x *DialOrder) Reset() {
 	*x = DialOrder{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[9]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -674,7 +757,7 @@ func (x *DialOrder) String() string {
 func (*DialOrder) ProtoMessage() {}
 
 func (x *DialOrder) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[9]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -687,7 +770,7 @@ func (x *DialOrder) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DialOrder.ProtoReflect.Descriptor instead.
 func (*DialOrder) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{9}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *DialOrder) GetDialId() uint64 {
@@ -728,7 +811,7 @@ type DialFailure struct {
 
 func (x *DialFailure) Reset() {
 	*x = DialFailure{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[10]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -740,7 +823,7 @@ func (x *DialFailure) String() string {
 func (*DialFailure) ProtoMessage() {}
 
 func (x *DialFailure) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[10]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -753,7 +836,7 @@ func (x *DialFailure) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DialFailure.ProtoReflect.Descriptor instead.
 func (*DialFailure) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{10}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *DialFailure) GetDialId() uint64 {
@@ -790,7 +873,7 @@ type TunnelRequest struct {
 
 func (x *TunnelRequest) Reset() {
 	*x = TunnelRequest{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[11]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -802,7 +885,7 @@ func (x *TunnelRequest) String() string {
 func (*TunnelRequest) ProtoMessage() {}
 
 func (x *TunnelRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[11]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -815,7 +898,7 @@ func (x *TunnelRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelRequest.ProtoReflect.Descriptor instead.
 func (*TunnelRequest) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{11}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *TunnelRequest) GetFrame() isTunnelRequest_Frame {
@@ -874,7 +957,7 @@ type TunnelResponse struct {
 
 func (x *TunnelResponse) Reset() {
 	*x = TunnelResponse{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[12]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -886,7 +969,7 @@ func (x *TunnelResponse) String() string {
 func (*TunnelResponse) ProtoMessage() {}
 
 func (x *TunnelResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[12]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -899,7 +982,7 @@ func (x *TunnelResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelResponse.ProtoReflect.Descriptor instead.
 func (*TunnelResponse) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{12}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *TunnelResponse) GetFrame() isTunnelResponse_Frame {
@@ -955,7 +1038,7 @@ type TunnelOpen struct {
 
 func (x *TunnelOpen) Reset() {
 	*x = TunnelOpen{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[13]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -967,7 +1050,7 @@ func (x *TunnelOpen) String() string {
 func (*TunnelOpen) ProtoMessage() {}
 
 func (x *TunnelOpen) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[13]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -980,7 +1063,7 @@ func (x *TunnelOpen) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelOpen.ProtoReflect.Descriptor instead.
 func (*TunnelOpen) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{13}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *TunnelOpen) GetDialId() uint64 {
@@ -1013,18 +1096,22 @@ const file_kcp_tunnel_v1_tunnel_proto_rawDesc = "" +
 	"\vEstablished\x12\x1b\n" +
 	"\ttunnel_id\x18\x01 \x01(\tR\btunnelId\"\f\n" +
 	"\n" +
-	"CloseWrite\"\x93\x01\n" +
+	"CloseWrite\"\xc1\x01\n" +
 	"\x0eConnectRequest\x125\n" +
 	"\bregister\x18\x01 \x01(\v2\x17.kcp.tunnel.v1.RegisterH\x00R\bregister\x12?\n" +
-	"\fdial_failure\x18\x02 \x01(\v2\x1a.kcp.tunnel.v1.DialFailureH\x00R\vdialFailureB\t\n" +
-	"\amessage\"\x94\x01\n" +
+	"\fdial_failure\x18\x02 \x01(\v2\x1a.kcp.tunnel.v1.DialFailureH\x00R\vdialFailure\x12,\n" +
+	"\x05drain\x18\x03 \x01(\v2\x14.kcp.tunnel.v1.DrainH\x00R\x05drainB\t\n" +
+	"\amessage\"\xc2\x01\n" +
 	"\x0fConnectResponse\x12;\n" +
 	"\n" +
 	"registered\x18\x01 \x01(\v2\x19.kcp.tunnel.v1.RegisteredH\x00R\n" +
 	"registered\x129\n" +
 	"\n" +
-	"dial_order\x18\x02 \x01(\v2\x18.kcp.tunnel.v1.DialOrderH\x00R\tdialOrderB\t\n" +
-	"\amessage\"E\n" +
+	"dial_order\x18\x02 \x01(\v2\x18.kcp.tunnel.v1.DialOrderH\x00R\tdialOrder\x12,\n" +
+	"\x05drain\x18\x03 \x01(\v2\x14.kcp.tunnel.v1.DrainH\x00R\x05drainB\t\n" +
+	"\amessage\"\"\n" +
+	"\x05Drain\x12\x19\n" +
+	"\bgrace_ms\x18\x01 \x01(\rR\agraceMs\"E\n" +
 	"\bRegister\x12\x1a\n" +
 	"\bclusters\x18\x01 \x03(\tR\bclusters\x12\x1d\n" +
 	"\n" +
@@ -1072,7 +1159,7 @@ func file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP() []byte {
 	return file_kcp_tunnel_v1_tunnel_proto_rawDescData
 }
 
-var file_kcp_tunnel_v1_tunnel_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
+var file_kcp_tunnel_v1_tunnel_proto_msgTypes = make([]protoimpl.MessageInfo, 15)
 var file_kcp_tunnel_v1_tunnel_proto_goTypes = []any{
 	(*Target)(nil),                // 0: kcp.tunnel.v1.Target
 	(*DialRequest)(nil),           // 1: kcp.tunnel.v1.DialRequest
@@ -1081,38 +1168,41 @@ var file_kcp_tunnel_v1_tunnel_proto_goTypes = []any{
 	(*CloseWrite)(nil),            // 4: kcp.tunnel.v1.CloseWrite
 	(*ConnectRequest)(nil),        // 5: kcp.tunnel.v1.ConnectRequest
 	(*ConnectResponse)(nil),       // 6: kcp.tunnel.v1.ConnectResponse
-	(*Register)(nil),              // 7: kcp.tunnel.v1.Register
-	(*Registered)(nil),            // 8: kcp.tunnel.v1.Registered
-	(*DialOrder)(nil),             // 9: kcp.tunnel.v1.DialOrder
-	(*DialFailure)(nil),           // 10: kcp.tunnel.v1.DialFailure
-	(*TunnelRequest)(nil),         // 11: kcp.tunnel.v1.TunnelRequest
-	(*TunnelResponse)(nil),        // 12: kcp.tunnel.v1.TunnelResponse
-	(*TunnelOpen)(nil),            // 13: kcp.tunnel.v1.TunnelOpen
-	(*timestamppb.Timestamp)(nil), // 14: google.protobuf.Timestamp
+	(*Drain)(nil),                 // 7: kcp.tunnel.v1.Drain
+	(*Register)(nil),              // 8: kcp.tunnel.v1.Register
+	(*Registered)(nil),            // 9: kcp.tunnel.v1.Registered
+	(*DialOrder)(nil),             // 10: kcp.tunnel.v1.DialOrder
+	(*DialFailure)(nil),           // 11: kcp.tunnel.v1.DialFailure
+	(*TunnelRequest)(nil),         // 12: kcp.tunnel.v1.TunnelRequest
+	(*TunnelResponse)(nil),        // 13: kcp.tunnel.v1.TunnelResponse
+	(*TunnelOpen)(nil),            // 14: kcp.tunnel.v1.TunnelOpen
+	(*timestamppb.Timestamp)(nil), // 15: google.protobuf.Timestamp
 }
 var file_kcp_tunnel_v1_tunnel_proto_depIdxs = []int32{
 	0,  // 0: kcp.tunnel.v1.DialRequest.target:type_name -> kcp.tunnel.v1.Target
 	3,  // 1: kcp.tunnel.v1.DialResponse.established:type_name -> kcp.tunnel.v1.Established
 	4,  // 2: kcp.tunnel.v1.DialResponse.close_write:type_name -> kcp.tunnel.v1.CloseWrite
-	7,  // 3: kcp.tunnel.v1.ConnectRequest.register:type_name -> kcp.tunnel.v1.Register
-	10, // 4: kcp.tunnel.v1.ConnectRequest.dial_failure:type_name -> kcp.tunnel.v1.DialFailure
-	8,  // 5: kcp.tunnel.v1.ConnectResponse.registered:type_name -> kcp.tunnel.v1.Registered
-	9,  // 6: kcp.tunnel.v1.ConnectResponse.dial_order:type_name -> kcp.tunnel.v1.DialOrder
-	14, // 7: kcp.tunnel.v1.Registered.since:type_name -> google.protobuf.Timestamp
-	0,  // 8: kcp.tunnel.v1.DialOrder.target:type_name -> kcp.tunnel.v1.Target
-	13, // 9: kcp.tunnel.v1.TunnelRequest.open:type_name -> kcp.tunnel.v1.TunnelOpen
-	4,  // 10: kcp.tunnel.v1.TunnelResponse.close_write:type_name -> kcp.tunnel.v1.CloseWrite
-	1,  // 11: kcp.tunnel.v1.DialService.Dial:input_type -> kcp.tunnel.v1.DialRequest
-	5,  // 12: kcp.tunnel.v1.AgentService.Connect:input_type -> kcp.tunnel.v1.ConnectRequest
-	11, // 13: kcp.tunnel.v1.AgentService.Tunnel:input_type -> kcp.tunnel.v1.TunnelRequest
-	2,  // 14: kcp.tunnel.v1.DialService.Dial:output_type -> kcp.tunnel.v1.DialResponse
-	6,  // 15: kcp.tunnel.v1.AgentService.Connect:output_type -> kcp.tunnel.v1.ConnectResponse
-	12, // 16: kcp.tunnel.v1.AgentService.Tunnel:output_type -> kcp.tunnel.v1.TunnelResponse
-	14, // [14:17] is the sub-list for method output_type
-	11, // [11:14] is the sub-list for method input_type
-	11, // [11:11] is the sub-list for extension type_name
-	11, // [11:11] is the sub-list for extension extendee
-	0,  // [0:11] is the sub-list for field type_name
+	8,  // 3: kcp.tunnel.v1.ConnectRequest.register:type_name -> kcp.tunnel.v1.Register
+	11, // 4: kcp.tunnel.v1.ConnectRequest.dial_failure:type_name -> kcp.tunnel.v1.DialFailure
+	7,  // 5: kcp.tunnel.v1.ConnectRequest.drain:type_name -> kcp.tunnel.v1.Drain
+	9,  // 6: kcp.tunnel.v1.ConnectResponse.registered:type_name -> kcp.tunnel.v1.Registered
+	10, // 7: kcp.tunnel.v1.ConnectResponse.dial_order:type_name -> kcp.tunnel.v1.DialOrder
+	7,  // 8: kcp.tunnel.v1.ConnectResponse.drain:type_name -> kcp.tunnel.v1.Drain
+	15, // 9: kcp.tunnel.v1.Registered.since:type_name -> google.protobuf.Timestamp
+	0,  // 10: kcp.tunnel.v1.DialOrder.target:type_name -> kcp.tunnel.v1.Target
+	14, // 11: kcp.tunnel.v1.TunnelRequest.open:type_name -> kcp.tunnel.v1.TunnelOpen
+	4,  // 12: kcp.tunnel.v1.TunnelResponse.close_write:type_name -> kcp.tunnel.v1.CloseWrite
+	1,  // 13: kcp.tunnel.v1.DialService.Dial:input_type -> kcp.tunnel.v1.DialRequest
+	5,  // 14: kcp.tunnel.v1.AgentService.Connect:input_type -> kcp.tunnel.v1.ConnectRequest
+	12, // 15: kcp.tunnel.v1.AgentService.Tunnel:input_type -> kcp.tunnel.v1.TunnelRequest
+	2,  // 16: kcp.tunnel.v1.DialService.Dial:output_type -> kcp.tunnel.v1.DialResponse
+	6,  // 17: kcp.tunnel.v1.AgentService.Connect:output_type -> kcp.tunnel.v1.ConnectResponse
+	13, // 18: kcp.tunnel.v1.AgentService.Tunnel:output_type -> kcp.tunnel.v1.TunnelResponse
+	16, // [16:19] is the sub-list for method output_type
+	13, // [13:16] is the sub-list for method input_type
+	13, // [13:13] is the sub-list for extension type_name
+	13, // [13:13] is the sub-list for extension extendee
+	0,  // [0:13] is the sub-list for field type_name
 }
 
 func init() { file_kcp_tunnel_v1_tunnel_proto_init() }
@@ -1132,16 +1222,18 @@ func file_kcp_tunnel_v1_tunnel_proto_init() {
 	file_kcp_tunnel_v1_tunnel_proto_msgTypes[5].OneofWrappers = []any{
 		(*ConnectRequest_Register)(nil),
 		(*ConnectRequest_DialFailure)(nil),
+		(*ConnectRequest_Drain)(nil),
 	}
 	file_kcp_tunnel_v1_tunnel_proto_msgTypes[6].OneofWrappers = []any{
 		(*ConnectResponse_Registered)(nil),
 		(*ConnectResponse_DialOrder)(nil),
+		(*ConnectResponse_Drain)(nil),
 	}
-	file_kcp_tunnel_v1_tunnel_proto_msgTypes[11].OneofWrappers = []any{
+	file_kcp_tunnel_v1_tunnel_proto_msgTypes[12].OneofWrappers = []any{
 		(*TunnelRequest_Open)(nil),
 		(*TunnelRequest_Data)(nil),
 	}
-	file_kcp_tunnel_v1_tunnel_proto_msgTypes[12].OneofWrappers = []any{
+	file_kcp_tunnel_v1_tunnel_proto_msgTypes[13].OneofWrappers = []any{
 		(*TunnelResponse_Data)(nil),
 		(*TunnelResponse_CloseWrite)(nil),
 	}
@@ -1151,7 +1243,7 @@ func file_kcp_tunnel_v1_tunnel_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kcp_tunnel_v1_tunnel_proto_rawDesc), len(file_kcp_tunnel_v1_tunnel_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   14,
+			NumMessages:   15,
 			NumExtensions: 0,
 			NumServices:   2,
 		},
