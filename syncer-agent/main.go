@@ -3,9 +3,13 @@
 package main
 
 import (
+	"strings"
+	"time"
+
 	"context"
 	"flag"
 	"fmt"
+	"github.com/prometheus/client_golang/prometheus"
 	"log/slog"
 	"os"
 	"os/signal"
@@ -15,6 +19,7 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
 
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
+	"github.com/kcp-dev/tunnel-broker/internal/ops"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/agent"
 )
 
@@ -27,7 +32,12 @@ func main() {
 
 func run() error {
 	var (
-		broker   = flag.String("broker", "", "broker address, host:port")
+		brokers  = flag.String("broker", "", "broker replica addresses, host:port, comma-separated")
+		dns      = flag.String("broker-dns", "", "host:port whose host resolves to every broker replica (a headless Service)")
+		every    = flag.Duration("resolve-interval", 30*time.Second, "how often --broker-dns is resolved again")
+		grace    = flag.Duration("grace", agent.DefaultGrace, "on SIGTERM, how long tunnels in flight may still run")
+		metricsL = flag.String("metrics-listen", ":9091", "address for /metrics, /healthz and /readyz (empty: off)")
+		pprofL   = flag.String("pprof-listen", "", "address for /debug/pprof (empty: off; keep it on loopback)")
 		brokerID = flag.String("broker-spiffe-id", "", "SPIFFE ID the broker must present (default: any ID in the agent's trust domain)")
 		name     = flag.String("name", "", "name shown in the broker's logs, e.g. the sync target")
 		jsonLogs = flag.Bool("log-json", false, "log JSON lines instead of text")
@@ -48,8 +58,8 @@ func run() error {
 		log = slog.New(slog.NewTextHandler(os.Stderr, opts))
 	}
 
-	if *broker == "" {
-		return fmt.Errorf("--broker is required")
+	if *brokers == "" && *dns == "" {
+		return fmt.Errorf("--broker or --broker-dns is required")
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -82,16 +92,38 @@ func run() error {
 	if err := resolver.ready(ctx); err != nil {
 		return err
 	}
-	a := &agent.Agent{
-		Broker:      *broker,
-		Credentials: identity.ClientCredentials(src, authorize),
-		Name:        *name,
-		Resolver:    resolver.Resolver, // itself, so that the agent sees it is a ClusterWatcher
-		Log:         log,
+	fleet := &agent.Fleet{
+		Addresses:    splitList(*brokers),
+		DNS:          *dns,
+		ResolveEvery: *every,
+		Log:          log,
+		Agent: func(addr string) *agent.Agent {
+			return &agent.Agent{
+				Broker:      addr,
+				Credentials: identity.ClientCredentials(src, authorize),
+				Name:        *name,
+				Resolver:    resolver.Resolver, // itself, so that the agent sees it is a ClusterWatcher
+				Grace:       *grace,
+				Log:         log,
+			}
+		},
 	}
-	log.Info("agent starting", "broker", *broker, "id", self.String(), "clusters", resolver.Clusters())
+	if err := ops.Serve(ctx, ops.Options{Listen: *metricsL, Pprof: *pprofL, Ready: fleet.Ready, Metrics: prometheus.NewRegistry()}, log); err != nil {
+		return err
+	}
+	log.Info("agent starting", "brokers", *brokers, "broker_dns", *dns, "id", self.String(), "clusters", resolver.Clusters())
 	if len(resolver.Clusters()) == 0 {
 		log.Warn("no logical cluster to serve yet: registering with none, and again when one appears")
 	}
-	return a.Run(ctx)
+	return fleet.Run(ctx)
+}
+
+func splitList(s string) []string {
+	var out []string
+	for _, part := range strings.Split(s, ",") {
+		if part = strings.TrimSpace(part); part != "" {
+			out = append(out, part)
+		}
+	}
+	return out
 }

@@ -1,6 +1,6 @@
 // Package agent is the syncer agent's side of the tunnel: it keeps a control
-// stream to the broker, and for each dial order connects to the target its
-// Resolver names and pipes bytes over a Tunnel stream of its own.
+// stream to each broker replica, and for each dial order connects to the
+// target its Resolver names and pipes bytes over a Tunnel stream of its own.
 package agent
 
 import (
@@ -9,11 +9,12 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"math/rand/v2"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/keepalive"
 
@@ -21,42 +22,96 @@ import (
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
 )
 
-// Agent serves one broker address.
+// DefaultGrace is how long tunnels in flight may run once the agent drains.
+const DefaultGrace = 20 * time.Second
+
+// Agent serves one broker replica's address. A Fleet runs one per replica.
 type Agent struct {
-	// Broker is the broker's host:port.
+	// Broker is the replica's host:port.
 	Broker string
 	// Credentials are the agent's SPIFFE mTLS credentials.
 	Credentials credentials.TransportCredentials
 	// Name is shown in the broker's logs and listings.
 	Name     string
 	Resolver lookup.Resolver
-	Log      *slog.Logger
+	// Grace is how long tunnels in flight may run once Run's ctx ends.
+	Grace time.Duration
+	Log   *slog.Logger
 
 	// Registered, if set, is called each time the broker accepts the agent.
 	Registered func(brokerID string)
+
+	registered atomic.Bool
+	drainOnce  sync.Once
+	draining   chan struct{}
 }
 
-// Run keeps the agent registered with the broker until ctx ends, reconnecting
-// with exponential backoff and jitter. Tunnels in flight when ctx ends are
-// cancelled; Run returns after they are gone.
+// IsRegistered reports whether the broker holds the agent's registration now.
+func (a *Agent) IsRegistered() bool { return a.registered.Load() }
+
+func (a *Agent) drainCh() chan struct{} {
+	a.drainOnce.Do(func() { a.draining = make(chan struct{}) })
+	return a.draining
+}
+
+// Run keeps the agent registered with the broker, reconnecting with
+// exponential backoff and jitter, until ctx ends. Then it drains: it tells
+// the broker to route it no new dials, refuses orders that still come, lets
+// tunnels in flight run for Grace, and cancels what is left.
 func (a *Agent) Run(ctx context.Context) error {
 	conn, err := grpc.NewClient(a.Broker,
 		grpc.WithTransportCredentials(a.Credentials),
-		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 10 * time.Second, Timeout: 5 * time.Second, PermitWithoutStream: true}),
+		// Ping every 5s, give up after 5s more: a broker that vanished
+		// without a word is noticed in about ten seconds.
+		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 5 * time.Second, Timeout: 5 * time.Second, PermitWithoutStream: true}),
 	)
 	if err != nil {
 		return err
 	}
 	defer conn.Close()
 	client := tunnelv1.NewAgentServiceClient(conn)
+	draining := a.drainCh()
 
+	// life outlives ctx by the grace period: sessions and tunnels use it.
+	life, end := context.WithCancel(context.WithoutCancel(ctx))
+	defer end()
 	var tunnels sync.WaitGroup
-	defer tunnels.Wait()
+	loopDone := make(chan struct{})
+	go func() {
+		defer close(loopDone)
+		a.reconnect(life, client, &tunnels, draining)
+	}()
+
+	<-ctx.Done()
+	close(draining)
+	grace := a.Grace
+	if grace <= 0 {
+		grace = DefaultGrace
+	}
+	finished := make(chan struct{})
+	go func() { tunnels.Wait(); close(finished) }()
+	select {
+	case <-finished:
+	case <-time.After(grace):
+		a.Log.Info("grace period over, ending tunnels", "broker", a.Broker)
+	}
+	end()
+	<-loopDone
+	<-finished
+	return nil
+}
+
+// reconnect runs sessions until life ends or the agent drains.
+func (a *Agent) reconnect(life context.Context, client tunnelv1.AgentServiceClient, tunnels *sync.WaitGroup, draining <-chan struct{}) {
 	backoff := newBackoff(250*time.Millisecond, 30*time.Second)
 	for {
-		registered, err := a.session(ctx, client, &tunnels)
-		if ctx.Err() != nil {
-			return nil
+		registered, err := a.session(life, client, tunnels, draining)
+		select {
+		case <-draining:
+			return
+		case <-life.Done():
+			return
+		default:
 		}
 		if registered {
 			backoff.reset()
@@ -65,15 +120,19 @@ func (a *Agent) Run(ctx context.Context) error {
 		a.Log.Info("broker connection lost, reconnecting", "broker", a.Broker, "error", err, "in", wait.Round(time.Millisecond))
 		select {
 		case <-time.After(wait):
-		case <-ctx.Done():
-			return nil
+		case <-draining:
+			return
+		case <-life.Done():
+			return
 		}
 	}
 }
 
-// session registers once and serves dial orders until the control stream ends.
-func (a *Agent) session(ctx context.Context, client tunnelv1.AgentServiceClient, tunnels *sync.WaitGroup) (registered bool, err error) {
-	controlCtx, cancel := context.WithCancel(ctx)
+// session registers once and serves dial orders until the control stream
+// ends. Once the agent drains it says so and refuses further orders, and the
+// session ends when life does.
+func (a *Agent) session(life context.Context, client tunnelv1.AgentServiceClient, tunnels *sync.WaitGroup, draining <-chan struct{}) (registered bool, err error) {
+	controlCtx, cancel := context.WithCancel(life)
 	defer cancel()
 	control, err := client.Connect(controlCtx, grpc.WaitForReady(true))
 	if err != nil {
@@ -94,6 +153,8 @@ func (a *Agent) session(ctx context.Context, client tunnelv1.AgentServiceClient,
 	if reg == nil {
 		return false, errors.New("broker did not confirm the registration")
 	}
+	a.registered.Store(true)
+	defer a.registered.Store(false)
 	a.Log.Info("registered with broker", "broker", a.Broker, "broker_id", reg.GetBrokerId(), "clusters", a.Resolver.Clusters())
 	if a.Registered != nil {
 		a.Registered(reg.GetBrokerId())
@@ -108,22 +169,8 @@ func (a *Agent) session(ctx context.Context, client tunnelv1.AgentServiceClient,
 	fail := func(f *tunnelv1.DialFailure) {
 		send(&tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_DialFailure{DialFailure: f}})
 	}
-	if w, ok := a.Resolver.(lookup.ClusterWatcher); ok {
-		go func() {
-			for {
-				select {
-				case <-w.ClustersChanged():
-					clusters := a.Resolver.Clusters()
-					a.Log.Info("clusters changed, re-registering", "broker", a.Broker, "clusters", clusters)
-					send(&tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_Register{Register: &tunnelv1.Register{
-						Clusters: clusters, AgentName: a.Name,
-					}}})
-				case <-controlCtx.Done():
-					return
-				}
-			}
-		}()
-	}
+	go a.announce(controlCtx, send, draining)
+
 	for {
 		msg, err := control.Recv()
 		if errors.Is(err, io.EOF) {
@@ -132,32 +179,62 @@ func (a *Agent) session(ctx context.Context, client tunnelv1.AgentServiceClient,
 		if err != nil {
 			return true, err
 		}
-		order := msg.GetDialOrder()
-		if order == nil {
-			return true, fmt.Errorf("unexpected message from broker: %T", msg.GetMessage())
+		switch m := msg.GetMessage().(type) {
+		case *tunnelv1.ConnectResponse_DialOrder:
+			order := m.DialOrder
+			if isClosed(draining) {
+				fail(&tunnelv1.DialFailure{DialId: order.GetDialId(), Code: int32(codes.Unavailable), Message: "the agent is shutting down"})
+				continue
+			}
+			tunnels.Add(1)
+			go func() {
+				defer tunnels.Done()
+				// Tunnels outlive a lost control stream (their data
+				// streams are their own) but not the agent's life.
+				a.serve(life, client, order, fail)
+			}()
+		case *tunnelv1.ConnectResponse_Drain:
+			a.Log.Info("broker is draining", "broker", a.Broker, "broker_grace", time.Duration(m.Drain.GetGraceMs())*time.Millisecond)
+		default:
+			return true, fmt.Errorf("unexpected message from broker: %T", m)
 		}
-		tunnels.Add(1)
-		go func() {
-			defer tunnels.Done()
-			// Tunnels outlive a lost control stream (their data streams are
-			// their own) but not the agent.
-			a.serve(ctx, client, order, fail)
-		}()
 	}
 }
 
-// backoff is exponential with jitter (each wait drawn from [d/2, d]), so
-// agents that lost the same broker do not come back in lockstep.
-type backoff struct {
-	min, max, cur time.Duration
+// announce re-registers when the resolver's clusters change, and tells the
+// broker when the agent starts draining.
+func (a *Agent) announce(ctx context.Context, send func(*tunnelv1.ConnectRequest), draining <-chan struct{}) {
+	var changed <-chan struct{}
+	if w, ok := a.Resolver.(lookup.ClusterWatcher); ok {
+		changed = w.ClustersChanged()
+	}
+	for {
+		select {
+		case <-changed:
+			clusters := a.Resolver.Clusters()
+			a.Log.Info("clusters changed, re-registering", "broker", a.Broker, "clusters", clusters)
+			send(&tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_Register{Register: &tunnelv1.Register{
+				Clusters: clusters, AgentName: a.Name,
+			}}})
+		case <-draining:
+			draining = nil
+			grace := a.Grace
+			if grace <= 0 {
+				grace = DefaultGrace
+			}
+			a.Log.Info("draining", "broker", a.Broker, "grace", grace)
+			send(&tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_Drain{Drain: &tunnelv1.Drain{GraceMs: uint32(grace.Milliseconds())}}})
+		case <-ctx.Done():
+			return
+		}
+	}
 }
 
-func newBackoff(min, max time.Duration) *backoff { return &backoff{min: min, max: max, cur: min} }
-
-func (b *backoff) next() time.Duration {
-	d := b.cur/2 + rand.N(b.cur/2+1)
-	b.cur = min(b.cur*2, b.max)
-	return d
+func isClosed(c <-chan struct{}) bool {
+	select {
+	case <-c:
+		return true
+	default:
+		return false
+	}
 }
-
-func (b *backoff) reset() { b.cur = b.min }

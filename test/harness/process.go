@@ -158,7 +158,7 @@ func (e *Env) StartAgentProcess(brokerAddr, path string, services lookup.StaticF
 	servicesFile := filepath.Join(f.Dir, "services.yaml")
 	must(e.T, os.WriteFile(servicesFile, raw, 0o600))
 	lines := make(chan string, 100)
-	args := append([]string{"--broker", brokerAddr, "--name", filepath.Base(path), "--services", servicesFile,
+	args := append([]string{"--broker", brokerAddr, "--metrics-listen", "127.0.0.1:0", "--name", filepath.Base(path), "--services", servicesFile,
 		"--svid-cert", f.Cert, "--svid-key", f.Key, "--trust-bundle", f.Bundle}, extra...)
 	p := start(e.T, "syncer-agent", args, lines)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)

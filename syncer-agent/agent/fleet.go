@@ -1,0 +1,161 @@
+package agent
+
+import (
+	"context"
+	"log/slog"
+	"net"
+	"slices"
+	"sync"
+	"time"
+)
+
+// Fleet keeps the agent registered with every broker replica, so any replica
+// can route any dial without state shared between replicas. Replicas come
+// from a fixed list and/or a DNS name that resolves to all of them (a
+// headless Service), resolved again periodically: new replicas are joined,
+// vanished ones left.
+type Fleet struct {
+	// Addresses are fixed host:port addresses of replicas.
+	Addresses []string
+	// DNS, if set, is a host:port whose host resolves to every replica.
+	DNS string
+	// ResolveEvery is how often DNS is resolved again.
+	ResolveEvery time.Duration
+	// Agent makes the agent for one replica's address.
+	Agent func(address string) *Agent
+	Log   *slog.Logger
+
+	mu      sync.Mutex
+	members map[string]*member
+	leaving []*member // drained, awaited when the fleet ends
+}
+
+type member struct {
+	agent *Agent
+	stop  context.CancelFunc
+	done  chan struct{}
+}
+
+// Run follows the replicas until ctx ends, then drains every agent at once.
+func (f *Fleet) Run(ctx context.Context) error {
+	every := f.ResolveEvery
+	if every <= 0 {
+		every = 30 * time.Second
+	}
+	f.update(ctx, f.resolve(ctx))
+	if f.DNS != "" {
+		t := time.NewTicker(every)
+		defer t.Stop()
+	loop:
+		for {
+			select {
+			case <-t.C:
+				f.update(ctx, f.resolve(ctx))
+			case <-ctx.Done():
+				break loop
+			}
+		}
+	}
+	<-ctx.Done()
+	f.mu.Lock()
+	members := f.leaving
+	for _, m := range f.members {
+		members = append(members, m)
+	}
+	f.members, f.leaving = nil, nil
+	f.mu.Unlock()
+	for _, m := range members {
+		m.stop()
+	}
+	for _, m := range members {
+		<-m.done
+	}
+	return nil
+}
+
+// resolve returns the replicas' addresses now; on a DNS failure it keeps
+// the addresses it had.
+func (f *Fleet) resolve(ctx context.Context) []string {
+	addrs := slices.Clone(f.Addresses)
+	if f.DNS != "" {
+		host, port, err := net.SplitHostPort(f.DNS)
+		if err == nil {
+			var ips []string
+			ips, err = net.DefaultResolver.LookupHost(ctx, host)
+			for _, ip := range ips {
+				addrs = append(addrs, net.JoinHostPort(ip, port))
+			}
+		}
+		if err != nil {
+			f.Log.Warn("resolving broker replicas failed, keeping the ones known", "dns", f.DNS, "error", err)
+			f.mu.Lock()
+			for addr := range f.members {
+				addrs = append(addrs, addr)
+			}
+			f.mu.Unlock()
+		}
+	}
+	slices.Sort(addrs)
+	return slices.Compact(addrs)
+}
+
+// update starts agents for new addresses and drains those for vanished ones.
+func (f *Fleet) update(ctx context.Context, addrs []string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if ctx.Err() != nil {
+		return
+	}
+	if f.members == nil {
+		f.members = map[string]*member{}
+	}
+	for addr, m := range f.members {
+		if !slices.Contains(addrs, addr) {
+			f.Log.Info("broker replica vanished, leaving it", "broker", addr)
+			m.stop()
+			delete(f.members, addr)
+			f.leaving = append(f.leaving, m)
+		}
+	}
+	for _, addr := range addrs {
+		if _, ok := f.members[addr]; ok {
+			continue
+		}
+		a := f.Agent(addr)
+		mctx, stop := context.WithCancel(ctx)
+		m := &member{agent: a, stop: stop, done: make(chan struct{})}
+		f.members[addr] = m
+		go func() {
+			defer close(m.done)
+			_ = a.Run(mctx)
+		}()
+	}
+}
+
+// Ready reports whether the agent is registered with every replica it knows
+// of, and knows of at least one.
+func (f *Fleet) Ready() bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if len(f.members) == 0 {
+		return false
+	}
+	for _, m := range f.members {
+		if !m.agent.IsRegistered() {
+			return false
+		}
+	}
+	return true
+}
+
+// Registered is the number of replicas that hold the agent's registration.
+func (f *Fleet) Registered() (registered, known int) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for _, m := range f.members {
+		if m.agent.IsRegistered() {
+			registered++
+		}
+	}
+	return registered, len(f.members)
+}
