@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -55,7 +56,35 @@ type Process struct {
 	Cmd  *exec.Cmd
 	done chan struct{}
 	err  error
+
+	metricsOnce sync.Once
+	metrics     chan string // receives the /metrics endpoint's address once
 }
+
+// MetricsAddr is the address of the process's /metrics, /healthz and /readyz.
+func (p *Process) MetricsAddr(t T) string {
+	t.Helper()
+	select {
+	case addr := <-p.metrics:
+		p.metrics <- addr // keep it for the next caller
+		return addr
+	case <-time.After(20 * time.Second):
+		t.Fatal("the process did not report its metrics address")
+		return ""
+	}
+}
+
+// Ready reports whether the process's /readyz answers 200.
+func (p *Process) Ready(t T) bool {
+	resp, err := http.Get("http://" + p.MetricsAddr(t) + "/readyz")
+	if err != nil {
+		return false
+	}
+	resp.Body.Close()
+	return resp.StatusCode == http.StatusOK
+}
+
+var metricsRE = regexp.MustCompile(`HTTP endpoint serving"? address=(\S+)`)
 
 // Stop sends SIGTERM and waits for the process to exit.
 func (p *Process) Stop() error {
@@ -73,6 +102,9 @@ func (p *Process) Stop() error {
 	}
 	return p.err
 }
+
+// Done is closed when the process has exited.
+func (p *Process) Done() <-chan struct{} { return p.done }
 
 // Kill ends the process abruptly, as a crash would.
 func (p *Process) Kill() {
@@ -92,7 +124,7 @@ func start(t T, name string, args []string, lines chan<- string) *Process {
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	p := &Process{Cmd: cmd, done: make(chan struct{})}
+	p := &Process{Cmd: cmd, done: make(chan struct{}), metrics: make(chan string, 1)}
 	logged := make(chan struct{})
 	go func() {
 		defer close(logged)
@@ -100,6 +132,9 @@ func start(t T, name string, args []string, lines chan<- string) *Process {
 		for s.Scan() {
 			if os.Getenv("TUNNEL_TEST_LOG") != "" {
 				fmt.Fprintf(os.Stderr, "%s: %s\n", name, s.Text())
+			}
+			if m := metricsRE.FindStringSubmatch(s.Text()); m != nil {
+				p.metricsOnce.Do(func() { p.metrics <- m[1] })
 			}
 			if lines != nil {
 				select {
@@ -157,22 +192,17 @@ func (e *Env) StartAgentProcess(brokerAddr, path string, services lookup.StaticF
 	}
 	servicesFile := filepath.Join(f.Dir, "services.yaml")
 	must(e.T, os.WriteFile(servicesFile, raw, 0o600))
-	lines := make(chan string, 100)
 	args := append([]string{"--broker", brokerAddr, "--metrics-listen", "127.0.0.1:0", "--name", filepath.Base(path), "--services", servicesFile,
 		"--svid-cert", f.Cert, "--svid-key", f.Key, "--trust-bundle", f.Bundle}, extra...)
-	p := start(e.T, "syncer-agent", args, lines)
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-	defer cancel()
-	for {
+	p := start(e.T, "syncer-agent", args, nil)
+	// Ready means registered with every broker replica it was given.
+	Eventually(e.T, 20*time.Second, "the agent to be ready", func() bool {
 		select {
-		case line := <-lines:
-			if regexp.MustCompile(`registered with broker`).MatchString(line) {
-				return p
-			}
 		case <-p.done:
 			e.T.Fatalf("agent exited: %v", p.err)
-		case <-ctx.Done():
-			e.T.Fatal("agent did not register within 20s")
+		default:
 		}
-	}
+		return p.Ready(e.T)
+	})
+	return p
 }
