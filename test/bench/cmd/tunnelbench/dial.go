@@ -1,0 +1,38 @@
+package main
+
+import (
+	"context"
+	"time"
+
+	"github.com/kcp-dev/tunnel-broker/test/bench"
+)
+
+// dialLatency times cfg.dials dials per path, one after another, alternating
+// direct and tunneled so that load on the machine hits both alike. A
+// tunneled dial is DialService: the Dial RPC until the broker's established,
+// which comes after the agent connected to the target, so the stream is
+// usable; there is no TLS inside. A direct dial is a TCP connect. Each
+// connection is closed before the next dial.
+func (r *runner) dialLatency(ctx context.Context) {
+	paths := r.paths()
+	samples := make([]bench.Samples, len(paths))
+	// Warm up: the first dial of each path pays for lazy setup.
+	for _, p := range paths {
+		r.dialOrFatal(ctx, p, svcDial).Close()
+	}
+	deadline := time.Now().Add(time.Duration(r.cfg.dials) * 50 * time.Millisecond)
+	for i := 0; i < r.cfg.dials && time.Now().Before(deadline); i++ {
+		for j, p := range paths {
+			start := time.Now()
+			c := r.dialOrFatal(ctx, p, svcDial)
+			samples[j] = append(samples[j], time.Since(start))
+			c.Close()
+		}
+	}
+	for j, p := range paths {
+		r.logf("%s: %d dials", p.name, len(samples[j]))
+	}
+	d, t := samples[0], samples[1]
+	r.report.row("dial_p50_us", bench.Micros(d.Quantile(0.5)), bench.Micros(t.Quantile(0.5)))
+	r.report.row("dial_p99_us", bench.Micros(d.Quantile(0.99)), bench.Micros(t.Quantile(0.99)))
+}

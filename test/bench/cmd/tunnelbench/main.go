@@ -1,0 +1,146 @@
+// Command tunnelbench measures the tunnel against the direct path, in the
+// same run, on loopback: it starts the real broker and syncer-agent binaries
+// with SPIFFE mTLS (a throwaway dev trust domain), target servers in this
+// process, and kcp's side (kcpplugin.Dialer over one gRPC connection), then
+// prints one plain-text row per figure:
+//
+//	throughput_download_MiBps  direct=980  tunneled=610  ratio=0.62
+//
+// The ratio is always tunneled/direct (for latencies, lower is better; for
+// rates, higher is better); "-" marks a value that does not apply. Lines
+// starting with # describe the machine and the run. See BENCHMARKS.md for
+// what each figure means. Figures are only reported, never judged.
+//
+// Every phase is bounded in time and the tool stops by itself; `make bench`
+// runs it after building the binaries.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// phases, in the order they run.
+var allPhases = []string{"throughput", "latency", "rps", "dial", "isolation", "webhook", "idle"}
+
+type config struct {
+	size         int64         // bytes of each bulk transfer
+	duration     time.Duration // of each timed measurement
+	conns        int           // connections of the round-trips-per-second figure
+	dials        int           // dials per path
+	idle         []int         // idle tunnel counts
+	flood        int64         // bytes the stalled connection of the isolation figure is asked for
+	webhookConns int           // concurrent kept-alive connections of the webhook rate figure
+	phases       []string
+	profileDir   string
+	timeout      time.Duration // bound of one bulk transfer
+}
+
+func main() {
+	var (
+		cfg    config
+		size   = flag.String("size", "1GiB", "bytes of each bulk transfer (download and upload), e.g. 1GiB, 64MiB")
+		idle   = flag.String("idle", "1000,10000", "idle tunnel counts, comma-separated")
+		flood  = flag.String("flood", "4GiB", "bytes the stalled connection of the isolation figure asks for")
+		phases = flag.String("phases", strings.Join(allPhases, ","), "phases to run, comma-separated: "+strings.Join(allPhases, ","))
+		quick  = flag.Bool("quick", false, "small sizes and short durations, for a smoke run (overrides -size, -duration, -dials, -idle)")
+	)
+	flag.DurationVar(&cfg.duration, "duration", 3*time.Second, "length of each timed measurement (round trips, rates)")
+	flag.IntVar(&cfg.conns, "conns", 16, "connections for the round-trips-per-second figure")
+	flag.IntVar(&cfg.dials, "dials", 1000, "dials per path for the dial latency figure")
+	flag.IntVar(&cfg.webhookConns, "webhook-conns", 16, "concurrent kept-alive connections for the webhook rate figure")
+	flag.StringVar(&cfg.profileDir, "profile-dir", "", "if set and the binaries serve pprof (--pprof-listen), save their CPU and heap profiles of the throughput and round-trip runs here")
+	flag.DurationVar(&cfg.timeout, "timeout", 3*time.Minute, "bound of one bulk transfer")
+	flag.Parse()
+
+	var err error
+	if cfg.size, err = parseBytes(*size); err != nil {
+		fatalf("-size: %v", err)
+	}
+	if cfg.flood, err = parseBytes(*flood); err != nil {
+		fatalf("-flood: %v", err)
+	}
+	for _, f := range strings.Split(*idle, ",") {
+		if f = strings.TrimSpace(f); f == "" {
+			continue
+		}
+		n, err := strconv.Atoi(f)
+		if err != nil || n <= 0 {
+			fatalf("-idle: bad count %q", f)
+		}
+		cfg.idle = append(cfg.idle, n)
+	}
+	for _, p := range strings.Split(*phases, ",") {
+		if p = strings.TrimSpace(p); p == "" {
+			continue
+		}
+		if !slices.Contains(allPhases, p) {
+			fatalf("-phases: unknown phase %q (have %s)", p, strings.Join(allPhases, ","))
+		}
+		cfg.phases = append(cfg.phases, p)
+	}
+	if *quick {
+		cfg.size = 64 << 20
+		cfg.duration = time.Second
+		cfg.dials = 200
+		cfg.idle = []int{100, 1000}
+	}
+
+	b := newBench(cfg)
+	defer b.close()
+	ctx := context.Background()
+	b.report.header(b)
+	for _, p := range allPhases {
+		if !slices.Contains(cfg.phases, p) {
+			continue
+		}
+		b.logf("phase %s (load %s)", p, loadAvg())
+		switch p {
+		case "throughput":
+			b.throughput(ctx)
+		case "latency":
+			b.latency(ctx)
+		case "rps":
+			b.roundTripRate(ctx)
+		case "dial":
+			b.dialLatency(ctx)
+		case "isolation":
+			b.isolation(ctx)
+		case "webhook":
+			b.webhookRate(ctx)
+		case "idle":
+			b.idleTunnels(ctx)
+		}
+	}
+	b.report.footer(b)
+}
+
+// parseBytes reads a byte count with an optional KiB, MiB or GiB suffix.
+func parseBytes(s string) (int64, error) {
+	mult := int64(1)
+	for _, u := range []struct {
+		suffix string
+		mult   int64
+	}{{"KiB", 1 << 10}, {"MiB", 1 << 20}, {"GiB", 1 << 30}} {
+		if rest, ok := strings.CutSuffix(s, u.suffix); ok {
+			s, mult = rest, u.mult
+			break
+		}
+	}
+	n, err := strconv.ParseInt(strings.TrimSpace(s), 10, 64)
+	if err != nil || n <= 0 {
+		return 0, fmt.Errorf("bad byte count %q", s)
+	}
+	return n * mult, nil
+}
+
+func fatalf(format string, args ...any) {
+	fmt.Fprintf(os.Stderr, "tunnelbench: "+format+"\n", args...)
+	os.Exit(2)
+}

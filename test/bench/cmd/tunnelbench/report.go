@@ -1,0 +1,139 @@
+package main
+
+import (
+	"fmt"
+	"math"
+	"os"
+	"os/exec"
+	"runtime"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// report prints the table: one row per figure, as it is measured, to stdout.
+type report struct{}
+
+// none marks a value that does not apply.
+var none = math.NaN()
+
+// row prints a figure. The ratio is tunneled/direct, or "-" without both.
+func (*report) row(name string, direct, tunneled float64) {
+	ratio := none
+	if !math.IsNaN(direct) && !math.IsNaN(tunneled) && direct != 0 {
+		ratio = tunneled / direct
+	}
+	fmt.Printf("%-44s direct=%-8s tunneled=%-8s ratio=%s\n", name, num(direct), num(tunneled), fixed(ratio, 2))
+}
+
+// note prints a comment line: scripts skip lines starting with #.
+func (*report) note(format string, args ...any) {
+	fmt.Printf("# "+format+"\n", args...)
+}
+
+// num formats v with three significant digits, at least the integer part.
+func num(v float64) string {
+	switch a := math.Abs(v); {
+	case math.IsNaN(v):
+		return "-"
+	case a >= 100:
+		return fixed(v, 0)
+	case a >= 10:
+		return fixed(v, 1)
+	case a >= 1:
+		return fixed(v, 2)
+	default:
+		return fixed(v, 3)
+	}
+}
+
+func fixed(v float64, prec int) string {
+	if math.IsNaN(v) {
+		return "-"
+	}
+	return strconv.FormatFloat(v, 'f', prec, 64)
+}
+
+func (rep *report) header(r *runner) {
+	rep.note("tunnelbench: direct loopback vs kcpplugin -> broker -> syncer-agent, SPIFFE mTLS on both legs")
+	rep.note("machine: nproc=%d model=%q mem=%s kernel=%s go=%s", runtime.NumCPU(), cpuModel(), memTotal(), osRelease(), runtime.Version())
+	rep.note("commit: %s", commit())
+	rep.note("load at start: %s", loadAvg())
+	pprof := "no (binaries lack --pprof-listen: goroutine figures and process profiles skipped)"
+	if r.pprof {
+		pprof = "yes"
+	}
+	rep.note("pprof endpoints: %s", pprof)
+	c := r.cfg
+	rep.note("config: size=%s duration=%v conns=%d dials=%d idle=%v flood=%s webhook-conns=%d phases=%s",
+		bytesString(c.size), c.duration, c.conns, c.dials, c.idle, bytesString(c.flood), c.webhookConns, strings.Join(c.phases, ","))
+}
+
+func (rep *report) footer(r *runner) {
+	rep.note("load at end: %s", loadAvg())
+	rep.note("took %v", time.Since(r.started).Round(time.Second))
+}
+
+func bytesString(n int64) string {
+	switch {
+	case n >= 1<<30 && n%(1<<30) == 0:
+		return fmt.Sprintf("%dGiB", n>>30)
+	case n >= 1<<20 && n%(1<<20) == 0:
+		return fmt.Sprintf("%dMiB", n>>20)
+	}
+	return fmt.Sprint(n)
+}
+
+// loadAvg is the first three fields of /proc/loadavg, as uptime shows them.
+func loadAvg() string {
+	raw, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return "unknown"
+	}
+	f := strings.Fields(string(raw))
+	if len(f) < 3 {
+		return "unknown"
+	}
+	return strings.Join(f[:3], " ")
+}
+
+func cpuModel() string {
+	raw, _ := os.ReadFile("/proc/cpuinfo")
+	for _, line := range strings.Split(string(raw), "\n") {
+		if k, v, ok := strings.Cut(line, ":"); ok && strings.TrimSpace(k) == "model name" {
+			return strings.TrimSpace(v)
+		}
+	}
+	return "unknown"
+}
+
+func memTotal() string {
+	raw, _ := os.ReadFile("/proc/meminfo")
+	for _, line := range strings.Split(string(raw), "\n") {
+		if v, ok := strings.CutPrefix(line, "MemTotal:"); ok {
+			f := strings.Fields(v)
+			if kib, err := strconv.ParseInt(f[0], 10, 64); err == nil {
+				return fmt.Sprintf("%.1fGiB", float64(kib)/(1<<20))
+			}
+		}
+	}
+	return "unknown"
+}
+
+func osRelease() string {
+	raw, _ := os.ReadFile("/proc/sys/kernel/osrelease")
+	if s := strings.TrimSpace(string(raw)); s != "" {
+		return s
+	}
+	return "unknown"
+}
+
+// commit is the checked-out commit, marked dirty when the tree has changes
+// (the binaries are built from the tree as it is).
+func commit() string {
+	out, err := exec.Command("git", "describe", "--always", "--dirty").Output()
+	if err != nil {
+		return "unknown"
+	}
+	return strings.TrimSpace(string(out))
+}

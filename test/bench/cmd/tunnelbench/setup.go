@@ -1,0 +1,197 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"time"
+
+	"google.golang.org/grpc"
+
+	"github.com/kcp-dev/tunnel-broker/kcpplugin"
+	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
+	"github.com/kcp-dev/tunnel-broker/test/bench"
+	"github.com/kcp-dev/tunnel-broker/test/harness"
+)
+
+// Where the targets live for the tunnel: Services of one logical cluster.
+const (
+	cluster   = "root"
+	namespace = "bench"
+	agentPath = "/agent/sync-target-1"
+)
+
+// Services, each its own listener, so that one figure's connections (and
+// their TIME_WAIT entries) never mix with another's.
+const (
+	svcEcho     = "echo"     // 64-byte round trips and their rate
+	svcBulk     = "bulk"     // bulk transfers
+	svcDial     = "dial"     // dial latency
+	svcIsoEcho  = "iso-echo" // isolation: connection B
+	svcIsoBulk  = "iso-bulk" // isolation: connection A, the stalled reader
+	svcIdle     = "idle"     // idle tunnels
+	svcWebhook  = "webhook"  // the TLS admission webhook
+	portPlain   = 80
+	portWebhook = 443
+)
+
+// runner holds one run's world: the trust domain, the targets, the broker
+// and agent processes and kcp's dialer.
+type runner struct {
+	cfg     config
+	m       *harness.Main
+	env     *harness.Env
+	report  *report
+	started time.Time
+
+	targets map[string]*bench.Target
+	addrs   map[string]string // service -> target address
+	webhook *harness.Webhook
+
+	// pprof is whether the binaries have --pprof-listen.
+	pprof bool
+	main  *pair
+}
+
+// pair is a broker process, an agent process registered with it, and a kcp
+// dialer connected to the broker.
+type pair struct {
+	broker, agent           *harness.Process
+	brokerAddr              string
+	brokerPprof, agentPprof string // "" without pprof
+	conn                    *grpc.ClientConn
+	dialer                  *kcpplugin.Dialer
+}
+
+func newBench(cfg config) *runner {
+	r := &runner{cfg: cfg, m: &harness.Main{}, report: &report{}, started: time.Now(),
+		targets: map[string]*bench.Target{}, addrs: map[string]string{}}
+	r.env = harness.NewEnv(r.m)
+	for _, s := range []struct {
+		name  string
+		start func() (*bench.Target, error)
+	}{
+		{svcEcho, bench.StartEcho}, {svcBulk, bench.StartBulk}, {svcDial, bench.StartEcho},
+		{svcIsoEcho, bench.StartEcho}, {svcIsoBulk, bench.StartBulk}, {svcIdle, bench.StartEcho},
+	} {
+		t, err := s.start()
+		if err != nil {
+			r.m.Fatal(err)
+		}
+		r.m.Cleanup(t.Close)
+		r.targets[s.name] = t
+		r.addrs[s.name] = t.Addr
+	}
+	r.webhook = harness.StartWebhook(r.m, harness.WebhookOptions{Namespace: namespace, Name: svcWebhook}, allow)
+	r.addrs[svcWebhook] = r.webhook.Addr
+
+	bin := harness.Binaries(r.m)
+	r.pprof = hasFlag(filepath.Join(bin, "broker"), "pprof-listen") && hasFlag(filepath.Join(bin, "syncer-agent"), "pprof-listen")
+	r.main = r.startPair()
+	return r
+}
+
+// hasFlag says whether a binary's usage lists flag name.
+func hasFlag(bin, name string) bool {
+	out, _ := exec.Command(bin, "-h").CombinedOutput()
+	return bytes.Contains(out, []byte("-"+name+" "))
+}
+
+// services is the agent's static table: every target as a Service of the
+// bench namespace.
+func (r *runner) services() lookup.StaticFile {
+	var f lookup.StaticFile
+	for name, addr := range r.addrs {
+		port := portPlain
+		if name == svcWebhook {
+			port = portWebhook
+		}
+		f.Services = append(f.Services, lookup.StaticService{
+			Cluster: cluster, Namespace: namespace, Name: name,
+			Ports: map[string]string{fmt.Sprint(port): addr},
+		})
+	}
+	return f
+}
+
+// startPair starts a broker and an agent process, with pprof endpoints when
+// the binaries have them, and connects a kcp dialer to the broker.
+func (r *runner) startPair() *pair {
+	p := &pair{}
+	var brokerExtra, agentExtra []string
+	if r.pprof {
+		p.brokerPprof, p.agentPprof = freeAddr(r.m), freeAddr(r.m)
+		brokerExtra = []string{"--pprof-listen", p.brokerPprof}
+		agentExtra = []string{"--pprof-listen", p.agentPprof}
+	}
+	p.broker, p.brokerAddr = r.env.StartBrokerProcess(brokerExtra...)
+	p.agent = r.env.StartAgentProcess(p.brokerAddr, agentPath, r.services(), agentExtra...)
+	p.conn = r.env.BrokerConn(p.brokerAddr, "/kcp")
+	p.dialer = kcpplugin.NewDialer(p.conn)
+	return p
+}
+
+// stop ends the pair's processes and connection.
+func (p *pair) stop() {
+	p.conn.Close()
+	_ = p.agent.Stop()
+	_ = p.broker.Stop()
+}
+
+// freeAddr is a loopback address with a port free right now.
+func freeAddr(t harness.T) string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
+
+func (r *runner) close() { r.m.Close() }
+
+// logf reports progress on stderr; the table goes to stdout.
+func (r *runner) logf(format string, args ...any) {
+	fmt.Fprintf(os.Stderr, "[%6.1fs] "+format+"\n", append([]any{time.Since(r.started).Seconds()}, args...)...)
+}
+
+// path is a way to reach a target: directly, or through the tunnel.
+type path struct {
+	name string
+	dial func(ctx context.Context, svc string) (net.Conn, error)
+}
+
+func (r *runner) direct() path {
+	return path{name: "direct", dial: func(ctx context.Context, svc string) (net.Conn, error) {
+		var d net.Dialer
+		return d.DialContext(ctx, "tcp", r.addrs[svc])
+	}}
+}
+
+func (p *pair) tunneled() path {
+	return path{name: "tunneled", dial: func(ctx context.Context, svc string) (net.Conn, error) {
+		port := int32(portPlain)
+		if svc == svcWebhook {
+			port = portWebhook
+		}
+		return p.dialer.DialService(ctx, cluster, namespace, svc, port)
+	}}
+}
+
+// paths are the direct path, then the tunnel through the main pair.
+func (r *runner) paths() []path { return []path{r.direct(), r.main.tunneled()} }
+
+// dialOrFatal dials svc on p with a bound.
+func (r *runner) dialOrFatal(ctx context.Context, p path, svc string) net.Conn {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	c, err := p.dial(ctx, svc)
+	if err != nil {
+		r.m.Fatalf("%s: dialing %s: %v", p.name, svc, err)
+	}
+	return c
+}

@@ -1,0 +1,57 @@
+package main
+
+import (
+	"context"
+	"math"
+	"net"
+	"time"
+
+	"github.com/kcp-dev/tunnel-broker/test/bench"
+)
+
+// throughput moves cfg.size bytes over one connection each way, on each
+// path, and reports MiB/s from the request to the last byte (download) or to
+// the target's acknowledgement that it read every byte (upload).
+func (r *runner) throughput(ctx context.Context) {
+	for _, dir := range []struct {
+		name string
+		run  func(net.Conn, int64, []byte) error
+	}{
+		{"download", bench.Download},
+		{"upload", bench.Upload},
+	} {
+		rates := map[string]float64{}
+		for _, p := range r.paths() {
+			var stop func()
+			if p.name == "tunneled" {
+				stop = r.profile(ctx, "throughput-"+dir.name, r.estimate())
+			}
+			c := r.dialOrFatal(ctx, p, svcBulk)
+			// Bounded: a stuck transfer fails at the deadline.
+			_ = c.SetDeadline(time.Now().Add(r.cfg.timeout))
+			buf := make([]byte, bench.BulkBuffer)
+			start := time.Now()
+			err := dir.run(c, r.cfg.size, buf)
+			took := time.Since(start)
+			c.Close()
+			if stop != nil {
+				stop()
+			}
+			if err != nil {
+				r.logf("%s %s: %v", p.name, dir.name, err)
+				rates[p.name] = math.NaN()
+				continue
+			}
+			rates[p.name] = float64(r.cfg.size) / (1 << 20) / took.Seconds()
+			r.logf("%s %s: %s in %v", p.name, dir.name, bytesString(r.cfg.size), took.Round(time.Millisecond))
+		}
+		r.report.row("throughput_"+dir.name+"_MiBps", rates["direct"], rates["tunneled"])
+	}
+}
+
+// estimate is how long a tunneled transfer will roughly take, for the CPU
+// profile's window: at 200 MiB/s, 2 to 10 seconds.
+func (r *runner) estimate() time.Duration {
+	d := time.Duration(float64(r.cfg.size) / (200 << 20) * float64(time.Second))
+	return min(max(d, 2*time.Second), 10*time.Second)
+}

@@ -1,0 +1,106 @@
+package bench
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// ProcStatus is what /proc/<pid>/status says about a process's size.
+type ProcStatus struct {
+	RSSKiB  int64 // VmRSS
+	Threads int64
+}
+
+// ReadProcStatus reads /proc/<pid>/status.
+func ReadProcStatus(pid int) (ProcStatus, error) {
+	f, err := os.Open(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return ProcStatus{}, err
+	}
+	defer f.Close()
+	var st ProcStatus
+	s := bufio.NewScanner(f)
+	for s.Scan() {
+		key, val, ok := strings.Cut(s.Text(), ":")
+		if !ok {
+			continue
+		}
+		fields := strings.Fields(val)
+		if len(fields) == 0 {
+			continue
+		}
+		n, err := strconv.ParseInt(fields[0], 10, 64)
+		if err != nil {
+			continue
+		}
+		switch key {
+		case "VmRSS":
+			st.RSSKiB = n
+		case "Threads":
+			st.Threads = n
+		}
+	}
+	return st, s.Err()
+}
+
+// Goroutines reads the goroutine count of a process serving net/http/pprof
+// at addr: the first line of /debug/pprof/goroutine?debug=1 is
+// "goroutine profile: total N".
+func Goroutines(ctx context.Context, addr string) (int, error) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+"/debug/pprof/goroutine?debug=1", nil)
+	if err != nil {
+		return 0, err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return 0, fmt.Errorf("goroutine profile: %s", resp.Status)
+	}
+	line, err := bufio.NewReader(io.LimitReader(resp.Body, 4096)).ReadString('\n')
+	if err != nil {
+		return 0, fmt.Errorf("goroutine profile: %w", err)
+	}
+	_, total, ok := strings.Cut(strings.TrimSpace(line), "total ")
+	if !ok {
+		return 0, fmt.Errorf("goroutine profile: unexpected first line %q", line)
+	}
+	return strconv.Atoi(total)
+}
+
+// FetchProfile saves a pprof profile (e.g. "profile?seconds=10", "heap")
+// from a process serving net/http/pprof at addr into path.
+func FetchProfile(ctx context.Context, addr, profile, path string) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+"/debug/pprof/"+profile, nil)
+	if err != nil {
+		return err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("%s: %s", profile, resp.Status)
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	if _, err := io.Copy(f, resp.Body); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
+}

@@ -1,0 +1,208 @@
+package bench
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
+	"google.golang.org/grpc"
+
+	"github.com/kcp-dev/tunnel-broker/internal/identity"
+	"github.com/kcp-dev/tunnel-broker/kcpplugin"
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
+	"github.com/kcp-dev/tunnel-broker/test/harness"
+)
+
+// The benchmarks run everything in this process: targets, an in-process
+// broker and agent with SPIFFE mTLS, and kcp's dialer. Each measures one
+// piece three ways where that makes sense, so that benchstat can compare:
+//
+//   - direct: plain loopback TCP to the target, the floor;
+//   - conn:   kcpplugin's conn over one gRPC leg to a minimal DialService
+//     (fakeBroker) that answers the bytes itself: the conn's copy path, gRPC
+//     and TLS, without splice or agent;
+//   - tunnel: kcpplugin -> broker (splice) -> agent (pipe) -> target.
+//
+// tunnel minus conn is what the broker's splice, the agent's leg and its
+// pipe add.
+
+// world is shared by all benchmarks of the process.
+var world struct {
+	echo, bulk *Target
+	broker     string // in-process broker's address
+	tunnel     *kcpplugin.Dialer
+	fake       *kcpplugin.Dialer
+}
+
+const (
+	benchCluster   = "root"
+	benchNamespace = "bench"
+)
+
+func TestMain(m *testing.M) {
+	os.Exit(runMain(m))
+}
+
+func runMain(m *testing.M) int {
+	t := &harness.Main{}
+	defer t.Close()
+	env := harness.NewEnv(t)
+	var err error
+	if world.echo, err = StartEcho(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(world.echo.Close)
+	if world.bulk, err = StartBulk(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(world.bulk.Close)
+
+	b := env.StartBroker(harness.BrokerOptions{})
+	world.broker = b.Addr
+	env.StartAgent(b.Addr, "/agent/sync-target-1", lookup.StaticFile{Services: []lookup.StaticService{
+		{Cluster: benchCluster, Namespace: benchNamespace, Name: "echo", Ports: map[string]string{"80": world.echo.Addr}},
+		{Cluster: benchCluster, Namespace: benchNamespace, Name: "bulk", Ports: map[string]string{"80": world.bulk.Addr}},
+	}})
+	world.tunnel = env.Dialer(b.Addr, "/kcp")
+
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := grpc.NewServer(grpc.Creds(identity.ServerCredentials(env.Identity("/broker"), tlsconfig.AuthorizeAny())))
+	tunnelv1.RegisterDialServiceServer(srv, fakeBroker{})
+	go func() { _ = srv.Serve(l) }()
+	t.Cleanup(srv.Stop)
+	world.fake = env.Dialer(l.Addr().String(), "/kcp")
+	return m.Run()
+}
+
+// fakeBroker answers Dial itself, by the target's service name, with the
+// targets' protocols: "echo" sends every data frame back, "bulk" serves one
+// download or upload request (see Download and Upload) in 32 KiB frames, and
+// anything else waits for the caller's half-close.
+type fakeBroker struct {
+	tunnelv1.UnimplementedDialServiceServer
+}
+
+func (fakeBroker) Dial(stream tunnelv1.DialService_DialServer) error {
+	first, err := stream.Recv()
+	if err != nil {
+		return err
+	}
+	if err := stream.Send(&tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_Established{Established: &tunnelv1.Established{TunnelId: "fake"}}}); err != nil {
+		return err
+	}
+	data := func(b []byte) *tunnelv1.DialResponse {
+		return &tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_Data{Data: b}}
+	}
+	closeWrite := &tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_CloseWrite{CloseWrite: &tunnelv1.CloseWrite{}}}
+	// untilEOF reads until the caller half-closes, handing data to f.
+	untilEOF := func(f func([]byte) error) error {
+		for {
+			msg, err := stream.Recv()
+			if errors.Is(err, io.EOF) {
+				return stream.Send(closeWrite)
+			}
+			if err != nil {
+				return err
+			}
+			if err := f(msg.GetData()); err != nil {
+				return err
+			}
+		}
+	}
+	switch first.GetTarget().GetService() {
+	case "echo":
+		return untilEOF(func(b []byte) error { return stream.Send(data(b)) })
+	case "bulk":
+		var req []byte
+		for len(req) < 9 {
+			msg, err := stream.Recv()
+			if err != nil {
+				return err
+			}
+			req = append(req, msg.GetData()...)
+		}
+		size := int64(binary.BigEndian.Uint64(req[1:9]))
+		switch req[0] {
+		case opDownload:
+			for left := size; left > 0; {
+				n := min(left, 32<<10)
+				if err := stream.Send(data(pattern[:n])); err != nil {
+					return err
+				}
+				left -= n
+			}
+			if err := stream.Send(closeWrite); err != nil {
+				return err
+			}
+			return untilEOF(func([]byte) error { return nil })
+		case opUpload:
+			got := int64(len(req) - 9)
+			for got < size {
+				msg, err := stream.Recv()
+				if err != nil {
+					return err
+				}
+				got += int64(len(msg.GetData()))
+			}
+			var ack [8]byte
+			binary.BigEndian.PutUint64(ack[:], uint64(got))
+			if err := stream.Send(data(ack[:])); err != nil {
+				return err
+			}
+			return untilEOF(func([]byte) error { return nil })
+		}
+		return fmt.Errorf("bad request %q", req[0])
+	default:
+		return untilEOF(func([]byte) error { return nil })
+	}
+}
+
+// paths are the ways a benchmark reaches a service.
+var paths = []struct {
+	name string
+	dial func(ctx context.Context, svc string) (net.Conn, error)
+}{
+	{"direct", func(ctx context.Context, svc string) (net.Conn, error) {
+		addr := map[string]string{"echo": world.echo.Addr, "bulk": world.bulk.Addr}[svc]
+		var d net.Dialer
+		return d.DialContext(ctx, "tcp", addr)
+	}},
+	{"conn", func(ctx context.Context, svc string) (net.Conn, error) {
+		return world.fake.DialService(ctx, benchCluster, benchNamespace, svc, 80)
+	}},
+	{"tunnel", func(ctx context.Context, svc string) (net.Conn, error) {
+		return world.tunnel.DialService(ctx, benchCluster, benchNamespace, svc, 80)
+	}},
+}
+
+func dial(b *testing.B, d func(context.Context, string) (net.Conn, error), svc string) net.Conn {
+	b.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	c, err := d(ctx, svc)
+	if err != nil {
+		b.Fatal(err)
+	}
+	return c
+}
+
+func sizeName(n int) string {
+	switch {
+	case n >= 1<<20:
+		return fmt.Sprintf("%dMiB", n>>20)
+	case n >= 1<<10:
+		return fmt.Sprintf("%dKiB", n>>10)
+	}
+	return fmt.Sprintf("%dB", n)
+}
