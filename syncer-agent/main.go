@@ -102,7 +102,7 @@ func run() error {
 				Broker:      addr,
 				Credentials: identity.ClientCredentials(src, authorize),
 				Name:        *name,
-				Resolver:    resolver.Resolver, // itself, so that the agent sees it is a ClusterWatcher
+				Resolver:    resolver.forAgent(),
 				Grace:       *grace,
 				Log:         log,
 			}

@@ -43,6 +43,9 @@ func addResolverFlags(fs *flag.FlagSet) *resolverFlags {
 // resolver is the agent's Resolver and what it needs before it may register.
 type resolver struct {
 	lookup.Resolver
+	// forAgent is the Resolver to give one agent (one per broker replica):
+	// each needs a ClustersChanged channel of its own.
+	forAgent func() lookup.Resolver
 	// ready blocks until the resolver can answer (caches synced).
 	ready func(ctx context.Context) error
 	// stop waits for the resolver's background work after ctx ended.
@@ -60,7 +63,8 @@ func (f *resolverFlags) newResolver(ctx context.Context, log *slog.Logger) (*res
 		if err != nil {
 			return nil, err
 		}
-		return &resolver{Resolver: s, ready: func(context.Context) error { return nil }, stop: func() {}}, nil
+		return &resolver{Resolver: s, forAgent: func() lookup.Resolver { return s },
+			ready: func(context.Context) error { return nil }, stop: func() {}}, nil
 	case f.syncTarget.Name == "" && f.plainCluster == "":
 		return nil, errors.New("give --services FILE, or --sync-target-name (with --sync-target-cluster and/or --sync-target-uid), or --plain-cluster")
 	}
@@ -85,7 +89,7 @@ func (f *resolverFlags) newResolver(ctx context.Context, log *slog.Logger) (*res
 		return nil, err
 	}
 	k.Start(ctx)
-	return &resolver{Resolver: k, ready: k.WaitForCacheSync, stop: k.Shutdown}, nil
+	return &resolver{Resolver: k, forAgent: k.Subscribe, ready: k.WaitForCacheSync, stop: k.Shutdown}, nil
 }
 
 func (f *resolverFlags) restConfig() (*rest.Config, error) {

@@ -60,7 +60,8 @@ type Kube struct {
 
 	changed      chan struct{}
 	mu           sync.Mutex
-	watching     bool // set once the caches synced: the baseline is known
+	subscribers  []chan struct{} // see Subscribe
+	watching     bool            // set once the caches synced: the baseline is known
 	lastClusters []string
 }
 
@@ -168,26 +169,44 @@ func (k *Kube) synced() bool {
 // Clusters implements Resolver.
 func (k *Kube) Clusters() []string { return k.mapper.clusters() }
 
-// ClustersChanged implements ClusterWatcher.
+// ClustersChanged implements ClusterWatcher, for one listener; more call
+// Subscribe.
 func (k *Kube) ClustersChanged() <-chan struct{} { return k.changed }
+
+// Subscribe returns k with a ClustersChanged channel of its own. A signal on
+// a channel reaches one reader only, so each agent (one per broker replica)
+// needs its own view.
+func (k *Kube) Subscribe() Resolver {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	ch := make(chan struct{}, 1)
+	k.subscribers = append(k.subscribers, ch)
+	return &kubeSubscriber{Kube: k, changed: ch}
+}
+
+type kubeSubscriber struct {
+	*Kube
+	changed chan struct{}
+}
+
+func (s *kubeSubscriber) ClustersChanged() <-chan struct{} { return s.changed }
 
 // noteClusters fires ClustersChanged if the set of clusters is not the one
 // last seen. Namespace events call it after the cache has the change.
 func (k *Kube) noteClusters() {
 	k.mu.Lock()
+	defer k.mu.Unlock()
 	now := k.mapper.clusters()
-	same := !k.watching || slices.Equal(now, k.lastClusters)
-	if k.watching {
-		k.lastClusters = now
-	}
-	k.mu.Unlock()
-	if same {
+	if !k.watching || slices.Equal(now, k.lastClusters) {
 		return
 	}
+	k.lastClusters = now
 	k.log.Info("logical clusters changed", "clusters", now)
-	select {
-	case k.changed <- struct{}{}:
-	default: // one pending signal is enough: the listener reads Clusters anew
+	for _, ch := range append([]chan struct{}{k.changed}, k.subscribers...) {
+		select {
+		case ch <- struct{}{}:
+		default: // one pending signal is enough: the listener reads Clusters anew
+		}
 	}
 }
 

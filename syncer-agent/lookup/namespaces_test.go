@@ -133,3 +133,19 @@ func TestKubeClustersChanged(t *testing.T) {
 	}
 	waitChanged("c2")
 }
+
+// Each subscriber (one agent per broker replica) hears of every change.
+func TestKubeSubscribersAllHearChanges(t *testing.T) {
+	k, client := startKube(t, KubeOptions{SyncTarget: ownTarget}, syncedNamespace("kcp-a", "c1", "default"))
+	listeners := []ClusterWatcher{k, k.Subscribe().(ClusterWatcher), k.Subscribe().(ClusterWatcher)}
+	if _, err := client.CoreV1().Namespaces().Create(context.Background(), syncedNamespace("kcp-b", "c2", "default"), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	for i, l := range listeners {
+		select {
+		case <-l.ClustersChanged():
+		case <-time.After(30 * time.Second):
+			t.Fatalf("listener %d did not hear of the new cluster", i)
+		}
+	}
+}
