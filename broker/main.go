@@ -12,6 +12,7 @@ import (
 	"os/signal"
 	"syscall"
 
+	agentv1 "github.com/kcp-dev/tunnel-broker/broker/api/agent/v1"
 	dialv1 "github.com/kcp-dev/tunnel-broker/broker/api/dial/v1"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
@@ -40,6 +41,7 @@ func run() error {
 		maxAgent   = flag.Int64("max-tunnels-per-agent", 20000, "tunnels one agent may carry (0: no limit)")
 		maxCaller  = flag.Int64("max-tunnels-per-caller", 20000, "tunnels one caller SPIFFE ID may hold (0: no limit)")
 		maxMsg     = flag.Int("max-message-size", server.DefaultMaxMessageSize, "largest gRPC message accepted, in bytes")
+		probe      = flag.Duration("probe-interval", agentv1.DefaultProbeEvery, "how often each agent is probed over its control stream")
 		opsListen  = flag.String("metrics-listen", ":9090", "address for /metrics, /healthz and /readyz (empty: off)")
 		pprof      = flag.String("pprof-listen", "", "address for /debug/pprof (empty: off; keep it on loopback)")
 		jsonLogs   = flag.Bool("log-json", false, "log JSON lines instead of text")
@@ -81,8 +83,10 @@ func run() error {
 		Limits:              registry.Limits{MaxPendingPerAgent: *maxPending, MaxTunnelsPerAgent: *maxAgent},
 		MaxTunnelsPerCaller: *maxCaller,
 		MaxMessageSize:      *maxMsg,
+		ProbeEvery:          *probe,
 		Log:                 log,
 	})
+	metrics.Registry.MustRegister(metrics.AgentsCollector{PerCluster: srv.Registry.AgentsPerCluster})
 	if err := ops.Serve(ctx, ops.Options{Listen: *opsListen, Pprof: *pprof, Ready: srv.Ready, Metrics: metrics.Registry}, log); err != nil {
 		return err
 	}

@@ -108,7 +108,9 @@ func run() error {
 			}
 		},
 	}
-	if err := ops.Serve(ctx, ops.Options{Listen: *metricsL, Pprof: *pprofL, Ready: fleet.Ready, Metrics: prometheus.NewRegistry()}, log); err != nil {
+	reg := prometheus.NewRegistry()
+	agent.RegisterMetrics(reg)
+	if err := ops.Serve(ctx, ops.Options{Listen: *metricsL, Pprof: *pprofL, Ready: fleet.Ready, Metrics: reg}, log); err != nil {
 		return err
 	}
 	log.Info("agent starting", "brokers", *brokers, "broker_dns", *dns, "id", self.String(), "clusters", resolver.Clusters())

@@ -1,20 +1,88 @@
-// Package metrics holds the broker's own Prometheus metrics.
+// Package metrics holds the broker's own Prometheus metrics. The gRPC
+// server's RPC metrics come from go-grpc-middleware's provider (GRPC).
 package metrics
 
-import "github.com/prometheus/client_golang/prometheus"
+import (
+	grpcprom "github.com/grpc-ecosystem/go-grpc-middleware/providers/prometheus"
+	"github.com/prometheus/client_golang/prometheus"
+)
 
 // Registry holds every broker metric; the metrics endpoint serves it.
 var Registry = prometheus.NewRegistry()
 
+const ns = "kcp_tunnel_broker"
+
 var (
+	// GRPC counts and times every RPC, by method and code.
+	GRPC = grpcprom.NewServerMetrics(grpcprom.WithServerHandlingTimeHistogram())
+
 	// Denied counts RPCs and registrations refused by policy.
 	Denied = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Namespace: "kcp_tunnel_broker",
-		Name:      "denied_total",
-		Help:      "Requests refused by the authorization policy, by gRPC method.",
+		Namespace: ns, Name: "denied_total",
+		Help: "Requests refused by the authorization policy, by what was asked.",
 	}, []string{"method"})
+
+	// Dials counts dials by the status the caller got.
+	Dials = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: ns, Name: "dials_total",
+		Help: "Dials by resulting gRPC status code.",
+	}, []string{"code"})
+
+	// DialSeconds is the time from a dial's target to its established tunnel
+	// (or its failure).
+	DialSeconds = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Namespace: ns, Name: "dial_duration_seconds",
+		Help:    "Time to establish a tunnel, or to fail, by resulting gRPC status code.",
+		Buckets: []float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10},
+	}, []string{"code"})
+
+	// Tunnels is the number of tunnels being spliced.
+	Tunnels = prometheus.NewGauge(prometheus.GaugeOpts{
+		Namespace: ns, Name: "tunnels",
+		Help: "Tunnels open through this replica.",
+	})
+
+	// Bytes counts tunneled bytes; up is caller to target.
+	Bytes = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: ns, Name: "tunnel_bytes_total",
+		Help: "Bytes carried by tunnels, by direction (up: caller to target, down: target to caller).",
+	}, []string{"direction"})
+	BytesUp   = Bytes.WithLabelValues("up")
+	BytesDown = Bytes.WithLabelValues("down")
+
+	// LimitsHit counts requests refused by a limit.
+	LimitsHit = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: ns, Name: "limits_hit_total",
+		Help: "Requests refused or tunnels ended by a limit, by limit.",
+	}, []string{"limit"})
+
+	// Registrations counts agent registrations (a reconnect is one more).
+	Registrations = prometheus.NewCounter(prometheus.CounterOpts{
+		Namespace: ns, Name: "agent_registrations_total",
+		Help: "Agent registrations accepted; reconnects add to it.",
+	})
+
+	// ProbeRTT is the round trip of each agent's last answered probe.
+	ProbeRTT = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Namespace: ns, Name: "agent_probe_rtt_seconds",
+		Help: "Round trip of the last probe the agent answered.",
+	}, []string{"agent", "spiffe_id"})
+
+	// ProbeSuccess is when each agent last answered a probe.
+	ProbeSuccess = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Namespace: ns, Name: "agent_probe_last_success_timestamp_seconds",
+		Help: "When the agent last answered a probe (Unix time).",
+	}, []string{"agent", "spiffe_id"})
+
+	// Reachable is 1 while an agent answers its probes, 0 once it missed
+	// one or went away.
+	Reachable = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Namespace: ns, Name: "agent_reachable",
+		Help: "1 while the agent answers probes on this replica, 0 after it missed one or disconnected.",
+	}, []string{"agent", "spiffe_id"})
 )
 
 func init() {
-	Registry.MustRegister(Denied)
+	Registry.MustRegister(GRPC, Denied, Dials, DialSeconds, Tunnels, Bytes, LimitsHit,
+		Registrations, ProbeRTT, ProbeSuccess, Reachable)
 }

@@ -31,6 +31,24 @@ type Agent struct {
 	draining atomic.Bool
 	pending  atomic.Int64 // dials ordered and not yet answered
 	tunnels  atomic.Int64 // tunnels open through the agent
+
+	probeMu   sync.Mutex
+	lastProbe time.Time // when the agent last answered a probe
+	probeRTT  time.Duration
+}
+
+// Probed records an answered probe.
+func (a *Agent) Probed(at time.Time, rtt time.Duration) {
+	a.probeMu.Lock()
+	defer a.probeMu.Unlock()
+	a.lastProbe, a.probeRTT = at, rtt
+}
+
+// LastProbe is when the agent last answered a probe, and its round trip.
+func (a *Agent) LastProbe() (time.Time, time.Duration) {
+	a.probeMu.Lock()
+	defer a.probeMu.Unlock()
+	return a.lastProbe, a.probeRTT
 }
 
 // Drain marks the agent as shutting down: dials go to other agents of its

@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
@@ -95,6 +96,24 @@ func (r *Registry) remove(a *Agent) {
 			r.byCluster[c] = agents
 		}
 	}
+}
+
+// ClustersOf is the clusters a serves now (they change when it re-registers).
+func (r *Registry) ClustersOf(a *Agent) []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Clone(a.Clusters)
+}
+
+// AgentsPerCluster counts the agents serving each cluster.
+func (r *Registry) AgentsPerCluster() map[string]int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := make(map[string]int, len(r.byCluster))
+	for c, agents := range r.byCluster {
+		out[c] = len(agents)
+	}
+	return out
 }
 
 // Agents lists the registered agents.

@@ -16,9 +16,11 @@ import (
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/reflection"
 
+	adminv1 "github.com/kcp-dev/tunnel-broker/broker/api/admin/v1"
 	agentv1 "github.com/kcp-dev/tunnel-broker/broker/api/agent/v1"
 	dialv1 "github.com/kcp-dev/tunnel-broker/broker/api/dial/v1"
 	"github.com/kcp-dev/tunnel-broker/broker/authz"
+	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
@@ -49,7 +51,9 @@ type Config struct {
 	MaxTunnelsPerCaller int64
 	// MaxMessageSize bounds a received message (data frames are far smaller).
 	MaxMessageSize int
-	Log            *slog.Logger
+	// ProbeEvery is how often agents are probed; 0 for the default.
+	ProbeEvery time.Duration
+	Log        *slog.Logger
 }
 
 // Server is one broker replica.
@@ -91,7 +95,13 @@ func New(cfg Config) *Server {
 	// policy then decides per RPC, so a refused peer gets PermissionDenied,
 	// not a bare TLS alert.
 	creds := identity.LogRefusedHandshakes(identity.ServerCredentials(cfg.Identity, tlsconfig.AuthorizeAny()), log)
-	opts := append(authorizer.ServerOptions(),
+	opts := []grpc.ServerOption{
+		// RPC metrics first, so that refused RPCs are counted too.
+		grpc.ChainUnaryInterceptor(metrics.GRPC.UnaryServerInterceptor()),
+		grpc.ChainStreamInterceptor(metrics.GRPC.StreamServerInterceptor()),
+	}
+	opts = append(opts, authorizer.ServerOptions()...)
+	opts = append(opts,
 		grpc.Creds(creds),
 		grpc.MaxRecvMsgSize(cfg.MaxMessageSize),
 		// Agents ping to notice a dead broker quickly; allow it.
@@ -114,11 +124,14 @@ func New(cfg Config) *Server {
 	(&agentv1.Service{
 		Registry: s.Registry, Policy: cfg.Policy, BrokerID: cfg.ID,
 		Draining: s.draining, Stopping: s.stopping, Grace: cfg.Grace,
-		Log: log.With("service", "agent"),
+		ProbeEvery: cfg.ProbeEvery,
+		Log:        log.With("service", "agent"),
 	}).Register(s.grpc)
+	(&adminv1.Service{Registry: s.Registry, BrokerID: cfg.ID}).Register(s.grpc)
 	s.health = health.NewServer()
 	healthpb.RegisterHealthServer(s.grpc, s.health)
 	reflection.Register(s.grpc)
+	metrics.GRPC.InitializeMetrics(s.grpc)
 	return s
 }
 

@@ -117,6 +117,7 @@ func (a *Agent) reconnect(life context.Context, client tunnelv1.AgentServiceClie
 			backoff.reset()
 		}
 		wait := backoff.next()
+		reconnects.Inc()
 		a.Log.Info("broker connection lost, reconnecting", "broker", a.Broker, "error", err, "in", wait.Round(time.Millisecond))
 		select {
 		case <-time.After(wait):
@@ -154,7 +155,11 @@ func (a *Agent) session(life context.Context, client tunnelv1.AgentServiceClient
 		return false, errors.New("broker did not confirm the registration")
 	}
 	a.registered.Store(true)
-	defer a.registered.Store(false)
+	registeredBrokers.Inc()
+	defer func() {
+		a.registered.Store(false)
+		registeredBrokers.Dec()
+	}()
 	a.Log.Info("registered with broker", "broker", a.Broker, "broker_id", reg.GetBrokerId(), "clusters", a.Resolver.Clusters())
 	if a.Registered != nil {
 		a.Registered(reg.GetBrokerId())
@@ -193,6 +198,8 @@ func (a *Agent) session(life context.Context, client tunnelv1.AgentServiceClient
 				// streams are their own) but not the agent's life.
 				a.serve(life, client, order, fail)
 			}()
+		case *tunnelv1.ConnectResponse_Probe:
+			send(&tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_Probe{Probe: m.Probe}})
 		case *tunnelv1.ConnectResponse_Drain:
 			a.Log.Info("broker is draining", "broker", a.Broker, "broker_grace", time.Duration(m.Drain.GetGraceMs())*time.Millisecond)
 		default:

@@ -25,6 +25,7 @@ func (a *Agent) serve(ctx context.Context, client tunnelv1.AgentServiceClient, o
 	log := a.Log.With("dial", order.GetDialId(), "cluster", t.GetCluster(), "namespace", t.GetNamespace(),
 		"service", t.GetService(), "port", t.GetPort())
 	conn, err := a.connect(ctx, order)
+	dials.WithLabelValues(status.Code(err).String()).Inc()
 	if err != nil {
 		st := status.Convert(err)
 		log.Info("dial failed", "code", st.Code().String(), "error", st.Message())
@@ -45,6 +46,8 @@ func (a *Agent) serve(ctx context.Context, client tunnelv1.AgentServiceClient, o
 		return
 	}
 	log.Debug("tunnel open", "target", conn.RemoteAddr().String())
+	tunnelsOpen.Inc()
+	defer tunnelsOpen.Dec()
 	if err := pipe(conn, stream, cancel); err != nil {
 		log.Info("tunnel ended", "error", err)
 	}

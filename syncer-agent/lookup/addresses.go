@@ -13,6 +13,8 @@ func refusedAddress(ip netip.Addr, apiServer map[netip.Addr]bool) string {
 	switch {
 	case !ip.IsValid():
 		return "not an IP address"
+	case ip.Zone() != "": // names an interface of the agent's host
+		return "an address with an IPv6 zone"
 	case ip.IsLoopback():
 		return "a loopback address"
 	case ip.IsLinkLocalUnicast():

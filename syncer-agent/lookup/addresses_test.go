@@ -15,6 +15,7 @@ func TestRefusedAddress(t *testing.T) {
 		"224.0.0.251": true, "239.1.2.3": true, "ff02::1": true, "ff01::1": true,
 		"255.255.255.255": true,
 		"10.0.0.1":        true, "::ffff:10.0.0.1": true, // the API server
+		"2001:db8::1%eth0": true,
 	} {
 		why := refusedAddress(netip.MustParseAddr(ip), apiServer)
 		if (why != "") != refused {

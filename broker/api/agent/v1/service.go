@@ -36,7 +36,10 @@ type Service struct {
 	// when that time is over: control streams end.
 	Draining, Stopping <-chan struct{}
 	Grace              time.Duration
-	Log                *slog.Logger
+	// ProbeEvery is how often each agent is probed over its control
+	// stream; 0 means DefaultProbeEvery.
+	ProbeEvery time.Duration
+	Log        *slog.Logger
 }
 
 // Register adds the service to s.
@@ -76,12 +79,29 @@ func (s *Service) Connect(stream tunnelv1.AgentService_ConnectServer) error {
 		return err
 	}
 	log.Info("agent registered", "clusters", a.Clusters)
+	metrics.Registrations.Inc()
+	labels := []string{a.Name, a.ID.String()}
+	// The registration itself came over the path: reachable until a probe
+	// goes unanswered or the stream ends.
+	metrics.Reachable.WithLabelValues(labels...).Set(1)
+	defer metrics.Reachable.WithLabelValues(labels...).Set(0)
 
+	probes := newProber(a, labels)
+	every := s.ProbeEvery
+	if every <= 0 {
+		every = DefaultProbeEvery
+	}
+	tick := time.NewTicker(every)
+	defer tick.Stop()
 	recvErr := make(chan error, 1)
-	go func() { recvErr <- s.receive(stream, a, log) }()
+	go func() { recvErr <- s.receive(stream, a, probes, log) }()
 	draining := s.Draining
 	for {
 		select {
+		case <-tick.C:
+			if err := stream.Send(probes.next()); err != nil {
+				return err
+			}
 		case <-draining:
 			draining = nil // tell once
 			drain := &tunnelv1.ConnectResponse{Message: &tunnelv1.ConnectResponse_Drain{Drain: &tunnelv1.Drain{GraceMs: uint32(s.Grace.Milliseconds())}}}
@@ -107,7 +127,7 @@ func (s *Service) Connect(stream tunnelv1.AgentService_ConnectServer) error {
 }
 
 // receive takes dial failures from the agent until it closes its side.
-func (s *Service) receive(stream tunnelv1.AgentService_ConnectServer, a *registry.Agent, log *slog.Logger) error {
+func (s *Service) receive(stream tunnelv1.AgentService_ConnectServer, a *registry.Agent, probes *prober, log *slog.Logger) error {
 	for {
 		msg, err := stream.Recv()
 		if errors.Is(err, io.EOF) {
@@ -119,6 +139,8 @@ func (s *Service) receive(stream tunnelv1.AgentService_ConnectServer, a *registr
 		switch m := msg.GetMessage().(type) {
 		case *tunnelv1.ConnectRequest_DialFailure:
 			s.Registry.Fail(a, m.DialFailure)
+		case *tunnelv1.ConnectRequest_Probe:
+			probes.answered(m.Probe.GetSequence())
 		case *tunnelv1.ConnectRequest_Drain:
 			a.Drain()
 			log.Info("agent draining", "grace", time.Duration(m.Drain.GetGraceMs())*time.Millisecond, "tunnels", a.Tunnels())

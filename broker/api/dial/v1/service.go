@@ -84,15 +84,25 @@ func (s *Service) Dial(stream tunnelv1.DialService_DialServer) error {
 	held := s.callerTunnels(caller)
 	if n := held.Add(1); s.MaxTunnelsPerCaller > 0 && n > s.MaxTunnelsPerCaller {
 		held.Add(-1)
+		metrics.LimitsHit.WithLabelValues("tunnels_per_caller").Inc()
 		log.Warn("dial refused: caller at its tunnel limit", "limit", s.MaxTunnelsPerCaller)
-		return status.Errorf(codes.ResourceExhausted, "%s already holds %d tunnels, the most a caller may", caller, s.MaxTunnelsPerCaller)
+		err := status.Errorf(codes.ResourceExhausted, "%s already holds %d tunnels, the most a caller may", caller, s.MaxTunnelsPerCaller)
+		metrics.Dials.WithLabelValues(codes.ResourceExhausted.String()).Inc()
+		return err
 	}
 	defer held.Add(-1)
 
 	start := time.Now()
 	t, err := s.dial(stream.Context(), target)
+	took := time.Since(start)
+	code := status.Code(err)
+	metrics.Dials.WithLabelValues(code.String()).Inc()
+	metrics.DialSeconds.WithLabelValues(code.String()).Observe(took.Seconds())
 	if err != nil {
-		log.Info("dial failed", "code", status.Code(err).String(), "error", status.Convert(err).Message(), "took", time.Since(start))
+		if code == codes.ResourceExhausted {
+			metrics.LimitsHit.WithLabelValues("agent").Inc()
+		}
+		log.Info("dial failed", "code", code.String(), "error", status.Convert(err).Message(), "took", took)
 		return err
 	}
 	log = log.With("tunnel", t.ID, "agent", t.Agent.String())
@@ -101,10 +111,14 @@ func (s *Service) Dial(stream tunnelv1.DialService_DialServer) error {
 		t.Finish(status.Error(codes.Canceled, "caller went away"))
 		return err
 	}
-	log.Debug("tunnel established", "took", time.Since(start))
+	log.Debug("tunnel established", "took", took)
 
 	s.active.Add(1)
-	defer s.active.Add(-1)
+	metrics.Tunnels.Inc()
+	defer func() {
+		s.active.Add(-1)
+		metrics.Tunnels.Dec()
+	}()
 	callerStatus, agentStatus := splicer{stopping: s.Stopping, idle: s.IdleTimeout}.splice(stream, t.Stream)
 	t.Finish(agentStatus)
 	if agentStatus != nil {

@@ -10,6 +10,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -70,6 +71,7 @@ func (sp splicer) splice(caller tunnelv1.DialService_DialServer, agent tunnelv1.
 			if active.since() < sp.idle {
 				continue
 			}
+			metrics.LimitsHit.WithLabelValues("idle_timeout").Inc()
 			msg := fmt.Sprintf("tunnel carried nothing for %v", sp.idle)
 			f = &failure{callerStatus: status.Error(codes.DeadlineExceeded, msg), agentStatus: status.Error(codes.DeadlineExceeded, msg)}
 		}
@@ -119,6 +121,7 @@ func copyUp(caller tunnelv1.DialService_DialServer, agent tunnelv1.AgentService_
 		if err := agent.Send(&tunnelv1.TunnelResponse{Frame: &tunnelv1.TunnelResponse_Data{Data: data}}); err != nil {
 			return &failure{err: err}
 		}
+		metrics.BytesUp.Add(float64(len(data)))
 	}
 }
 
@@ -143,5 +146,6 @@ func copyDown(agent tunnelv1.AgentService_TunnelServer, caller tunnelv1.DialServ
 		if err := caller.Send(&tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_Data{Data: data}}); err != nil {
 			return &failure{byCaller: true, err: err}
 		}
+		metrics.BytesDown.Add(float64(len(data)))
 	}
 }

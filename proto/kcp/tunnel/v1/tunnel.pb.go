@@ -13,6 +13,7 @@ package tunnelv1
 import (
 	protoreflect "google.golang.org/protobuf/reflect/protoreflect"
 	protoimpl "google.golang.org/protobuf/runtime/protoimpl"
+	durationpb "google.golang.org/protobuf/types/known/durationpb"
 	timestamppb "google.golang.org/protobuf/types/known/timestamppb"
 	reflect "reflect"
 	sync "sync"
@@ -25,6 +26,215 @@ const (
 	// Verify that runtime/protoimpl is sufficiently up-to-date.
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
+
+type ListAgentsRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Only agents that serve this logical cluster, if set.
+	Cluster       string `protobuf:"bytes,1,opt,name=cluster,proto3" json:"cluster,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListAgentsRequest) Reset() {
+	*x = ListAgentsRequest{}
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[0]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListAgentsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListAgentsRequest) ProtoMessage() {}
+
+func (x *ListAgentsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[0]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListAgentsRequest.ProtoReflect.Descriptor instead.
+func (*ListAgentsRequest) Descriptor() ([]byte, []int) {
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{0}
+}
+
+func (x *ListAgentsRequest) GetCluster() string {
+	if x != nil {
+		return x.Cluster
+	}
+	return ""
+}
+
+type ListAgentsResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The replica that answered.
+	BrokerId      string       `protobuf:"bytes,1,opt,name=broker_id,json=brokerId,proto3" json:"broker_id,omitempty"`
+	Agents        []*AgentInfo `protobuf:"bytes,2,rep,name=agents,proto3" json:"agents,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListAgentsResponse) Reset() {
+	*x = ListAgentsResponse{}
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListAgentsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListAgentsResponse) ProtoMessage() {}
+
+func (x *ListAgentsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListAgentsResponse.ProtoReflect.Descriptor instead.
+func (*ListAgentsResponse) Descriptor() ([]byte, []int) {
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *ListAgentsResponse) GetBrokerId() string {
+	if x != nil {
+		return x.BrokerId
+	}
+	return ""
+}
+
+func (x *ListAgentsResponse) GetAgents() []*AgentInfo {
+	if x != nil {
+		return x.Agents
+	}
+	return nil
+}
+
+// AgentInfo describes one agent's registration with a replica.
+type AgentInfo struct {
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	Name     string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	SpiffeId string                 `protobuf:"bytes,2,opt,name=spiffe_id,json=spiffeId,proto3" json:"spiffe_id,omitempty"`
+	// This registration (control stream), for logs.
+	SessionId      string                 `protobuf:"bytes,3,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
+	Clusters       []string               `protobuf:"bytes,4,rep,name=clusters,proto3" json:"clusters,omitempty"`
+	ConnectedSince *timestamppb.Timestamp `protobuf:"bytes,5,opt,name=connected_since,json=connectedSince,proto3" json:"connected_since,omitempty"`
+	ActiveTunnels  uint64                 `protobuf:"varint,6,opt,name=active_tunnels,json=activeTunnels,proto3" json:"active_tunnels,omitempty"`
+	Draining       bool                   `protobuf:"varint,7,opt,name=draining,proto3" json:"draining,omitempty"`
+	// The last probe the agent answered, and its round trip.
+	LastProbe     *timestamppb.Timestamp `protobuf:"bytes,8,opt,name=last_probe,json=lastProbe,proto3" json:"last_probe,omitempty"`
+	LastProbeRtt  *durationpb.Duration   `protobuf:"bytes,9,opt,name=last_probe_rtt,json=lastProbeRtt,proto3" json:"last_probe_rtt,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AgentInfo) Reset() {
+	*x = AgentInfo{}
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AgentInfo) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AgentInfo) ProtoMessage() {}
+
+func (x *AgentInfo) ProtoReflect() protoreflect.Message {
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AgentInfo.ProtoReflect.Descriptor instead.
+func (*AgentInfo) Descriptor() ([]byte, []int) {
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *AgentInfo) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *AgentInfo) GetSpiffeId() string {
+	if x != nil {
+		return x.SpiffeId
+	}
+	return ""
+}
+
+func (x *AgentInfo) GetSessionId() string {
+	if x != nil {
+		return x.SessionId
+	}
+	return ""
+}
+
+func (x *AgentInfo) GetClusters() []string {
+	if x != nil {
+		return x.Clusters
+	}
+	return nil
+}
+
+func (x *AgentInfo) GetConnectedSince() *timestamppb.Timestamp {
+	if x != nil {
+		return x.ConnectedSince
+	}
+	return nil
+}
+
+func (x *AgentInfo) GetActiveTunnels() uint64 {
+	if x != nil {
+		return x.ActiveTunnels
+	}
+	return 0
+}
+
+func (x *AgentInfo) GetDraining() bool {
+	if x != nil {
+		return x.Draining
+	}
+	return false
+}
+
+func (x *AgentInfo) GetLastProbe() *timestamppb.Timestamp {
+	if x != nil {
+		return x.LastProbe
+	}
+	return nil
+}
+
+func (x *AgentInfo) GetLastProbeRtt() *durationpb.Duration {
+	if x != nil {
+		return x.LastProbeRtt
+	}
+	return nil
+}
 
 // Target names a port of a Service in a logical cluster, as a webhook's
 // clientConfig.service does.
@@ -44,7 +254,7 @@ type Target struct {
 
 func (x *Target) Reset() {
 	*x = Target{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[0]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -56,7 +266,7 @@ func (x *Target) String() string {
 func (*Target) ProtoMessage() {}
 
 func (x *Target) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[0]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -69,7 +279,7 @@ func (x *Target) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Target.ProtoReflect.Descriptor instead.
 func (*Target) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{0}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *Target) GetCluster() string {
@@ -113,7 +323,7 @@ type DialRequest struct {
 
 func (x *DialRequest) Reset() {
 	*x = DialRequest{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[1]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -125,7 +335,7 @@ func (x *DialRequest) String() string {
 func (*DialRequest) ProtoMessage() {}
 
 func (x *DialRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[1]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -138,7 +348,7 @@ func (x *DialRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DialRequest.ProtoReflect.Descriptor instead.
 func (*DialRequest) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{1}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *DialRequest) GetFrame() isDialRequest_Frame {
@@ -198,7 +408,7 @@ type DialResponse struct {
 
 func (x *DialResponse) Reset() {
 	*x = DialResponse{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[2]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -210,7 +420,7 @@ func (x *DialResponse) String() string {
 func (*DialResponse) ProtoMessage() {}
 
 func (x *DialResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[2]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -223,7 +433,7 @@ func (x *DialResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DialResponse.ProtoReflect.Descriptor instead.
 func (*DialResponse) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{2}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *DialResponse) GetFrame() isDialResponse_Frame {
@@ -296,7 +506,7 @@ type Established struct {
 
 func (x *Established) Reset() {
 	*x = Established{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[3]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -308,7 +518,7 @@ func (x *Established) String() string {
 func (*Established) ProtoMessage() {}
 
 func (x *Established) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[3]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -321,7 +531,7 @@ func (x *Established) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Established.ProtoReflect.Descriptor instead.
 func (*Established) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{3}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *Established) GetTunnelId() string {
@@ -340,7 +550,7 @@ type CloseWrite struct {
 
 func (x *CloseWrite) Reset() {
 	*x = CloseWrite{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[4]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -352,7 +562,7 @@ func (x *CloseWrite) String() string {
 func (*CloseWrite) ProtoMessage() {}
 
 func (x *CloseWrite) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[4]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -365,7 +575,7 @@ func (x *CloseWrite) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CloseWrite.ProtoReflect.Descriptor instead.
 func (*CloseWrite) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{4}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{7}
 }
 
 type ConnectRequest struct {
@@ -375,6 +585,7 @@ type ConnectRequest struct {
 	//	*ConnectRequest_Register
 	//	*ConnectRequest_DialFailure
 	//	*ConnectRequest_Drain
+	//	*ConnectRequest_Probe
 	Message       isConnectRequest_Message `protobuf_oneof:"message"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -382,7 +593,7 @@ type ConnectRequest struct {
 
 func (x *ConnectRequest) Reset() {
 	*x = ConnectRequest{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[5]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -394,7 +605,7 @@ func (x *ConnectRequest) String() string {
 func (*ConnectRequest) ProtoMessage() {}
 
 func (x *ConnectRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[5]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -407,7 +618,7 @@ func (x *ConnectRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConnectRequest.ProtoReflect.Descriptor instead.
 func (*ConnectRequest) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{5}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *ConnectRequest) GetMessage() isConnectRequest_Message {
@@ -444,6 +655,15 @@ func (x *ConnectRequest) GetDrain() *Drain {
 	return nil
 }
 
+func (x *ConnectRequest) GetProbe() *Probe {
+	if x != nil {
+		if x, ok := x.Message.(*ConnectRequest_Probe); ok {
+			return x.Probe
+		}
+	}
+	return nil
+}
+
 type isConnectRequest_Message interface {
 	isConnectRequest_Message()
 }
@@ -466,11 +686,18 @@ type ConnectRequest_Drain struct {
 	Drain *Drain `protobuf:"bytes,3,opt,name=drain,proto3,oneof"`
 }
 
+type ConnectRequest_Probe struct {
+	// Answers a Probe, echoing it.
+	Probe *Probe `protobuf:"bytes,4,opt,name=probe,proto3,oneof"`
+}
+
 func (*ConnectRequest_Register) isConnectRequest_Message() {}
 
 func (*ConnectRequest_DialFailure) isConnectRequest_Message() {}
 
 func (*ConnectRequest_Drain) isConnectRequest_Message() {}
+
+func (*ConnectRequest_Probe) isConnectRequest_Message() {}
 
 type ConnectResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -479,6 +706,7 @@ type ConnectResponse struct {
 	//	*ConnectResponse_Registered
 	//	*ConnectResponse_DialOrder
 	//	*ConnectResponse_Drain
+	//	*ConnectResponse_Probe
 	Message       isConnectResponse_Message `protobuf_oneof:"message"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -486,7 +714,7 @@ type ConnectResponse struct {
 
 func (x *ConnectResponse) Reset() {
 	*x = ConnectResponse{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[6]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -498,7 +726,7 @@ func (x *ConnectResponse) String() string {
 func (*ConnectResponse) ProtoMessage() {}
 
 func (x *ConnectResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[6]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -511,7 +739,7 @@ func (x *ConnectResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConnectResponse.ProtoReflect.Descriptor instead.
 func (*ConnectResponse) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{6}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *ConnectResponse) GetMessage() isConnectResponse_Message {
@@ -548,6 +776,15 @@ func (x *ConnectResponse) GetDrain() *Drain {
 	return nil
 }
 
+func (x *ConnectResponse) GetProbe() *Probe {
+	if x != nil {
+		if x, ok := x.Message.(*ConnectResponse_Probe); ok {
+			return x.Probe
+		}
+	}
+	return nil
+}
+
 type isConnectResponse_Message interface {
 	isConnectResponse_Message()
 }
@@ -569,11 +806,64 @@ type ConnectResponse_Drain struct {
 	Drain *Drain `protobuf:"bytes,3,opt,name=drain,proto3,oneof"`
 }
 
+type ConnectResponse_Probe struct {
+	// A liveness probe over the real path; the agent answers at once with
+	// the same Probe.
+	Probe *Probe `protobuf:"bytes,4,opt,name=probe,proto3,oneof"`
+}
+
 func (*ConnectResponse_Registered) isConnectResponse_Message() {}
 
 func (*ConnectResponse_DialOrder) isConnectResponse_Message() {}
 
 func (*ConnectResponse_Drain) isConnectResponse_Message() {}
+
+func (*ConnectResponse_Probe) isConnectResponse_Message() {}
+
+// Probe measures the round trip between broker and agent.
+type Probe struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Sequence      uint64                 `protobuf:"varint,1,opt,name=sequence,proto3" json:"sequence,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Probe) Reset() {
+	*x = Probe{}
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Probe) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Probe) ProtoMessage() {}
+
+func (x *Probe) ProtoReflect() protoreflect.Message {
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Probe.ProtoReflect.Descriptor instead.
+func (*Probe) Descriptor() ([]byte, []int) {
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *Probe) GetSequence() uint64 {
+	if x != nil {
+		return x.Sequence
+	}
+	return 0
+}
 
 // Drain announces that the sender is shutting down.
 type Drain struct {
@@ -586,7 +876,7 @@ type Drain struct {
 
 func (x *Drain) Reset() {
 	*x = Drain{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[7]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -598,7 +888,7 @@ func (x *Drain) String() string {
 func (*Drain) ProtoMessage() {}
 
 func (x *Drain) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[7]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -611,7 +901,7 @@ func (x *Drain) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Drain.ProtoReflect.Descriptor instead.
 func (*Drain) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{7}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *Drain) GetGraceMs() uint32 {
@@ -634,7 +924,7 @@ type Register struct {
 
 func (x *Register) Reset() {
 	*x = Register{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[8]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -646,7 +936,7 @@ func (x *Register) String() string {
 func (*Register) ProtoMessage() {}
 
 func (x *Register) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[8]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -659,7 +949,7 @@ func (x *Register) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Register.ProtoReflect.Descriptor instead.
 func (*Register) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{8}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *Register) GetClusters() []string {
@@ -689,7 +979,7 @@ type Registered struct {
 
 func (x *Registered) Reset() {
 	*x = Registered{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[9]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -701,7 +991,7 @@ func (x *Registered) String() string {
 func (*Registered) ProtoMessage() {}
 
 func (x *Registered) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[9]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -714,7 +1004,7 @@ func (x *Registered) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Registered.ProtoReflect.Descriptor instead.
 func (*Registered) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{9}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *Registered) GetBrokerId() string {
@@ -745,7 +1035,7 @@ type DialOrder struct {
 
 func (x *DialOrder) Reset() {
 	*x = DialOrder{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[10]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -757,7 +1047,7 @@ func (x *DialOrder) String() string {
 func (*DialOrder) ProtoMessage() {}
 
 func (x *DialOrder) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[10]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -770,7 +1060,7 @@ func (x *DialOrder) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DialOrder.ProtoReflect.Descriptor instead.
 func (*DialOrder) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{10}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *DialOrder) GetDialId() uint64 {
@@ -811,7 +1101,7 @@ type DialFailure struct {
 
 func (x *DialFailure) Reset() {
 	*x = DialFailure{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[11]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -823,7 +1113,7 @@ func (x *DialFailure) String() string {
 func (*DialFailure) ProtoMessage() {}
 
 func (x *DialFailure) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[11]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -836,7 +1126,7 @@ func (x *DialFailure) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DialFailure.ProtoReflect.Descriptor instead.
 func (*DialFailure) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{11}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *DialFailure) GetDialId() uint64 {
@@ -873,7 +1163,7 @@ type TunnelRequest struct {
 
 func (x *TunnelRequest) Reset() {
 	*x = TunnelRequest{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[12]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -885,7 +1175,7 @@ func (x *TunnelRequest) String() string {
 func (*TunnelRequest) ProtoMessage() {}
 
 func (x *TunnelRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[12]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -898,7 +1188,7 @@ func (x *TunnelRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelRequest.ProtoReflect.Descriptor instead.
 func (*TunnelRequest) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{12}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *TunnelRequest) GetFrame() isTunnelRequest_Frame {
@@ -957,7 +1247,7 @@ type TunnelResponse struct {
 
 func (x *TunnelResponse) Reset() {
 	*x = TunnelResponse{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[13]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -969,7 +1259,7 @@ func (x *TunnelResponse) String() string {
 func (*TunnelResponse) ProtoMessage() {}
 
 func (x *TunnelResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[13]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -982,7 +1272,7 @@ func (x *TunnelResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelResponse.ProtoReflect.Descriptor instead.
 func (*TunnelResponse) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{13}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *TunnelResponse) GetFrame() isTunnelResponse_Frame {
@@ -1038,7 +1328,7 @@ type TunnelOpen struct {
 
 func (x *TunnelOpen) Reset() {
 	*x = TunnelOpen{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[14]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1050,7 +1340,7 @@ func (x *TunnelOpen) String() string {
 func (*TunnelOpen) ProtoMessage() {}
 
 func (x *TunnelOpen) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[14]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1063,7 +1353,7 @@ func (x *TunnelOpen) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelOpen.ProtoReflect.Descriptor instead.
 func (*TunnelOpen) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{14}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *TunnelOpen) GetDialId() uint64 {
@@ -1077,7 +1367,24 @@ var File_kcp_tunnel_v1_tunnel_proto protoreflect.FileDescriptor
 
 const file_kcp_tunnel_v1_tunnel_proto_rawDesc = "" +
 	"\n" +
-	"\x1akcp/tunnel/v1/tunnel.proto\x12\rkcp.tunnel.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"n\n" +
+	"\x1akcp/tunnel/v1/tunnel.proto\x12\rkcp.tunnel.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"-\n" +
+	"\x11ListAgentsRequest\x12\x18\n" +
+	"\acluster\x18\x01 \x01(\tR\acluster\"c\n" +
+	"\x12ListAgentsResponse\x12\x1b\n" +
+	"\tbroker_id\x18\x01 \x01(\tR\bbrokerId\x120\n" +
+	"\x06agents\x18\x02 \x03(\v2\x18.kcp.tunnel.v1.AgentInfoR\x06agents\"\xfb\x02\n" +
+	"\tAgentInfo\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1b\n" +
+	"\tspiffe_id\x18\x02 \x01(\tR\bspiffeId\x12\x1d\n" +
+	"\n" +
+	"session_id\x18\x03 \x01(\tR\tsessionId\x12\x1a\n" +
+	"\bclusters\x18\x04 \x03(\tR\bclusters\x12C\n" +
+	"\x0fconnected_since\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\x0econnectedSince\x12%\n" +
+	"\x0eactive_tunnels\x18\x06 \x01(\x04R\ractiveTunnels\x12\x1a\n" +
+	"\bdraining\x18\a \x01(\bR\bdraining\x129\n" +
+	"\n" +
+	"last_probe\x18\b \x01(\v2\x1a.google.protobuf.TimestampR\tlastProbe\x12?\n" +
+	"\x0elast_probe_rtt\x18\t \x01(\v2\x19.google.protobuf.DurationR\flastProbeRtt\"n\n" +
 	"\x06Target\x12\x18\n" +
 	"\acluster\x18\x01 \x01(\tR\acluster\x12\x1c\n" +
 	"\tnamespace\x18\x02 \x01(\tR\tnamespace\x12\x18\n" +
@@ -1096,20 +1403,24 @@ const file_kcp_tunnel_v1_tunnel_proto_rawDesc = "" +
 	"\vEstablished\x12\x1b\n" +
 	"\ttunnel_id\x18\x01 \x01(\tR\btunnelId\"\f\n" +
 	"\n" +
-	"CloseWrite\"\xc1\x01\n" +
+	"CloseWrite\"\xef\x01\n" +
 	"\x0eConnectRequest\x125\n" +
 	"\bregister\x18\x01 \x01(\v2\x17.kcp.tunnel.v1.RegisterH\x00R\bregister\x12?\n" +
 	"\fdial_failure\x18\x02 \x01(\v2\x1a.kcp.tunnel.v1.DialFailureH\x00R\vdialFailure\x12,\n" +
-	"\x05drain\x18\x03 \x01(\v2\x14.kcp.tunnel.v1.DrainH\x00R\x05drainB\t\n" +
-	"\amessage\"\xc2\x01\n" +
+	"\x05drain\x18\x03 \x01(\v2\x14.kcp.tunnel.v1.DrainH\x00R\x05drain\x12,\n" +
+	"\x05probe\x18\x04 \x01(\v2\x14.kcp.tunnel.v1.ProbeH\x00R\x05probeB\t\n" +
+	"\amessage\"\xf0\x01\n" +
 	"\x0fConnectResponse\x12;\n" +
 	"\n" +
 	"registered\x18\x01 \x01(\v2\x19.kcp.tunnel.v1.RegisteredH\x00R\n" +
 	"registered\x129\n" +
 	"\n" +
 	"dial_order\x18\x02 \x01(\v2\x18.kcp.tunnel.v1.DialOrderH\x00R\tdialOrder\x12,\n" +
-	"\x05drain\x18\x03 \x01(\v2\x14.kcp.tunnel.v1.DrainH\x00R\x05drainB\t\n" +
-	"\amessage\"\"\n" +
+	"\x05drain\x18\x03 \x01(\v2\x14.kcp.tunnel.v1.DrainH\x00R\x05drain\x12,\n" +
+	"\x05probe\x18\x04 \x01(\v2\x14.kcp.tunnel.v1.ProbeH\x00R\x05probeB\t\n" +
+	"\amessage\"#\n" +
+	"\x05Probe\x12\x1a\n" +
+	"\bsequence\x18\x01 \x01(\x04R\bsequence\"\"\n" +
 	"\x05Drain\x12\x19\n" +
 	"\bgrace_ms\x18\x01 \x01(\rR\agraceMs\"E\n" +
 	"\bRegister\x12\x1a\n" +
@@ -1142,7 +1453,10 @@ const file_kcp_tunnel_v1_tunnel_proto_rawDesc = "" +
 	"TunnelOpen\x12\x17\n" +
 	"\adial_id\x18\x01 \x01(\x04R\x06dialId2R\n" +
 	"\vDialService\x12C\n" +
-	"\x04Dial\x12\x1a.kcp.tunnel.v1.DialRequest\x1a\x1b.kcp.tunnel.v1.DialResponse(\x010\x012\xa7\x01\n" +
+	"\x04Dial\x12\x1a.kcp.tunnel.v1.DialRequest\x1a\x1b.kcp.tunnel.v1.DialResponse(\x010\x012a\n" +
+	"\fAdminService\x12Q\n" +
+	"\n" +
+	"ListAgents\x12 .kcp.tunnel.v1.ListAgentsRequest\x1a!.kcp.tunnel.v1.ListAgentsResponse2\xa7\x01\n" +
 	"\fAgentService\x12L\n" +
 	"\aConnect\x12\x1d.kcp.tunnel.v1.ConnectRequest\x1a\x1e.kcp.tunnel.v1.ConnectResponse(\x010\x01\x12I\n" +
 	"\x06Tunnel\x12\x1c.kcp.tunnel.v1.TunnelRequest\x1a\x1d.kcp.tunnel.v1.TunnelResponse(\x010\x01B?Z=github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1;tunnelv1b\x06proto3"
@@ -1159,50 +1473,63 @@ func file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP() []byte {
 	return file_kcp_tunnel_v1_tunnel_proto_rawDescData
 }
 
-var file_kcp_tunnel_v1_tunnel_proto_msgTypes = make([]protoimpl.MessageInfo, 15)
+var file_kcp_tunnel_v1_tunnel_proto_msgTypes = make([]protoimpl.MessageInfo, 19)
 var file_kcp_tunnel_v1_tunnel_proto_goTypes = []any{
-	(*Target)(nil),                // 0: kcp.tunnel.v1.Target
-	(*DialRequest)(nil),           // 1: kcp.tunnel.v1.DialRequest
-	(*DialResponse)(nil),          // 2: kcp.tunnel.v1.DialResponse
-	(*Established)(nil),           // 3: kcp.tunnel.v1.Established
-	(*CloseWrite)(nil),            // 4: kcp.tunnel.v1.CloseWrite
-	(*ConnectRequest)(nil),        // 5: kcp.tunnel.v1.ConnectRequest
-	(*ConnectResponse)(nil),       // 6: kcp.tunnel.v1.ConnectResponse
-	(*Drain)(nil),                 // 7: kcp.tunnel.v1.Drain
-	(*Register)(nil),              // 8: kcp.tunnel.v1.Register
-	(*Registered)(nil),            // 9: kcp.tunnel.v1.Registered
-	(*DialOrder)(nil),             // 10: kcp.tunnel.v1.DialOrder
-	(*DialFailure)(nil),           // 11: kcp.tunnel.v1.DialFailure
-	(*TunnelRequest)(nil),         // 12: kcp.tunnel.v1.TunnelRequest
-	(*TunnelResponse)(nil),        // 13: kcp.tunnel.v1.TunnelResponse
-	(*TunnelOpen)(nil),            // 14: kcp.tunnel.v1.TunnelOpen
-	(*timestamppb.Timestamp)(nil), // 15: google.protobuf.Timestamp
+	(*ListAgentsRequest)(nil),     // 0: kcp.tunnel.v1.ListAgentsRequest
+	(*ListAgentsResponse)(nil),    // 1: kcp.tunnel.v1.ListAgentsResponse
+	(*AgentInfo)(nil),             // 2: kcp.tunnel.v1.AgentInfo
+	(*Target)(nil),                // 3: kcp.tunnel.v1.Target
+	(*DialRequest)(nil),           // 4: kcp.tunnel.v1.DialRequest
+	(*DialResponse)(nil),          // 5: kcp.tunnel.v1.DialResponse
+	(*Established)(nil),           // 6: kcp.tunnel.v1.Established
+	(*CloseWrite)(nil),            // 7: kcp.tunnel.v1.CloseWrite
+	(*ConnectRequest)(nil),        // 8: kcp.tunnel.v1.ConnectRequest
+	(*ConnectResponse)(nil),       // 9: kcp.tunnel.v1.ConnectResponse
+	(*Probe)(nil),                 // 10: kcp.tunnel.v1.Probe
+	(*Drain)(nil),                 // 11: kcp.tunnel.v1.Drain
+	(*Register)(nil),              // 12: kcp.tunnel.v1.Register
+	(*Registered)(nil),            // 13: kcp.tunnel.v1.Registered
+	(*DialOrder)(nil),             // 14: kcp.tunnel.v1.DialOrder
+	(*DialFailure)(nil),           // 15: kcp.tunnel.v1.DialFailure
+	(*TunnelRequest)(nil),         // 16: kcp.tunnel.v1.TunnelRequest
+	(*TunnelResponse)(nil),        // 17: kcp.tunnel.v1.TunnelResponse
+	(*TunnelOpen)(nil),            // 18: kcp.tunnel.v1.TunnelOpen
+	(*timestamppb.Timestamp)(nil), // 19: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 20: google.protobuf.Duration
 }
 var file_kcp_tunnel_v1_tunnel_proto_depIdxs = []int32{
-	0,  // 0: kcp.tunnel.v1.DialRequest.target:type_name -> kcp.tunnel.v1.Target
-	3,  // 1: kcp.tunnel.v1.DialResponse.established:type_name -> kcp.tunnel.v1.Established
-	4,  // 2: kcp.tunnel.v1.DialResponse.close_write:type_name -> kcp.tunnel.v1.CloseWrite
-	8,  // 3: kcp.tunnel.v1.ConnectRequest.register:type_name -> kcp.tunnel.v1.Register
-	11, // 4: kcp.tunnel.v1.ConnectRequest.dial_failure:type_name -> kcp.tunnel.v1.DialFailure
-	7,  // 5: kcp.tunnel.v1.ConnectRequest.drain:type_name -> kcp.tunnel.v1.Drain
-	9,  // 6: kcp.tunnel.v1.ConnectResponse.registered:type_name -> kcp.tunnel.v1.Registered
-	10, // 7: kcp.tunnel.v1.ConnectResponse.dial_order:type_name -> kcp.tunnel.v1.DialOrder
-	7,  // 8: kcp.tunnel.v1.ConnectResponse.drain:type_name -> kcp.tunnel.v1.Drain
-	15, // 9: kcp.tunnel.v1.Registered.since:type_name -> google.protobuf.Timestamp
-	0,  // 10: kcp.tunnel.v1.DialOrder.target:type_name -> kcp.tunnel.v1.Target
-	14, // 11: kcp.tunnel.v1.TunnelRequest.open:type_name -> kcp.tunnel.v1.TunnelOpen
-	4,  // 12: kcp.tunnel.v1.TunnelResponse.close_write:type_name -> kcp.tunnel.v1.CloseWrite
-	1,  // 13: kcp.tunnel.v1.DialService.Dial:input_type -> kcp.tunnel.v1.DialRequest
-	5,  // 14: kcp.tunnel.v1.AgentService.Connect:input_type -> kcp.tunnel.v1.ConnectRequest
-	12, // 15: kcp.tunnel.v1.AgentService.Tunnel:input_type -> kcp.tunnel.v1.TunnelRequest
-	2,  // 16: kcp.tunnel.v1.DialService.Dial:output_type -> kcp.tunnel.v1.DialResponse
-	6,  // 17: kcp.tunnel.v1.AgentService.Connect:output_type -> kcp.tunnel.v1.ConnectResponse
-	13, // 18: kcp.tunnel.v1.AgentService.Tunnel:output_type -> kcp.tunnel.v1.TunnelResponse
-	16, // [16:19] is the sub-list for method output_type
-	13, // [13:16] is the sub-list for method input_type
-	13, // [13:13] is the sub-list for extension type_name
-	13, // [13:13] is the sub-list for extension extendee
-	0,  // [0:13] is the sub-list for field type_name
+	2,  // 0: kcp.tunnel.v1.ListAgentsResponse.agents:type_name -> kcp.tunnel.v1.AgentInfo
+	19, // 1: kcp.tunnel.v1.AgentInfo.connected_since:type_name -> google.protobuf.Timestamp
+	19, // 2: kcp.tunnel.v1.AgentInfo.last_probe:type_name -> google.protobuf.Timestamp
+	20, // 3: kcp.tunnel.v1.AgentInfo.last_probe_rtt:type_name -> google.protobuf.Duration
+	3,  // 4: kcp.tunnel.v1.DialRequest.target:type_name -> kcp.tunnel.v1.Target
+	6,  // 5: kcp.tunnel.v1.DialResponse.established:type_name -> kcp.tunnel.v1.Established
+	7,  // 6: kcp.tunnel.v1.DialResponse.close_write:type_name -> kcp.tunnel.v1.CloseWrite
+	12, // 7: kcp.tunnel.v1.ConnectRequest.register:type_name -> kcp.tunnel.v1.Register
+	15, // 8: kcp.tunnel.v1.ConnectRequest.dial_failure:type_name -> kcp.tunnel.v1.DialFailure
+	11, // 9: kcp.tunnel.v1.ConnectRequest.drain:type_name -> kcp.tunnel.v1.Drain
+	10, // 10: kcp.tunnel.v1.ConnectRequest.probe:type_name -> kcp.tunnel.v1.Probe
+	13, // 11: kcp.tunnel.v1.ConnectResponse.registered:type_name -> kcp.tunnel.v1.Registered
+	14, // 12: kcp.tunnel.v1.ConnectResponse.dial_order:type_name -> kcp.tunnel.v1.DialOrder
+	11, // 13: kcp.tunnel.v1.ConnectResponse.drain:type_name -> kcp.tunnel.v1.Drain
+	10, // 14: kcp.tunnel.v1.ConnectResponse.probe:type_name -> kcp.tunnel.v1.Probe
+	19, // 15: kcp.tunnel.v1.Registered.since:type_name -> google.protobuf.Timestamp
+	3,  // 16: kcp.tunnel.v1.DialOrder.target:type_name -> kcp.tunnel.v1.Target
+	18, // 17: kcp.tunnel.v1.TunnelRequest.open:type_name -> kcp.tunnel.v1.TunnelOpen
+	7,  // 18: kcp.tunnel.v1.TunnelResponse.close_write:type_name -> kcp.tunnel.v1.CloseWrite
+	4,  // 19: kcp.tunnel.v1.DialService.Dial:input_type -> kcp.tunnel.v1.DialRequest
+	0,  // 20: kcp.tunnel.v1.AdminService.ListAgents:input_type -> kcp.tunnel.v1.ListAgentsRequest
+	8,  // 21: kcp.tunnel.v1.AgentService.Connect:input_type -> kcp.tunnel.v1.ConnectRequest
+	16, // 22: kcp.tunnel.v1.AgentService.Tunnel:input_type -> kcp.tunnel.v1.TunnelRequest
+	5,  // 23: kcp.tunnel.v1.DialService.Dial:output_type -> kcp.tunnel.v1.DialResponse
+	1,  // 24: kcp.tunnel.v1.AdminService.ListAgents:output_type -> kcp.tunnel.v1.ListAgentsResponse
+	9,  // 25: kcp.tunnel.v1.AgentService.Connect:output_type -> kcp.tunnel.v1.ConnectResponse
+	17, // 26: kcp.tunnel.v1.AgentService.Tunnel:output_type -> kcp.tunnel.v1.TunnelResponse
+	23, // [23:27] is the sub-list for method output_type
+	19, // [19:23] is the sub-list for method input_type
+	19, // [19:19] is the sub-list for extension type_name
+	19, // [19:19] is the sub-list for extension extendee
+	0,  // [0:19] is the sub-list for field type_name
 }
 
 func init() { file_kcp_tunnel_v1_tunnel_proto_init() }
@@ -1210,30 +1537,32 @@ func file_kcp_tunnel_v1_tunnel_proto_init() {
 	if File_kcp_tunnel_v1_tunnel_proto != nil {
 		return
 	}
-	file_kcp_tunnel_v1_tunnel_proto_msgTypes[1].OneofWrappers = []any{
+	file_kcp_tunnel_v1_tunnel_proto_msgTypes[4].OneofWrappers = []any{
 		(*DialRequest_Target)(nil),
 		(*DialRequest_Data)(nil),
 	}
-	file_kcp_tunnel_v1_tunnel_proto_msgTypes[2].OneofWrappers = []any{
+	file_kcp_tunnel_v1_tunnel_proto_msgTypes[5].OneofWrappers = []any{
 		(*DialResponse_Established)(nil),
 		(*DialResponse_Data)(nil),
 		(*DialResponse_CloseWrite)(nil),
 	}
-	file_kcp_tunnel_v1_tunnel_proto_msgTypes[5].OneofWrappers = []any{
+	file_kcp_tunnel_v1_tunnel_proto_msgTypes[8].OneofWrappers = []any{
 		(*ConnectRequest_Register)(nil),
 		(*ConnectRequest_DialFailure)(nil),
 		(*ConnectRequest_Drain)(nil),
+		(*ConnectRequest_Probe)(nil),
 	}
-	file_kcp_tunnel_v1_tunnel_proto_msgTypes[6].OneofWrappers = []any{
+	file_kcp_tunnel_v1_tunnel_proto_msgTypes[9].OneofWrappers = []any{
 		(*ConnectResponse_Registered)(nil),
 		(*ConnectResponse_DialOrder)(nil),
 		(*ConnectResponse_Drain)(nil),
+		(*ConnectResponse_Probe)(nil),
 	}
-	file_kcp_tunnel_v1_tunnel_proto_msgTypes[12].OneofWrappers = []any{
+	file_kcp_tunnel_v1_tunnel_proto_msgTypes[16].OneofWrappers = []any{
 		(*TunnelRequest_Open)(nil),
 		(*TunnelRequest_Data)(nil),
 	}
-	file_kcp_tunnel_v1_tunnel_proto_msgTypes[13].OneofWrappers = []any{
+	file_kcp_tunnel_v1_tunnel_proto_msgTypes[17].OneofWrappers = []any{
 		(*TunnelResponse_Data)(nil),
 		(*TunnelResponse_CloseWrite)(nil),
 	}
@@ -1243,9 +1572,9 @@ func file_kcp_tunnel_v1_tunnel_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kcp_tunnel_v1_tunnel_proto_rawDesc), len(file_kcp_tunnel_v1_tunnel_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   15,
+			NumMessages:   19,
 			NumExtensions: 0,
-			NumServices:   2,
+			NumServices:   3,
 		},
 		GoTypes:           file_kcp_tunnel_v1_tunnel_proto_goTypes,
 		DependencyIndexes: file_kcp_tunnel_v1_tunnel_proto_depIdxs,

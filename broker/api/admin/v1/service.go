@@ -1,0 +1,57 @@
+// Package admin serves kcp.tunnel.v1.AdminService: what a replica knows of
+// its agents, for operators (grpcurl, tunnelctl).
+package admin
+
+import (
+	"context"
+	"slices"
+	"strings"
+
+	"google.golang.org/grpc"
+	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"github.com/kcp-dev/tunnel-broker/broker/registry"
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+)
+
+// Service implements AdminService.
+type Service struct {
+	tunnelv1.UnimplementedAdminServiceServer
+
+	Registry *registry.Registry
+	BrokerID string
+}
+
+// Register adds the service to s.
+func (s *Service) Register(srv *grpc.Server) { tunnelv1.RegisterAdminServiceServer(srv, s) }
+
+// ListAgents implements AdminService.ListAgents.
+func (s *Service) ListAgents(_ context.Context, req *tunnelv1.ListAgentsRequest) (*tunnelv1.ListAgentsResponse, error) {
+	resp := &tunnelv1.ListAgentsResponse{BrokerId: s.BrokerID}
+	for _, a := range s.Registry.Agents() {
+		clusters := s.Registry.ClustersOf(a)
+		if req.GetCluster() != "" && !slices.Contains(clusters, req.GetCluster()) {
+			continue
+		}
+		slices.Sort(clusters)
+		info := &tunnelv1.AgentInfo{
+			Name:           a.Name,
+			SpiffeId:       a.ID.String(),
+			SessionId:      a.SessionID,
+			Clusters:       clusters,
+			ConnectedSince: timestamppb.New(a.Since),
+			ActiveTunnels:  uint64(max(a.Tunnels(), 0)),
+			Draining:       a.Draining(),
+		}
+		if at, rtt := a.LastProbe(); !at.IsZero() {
+			info.LastProbe = timestamppb.New(at)
+			info.LastProbeRtt = durationpb.New(rtt)
+		}
+		resp.Agents = append(resp.Agents, info)
+	}
+	slices.SortFunc(resp.Agents, func(x, y *tunnelv1.AgentInfo) int {
+		return strings.Compare(x.GetName()+x.GetSessionId(), y.GetName()+y.GetSessionId())
+	})
+	return resp, nil
+}

@@ -1,0 +1,61 @@
+package agent
+
+import (
+	"sync"
+	"time"
+
+	"github.com/kcp-dev/tunnel-broker/broker/metrics"
+	"github.com/kcp-dev/tunnel-broker/broker/registry"
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+)
+
+// DefaultProbeEvery is how often an agent is probed: often enough for an
+// alert within a minute, rare enough to cost nothing.
+const DefaultProbeEvery = 10 * time.Second
+
+// prober sends probes over an agent's control stream and records answers.
+// An agent that has not answered the previous probe when the next is due is
+// marked unreachable.
+type prober struct {
+	agent  *registry.Agent
+	labels []string
+
+	mu      sync.Mutex
+	seq     uint64
+	sent    time.Time
+	waiting bool
+}
+
+func newProber(a *registry.Agent, labels []string) *prober {
+	return &prober{agent: a, labels: labels}
+}
+
+// next is the next probe to send.
+func (p *prober) next() *tunnelv1.ConnectResponse {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.waiting {
+		metrics.Reachable.WithLabelValues(p.labels...).Set(0)
+	}
+	p.seq++
+	p.sent = time.Now()
+	p.waiting = true
+	return &tunnelv1.ConnectResponse{Message: &tunnelv1.ConnectResponse_Probe{Probe: &tunnelv1.Probe{Sequence: p.seq}}}
+}
+
+// answered records the agent's answer to probe seq; stale answers count for
+// nothing.
+func (p *prober) answered(seq uint64) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if seq != p.seq || !p.waiting {
+		return
+	}
+	p.waiting = false
+	now := time.Now()
+	rtt := now.Sub(p.sent)
+	p.agent.Probed(now, rtt)
+	metrics.ProbeRTT.WithLabelValues(p.labels...).Set(rtt.Seconds())
+	metrics.ProbeSuccess.WithLabelValues(p.labels...).Set(float64(now.UnixNano()) / 1e9)
+	metrics.Reachable.WithLabelValues(p.labels...).Set(1)
+}
