@@ -13,9 +13,9 @@ export GRPCURL        := $(BIN)/grpcurl
 
 all: build
 
-## build: the broker and syncer-agent binaries, into bin/
+## build: the broker, syncer-agent and tunnelctl binaries, into bin/
 build:
-	$(GO) build -o $(BIN)/ ./broker ./syncer-agent
+	$(GO) build -o $(BIN)/ ./broker ./syncer-agent ./broker/cmd/tunnelctl
 
 ## tools: grpcurl, for tests and for people, into bin/
 tools:

@@ -5,6 +5,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
 	"github.com/kcp-dev/tunnel-broker/test/harness"
 )
 
@@ -35,6 +36,29 @@ func TestGrpcurlListsServices(t *testing.T) {
 	out, err = exec.Command(grpcurl, append(tls, b.Addr, "grpc.health.v1.Health/Check")...).CombinedOutput()
 	if err != nil || !strings.Contains(string(out), "SERVING") {
 		t.Errorf("grpcurl health check: %v\n%s", err, out)
+	}
+
+	// The admin RPC lists the agent, for an operator.
+	echo := startEcho(t)
+	env.StartAgent(b.Addr, "/agent/sync-target-1", lookup.StaticFile{Services: []lookup.StaticService{
+		{Cluster: "root", Namespace: "default", Name: "echo", Ports: map[string]string{"80": echo}},
+	}})
+	out, err = exec.Command(grpcurl, append(tls, "-d", `{"cluster": "root"}`, b.Addr, "kcp.tunnel.v1.AdminService/ListAgents")...).CombinedOutput()
+	if err != nil || !strings.Contains(string(out), `"spiffeId": "spiffe://tunnel.test/agent/sync-target-1"`) || !strings.Contains(string(out), `"root"`) {
+		t.Errorf("grpcurl ListAgents: %v\n%s", err, out)
+	}
+	// A dial by hand: the target first, then bytes; the echo comes back.
+	kcp := env.SVID("/kcp")
+	dial := `{"target": {"cluster": "root", "namespace": "default", "service": "echo", "port": 80}} {"data": "aGVsbG8K"}`
+	out, err = exec.Command(grpcurl, "-cacert", kcp.Bundle, "-cert", kcp.Cert, "-key", kcp.Key,
+		"-d", dial, b.Addr, "kcp.tunnel.v1.DialService/Dial").CombinedOutput()
+	if err != nil || !strings.Contains(string(out), `"established"`) || !strings.Contains(string(out), `"data": "aGVsbG8K"`) {
+		t.Errorf("grpcurl Dial: %v\n%s", err, out)
+	}
+	// Not for a caller.
+	out, err = exec.Command(grpcurl, "-cacert", kcp.Bundle, "-cert", kcp.Cert, "-key", kcp.Key, b.Addr, "kcp.tunnel.v1.AdminService/ListAgents").CombinedOutput()
+	if err == nil || !strings.Contains(string(out), "PermissionDenied") {
+		t.Errorf("grpcurl ListAgents as a caller: %v\n%s", err, out)
 	}
 
 	// Without a client certificate the handshake is refused.

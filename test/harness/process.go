@@ -39,7 +39,8 @@ func Binaries(t T) string {
 			return
 		}
 		cmd := exec.Command("go", "build", "-o", binDir+"/",
-			"github.com/kcp-dev/tunnel-broker/broker", "github.com/kcp-dev/tunnel-broker/syncer-agent")
+			"github.com/kcp-dev/tunnel-broker/broker", "github.com/kcp-dev/tunnel-broker/syncer-agent",
+			"github.com/kcp-dev/tunnel-broker/broker/cmd/tunnelctl")
 		out, err := cmd.CombinedOutput()
 		if err != nil {
 			buildErr = fmt.Errorf("building binaries: %v\n%s", err, out)

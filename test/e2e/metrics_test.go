@@ -1,0 +1,123 @@
+package e2e
+
+import (
+	"io"
+	"net/http"
+	"regexp"
+	"strconv"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
+	"github.com/kcp-dev/tunnel-broker/test/harness"
+)
+
+// scrape reads one sample from a /metrics endpoint; ok is false if absent.
+func scrape(t *testing.T, p *harness.Process, series string) (float64, bool) {
+	t.Helper()
+	resp, err := http.Get("http://" + p.MetricsAddr(t) + "/metrics")
+	if err != nil {
+		t.Fatalf("scraping: %v", err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	m := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(series) + ` (\S+)$`).FindSubmatch(body)
+	if m == nil {
+		return 0, false
+	}
+	v, err := strconv.ParseFloat(string(m[1]), 64)
+	if err != nil {
+		t.Fatalf("%s: %v", series, err)
+	}
+	return v, true
+}
+
+func TestMetricsMoveWithTraffic(t *testing.T) {
+	env := harness.NewEnv(t)
+	broker, addr := env.StartBrokerProcess("--probe-interval", "200ms")
+	echo := startEcho(t)
+	agent := env.StartAgentProcess(addr, "/agent/sync-target-1", lookup.StaticFile{Services: []lookup.StaticService{
+		{Cluster: "root", Namespace: "default", Name: "echo", Ports: map[string]string{"80": echo}},
+	}})
+	kcp := brokerDialer(env, addr)
+
+	const dials = 5
+	for range dials {
+		if err := dialEcho(kcp); err != nil {
+			t.Fatal(err)
+		}
+	}
+	dialEchoCtxCluster(t.Context(), kcp, "nowhere")
+
+	want := map[string]float64{
+		`kcp_tunnel_broker_dials_total{code="OK"}`:                                   dials,
+		`kcp_tunnel_broker_dials_total{code="Unavailable"}`:                          1,
+		`kcp_tunnel_broker_agents{cluster="root"}`:                                   1,
+		`kcp_tunnel_broker_agent_registrations_total`:                                1,
+		`kcp_tunnel_broker_dial_duration_seconds_count{code="OK"}`:                   dials,
+		`kcp_tunnel_broker_tunnel_bytes_total{direction="up"}`:                       dials * 5,
+		`kcp_tunnel_broker_tunnel_bytes_total{direction="down"}`:                     dials * 5,
+		`grpc_server_handled_total{grpc_code="OK",grpc_method="Dial",grpc_service="kcp.tunnel.v1.DialService",grpc_type="bidi_stream"}`: dials,
+	}
+	harness.Eventually(t, 10*time.Second, "broker metrics to count the traffic", func() bool {
+		for series, v := range want {
+			if got, _ := scrape(t, broker, series); got != v {
+				return false
+			}
+		}
+		return true
+	})
+	for series, v := range want {
+		if got, ok := scrape(t, broker, series); !ok || got != v {
+			t.Errorf("%s = %v (present %v), want %v", series, got, ok, v)
+		}
+	}
+	if got, _ := scrape(t, agent, `kcp_tunnel_agent_dials_total{code="OK"}`); got != dials {
+		t.Errorf("agent dials OK = %v, want %d", got, dials)
+	}
+	if got, _ := scrape(t, agent, `kcp_tunnel_agent_registered_brokers`); got != 1 {
+		t.Errorf("agent registered brokers = %v, want 1", got)
+	}
+
+	// The probe sees the agent, and stops seeing it when it hangs (SIGSTOP:
+	// no TCP reset, only silence).
+	reachable := `kcp_tunnel_broker_agent_reachable{agent="sync-target-1",spiffe_id="spiffe://tunnel.test/agent/sync-target-1"}`
+	rtt := `kcp_tunnel_broker_agent_probe_rtt_seconds{agent="sync-target-1",spiffe_id="spiffe://tunnel.test/agent/sync-target-1"}`
+	harness.Eventually(t, 10*time.Second, "a probe round trip", func() bool {
+		v, ok := scrape(t, broker, rtt)
+		return ok && v > 0
+	})
+	if v, _ := scrape(t, broker, reachable); v != 1 {
+		t.Fatalf("agent reachable = %v before it hangs", v)
+	}
+	agent.Cmd.Process.Signal(syscall.SIGSTOP)
+	defer agent.Cmd.Process.Signal(syscall.SIGCONT)
+	harness.Eventually(t, 10*time.Second, "the probe to report the hung agent unreachable", func() bool {
+		v, _ := scrape(t, broker, reachable)
+		return v == 0
+	})
+	agent.Cmd.Process.Signal(syscall.SIGCONT)
+	harness.Eventually(t, 10*time.Second, "the probe to see the agent again", func() bool {
+		v, _ := scrape(t, broker, reachable)
+		return v == 1
+	})
+}
+
+func TestMetricsReadinessFollowsTheBroker(t *testing.T) {
+	env := harness.NewEnv(t)
+	broker, addr := env.StartBrokerProcess()
+	echo := startEcho(t)
+	agent := env.StartAgentProcess(addr, "/agent/sync-target-1", lookup.StaticFile{Services: []lookup.StaticService{
+		{Cluster: "root", Namespace: "default", Name: "echo", Ports: map[string]string{"80": echo}},
+	}})
+	if !agent.Ready(t) || !broker.Ready(t) {
+		t.Fatal("not ready at start")
+	}
+	// Cut the agent off: its only broker dies. It must say it is not ready.
+	broker.Kill()
+	harness.Eventually(t, 20*time.Second, "the cut-off agent to turn unready", func() bool { return !agent.Ready(t) })
+	// And ready again once a broker is back where it was.
+	env.StartBrokerProcess("--listen", addr)
+	harness.Eventually(t, 20*time.Second, "the agent to be ready again", func() bool { return agent.Ready(t) })
+}
