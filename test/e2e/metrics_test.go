@@ -51,13 +51,13 @@ func TestMetricsMoveWithTraffic(t *testing.T) {
 	dialEchoCtxCluster(t.Context(), kcp, "nowhere")
 
 	want := map[string]float64{
-		`kcp_tunnel_broker_dials_total{code="OK"}`:                                   dials,
-		`kcp_tunnel_broker_dials_total{code="Unavailable"}`:                          1,
-		`kcp_tunnel_broker_agents{cluster="root"}`:                                   1,
-		`kcp_tunnel_broker_agent_registrations_total`:                                1,
-		`kcp_tunnel_broker_dial_duration_seconds_count{code="OK"}`:                   dials,
-		`kcp_tunnel_broker_tunnel_bytes_total{direction="up"}`:                       dials * 5,
-		`kcp_tunnel_broker_tunnel_bytes_total{direction="down"}`:                     dials * 5,
+		`kcp_tunnel_broker_dials_total{code="OK"}`:                 dials,
+		`kcp_tunnel_broker_dials_total{code="Unavailable"}`:        1,
+		`kcp_tunnel_broker_agents{cluster="root"}`:                 1,
+		`kcp_tunnel_broker_agent_registrations_total`:              1,
+		`kcp_tunnel_broker_dial_duration_seconds_count{code="OK"}`: dials,
+		`kcp_tunnel_broker_tunnel_bytes_total{direction="up"}`:     dials * 5,
+		`kcp_tunnel_broker_tunnel_bytes_total{direction="down"}`:   dials * 5,
 		`grpc_server_handled_total{grpc_code="OK",grpc_method="Dial",grpc_service="kcp.tunnel.v1.DialService",grpc_type="bidi_stream"}`: dials,
 	}
 	harness.Eventually(t, 10*time.Second, "broker metrics to count the traffic", func() bool {
