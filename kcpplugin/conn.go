@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"google.golang.org/grpc/codes"
@@ -56,6 +57,9 @@ type conn struct {
 	writeDL     *deadline
 	writeClosed bool
 	writeErr    error // sticky after a write failed or timed out
+	// writing is set while Write sends; writeAborted once the write
+	// deadline passed during it and cancelled the tunnel.
+	writing, writeAborted atomic.Bool
 
 	closeOnce  sync.Once
 	closed     chan struct{}
@@ -71,12 +75,12 @@ func newConn(stream tunnelv1.DialService_DialClient, cancel context.CancelFunc, 
 		local:      addr("kcp-tunnel-client"),
 		remote:     remote,
 		frames:     make(chan []byte),
-		readDL:     newDeadline(),
-		writeDL:    newDeadline(),
+		readDL:     newDeadline(nil),
 		closed:     make(chan struct{}),
 		sendFailed: make(chan struct{}),
 		received:   make(chan struct{}),
 	}
+	c.writeDL = newDeadline(c.writeDeadlinePassed)
 	go c.receive()
 	return c
 }
@@ -205,7 +209,13 @@ func (c *conn) Write(b []byte) (int, error) {
 		return 0, nil
 	}
 
-	stop := c.abortAtWriteDeadline()
+	c.writing.Store(true)
+	if isClosed(c.writeDL.wait()) {
+		// It passed between the check above and now, when nothing could
+		// abort this Write yet.
+		c.writing.Store(false)
+		return 0, os.ErrDeadlineExceeded
+	}
 	written := 0
 	var err error
 	for len(b) > 0 {
@@ -216,8 +226,9 @@ func (c *conn) Write(b []byte) (int, error) {
 		written += len(chunk)
 		b = b[len(chunk):]
 	}
+	c.writing.Store(false)
 	switch {
-	case stop():
+	case c.writeAborted.Load():
 		// The deadline passed and aborted the tunnel, maybe after the last
 		// Send: what was written may not arrive.
 		c.writeErr = os.ErrDeadlineExceeded
@@ -229,26 +240,12 @@ func (c *conn) Write(b []byte) (int, error) {
 	return written, c.writeErr
 }
 
-// abortAtWriteDeadline aborts the tunnel if the write deadline passes before
-// stop is called, also if the deadline is set or moved in the meantime.
-// stop reports whether it aborted.
-func (c *conn) abortAtWriteDeadline() (stop func() bool) {
-	// A deadline not yet passed keeps its channel when it is moved.
-	passed := c.writeDL.wait()
-	done := make(chan struct{})
-	aborted := make(chan bool, 1)
-	go func() {
-		select {
-		case <-passed:
-			c.cancel()
-			aborted <- true
-		case <-done:
-			aborted <- false
-		}
-	}()
-	return func() bool {
-		close(done)
-		return <-aborted
+// writeDeadlinePassed aborts the tunnel if a Write is blocked when the write
+// deadline passes (a timed-out write leaves a TLS conn unusable anyway).
+func (c *conn) writeDeadlinePassed() {
+	if c.writing.Load() {
+		c.writeAborted.Store(true)
+		c.cancel()
 	}
 }
 

@@ -11,9 +11,22 @@ type deadline struct {
 	mu     sync.Mutex
 	timer  *time.Timer
 	passed chan struct{} // closed when the deadline passes
+	// onPass, if set, runs each time the deadline passes, after passed is
+	// closed; it lets a blocked Write be aborted without a watcher goroutine.
+	onPass func()
 }
 
-func newDeadline() *deadline { return &deadline{passed: make(chan struct{})} }
+func newDeadline(onPass func()) *deadline {
+	return &deadline{passed: make(chan struct{}), onPass: onPass}
+}
+
+// pass closes passed and runs onPass.
+func (d *deadline) pass(passed chan struct{}) {
+	close(passed)
+	if d.onPass != nil {
+		d.onPass()
+	}
+}
 
 // set moves the deadline; the zero time means none.
 func (d *deadline) set(t time.Time) {
@@ -36,11 +49,11 @@ func (d *deadline) set(t time.Time) {
 			d.passed = make(chan struct{})
 		}
 		passed := d.passed
-		d.timer = time.AfterFunc(dur, func() { close(passed) })
+		d.timer = time.AfterFunc(dur, func() { d.pass(passed) })
 		return
 	}
 	if !closed {
-		close(d.passed)
+		d.pass(d.passed)
 	}
 }
 
