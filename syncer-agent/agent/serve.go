@@ -50,6 +50,11 @@ func (a *Agent) serve(ctx context.Context, client tunnelv1.AgentServiceClient, o
 	defer tunnelsOpen.Dec()
 	if err := pipe(conn, stream, cancel); err != nil {
 		log.Info("tunnel ended", "error", err)
+		// A stream cancelled right after open (a target that resets at
+		// once) may end before the broker read the open, and the dial
+		// would wait there for its timeout. Fail it; the broker ignores a
+		// failure for a dial it already claimed.
+		fail(&tunnelv1.DialFailure{DialId: order.GetDialId(), Code: int32(codes.Unavailable), Message: "tunnel failed before it was established: " + err.Error()})
 	}
 }
 
