@@ -104,3 +104,34 @@ func FetchProfile(ctx context.Context, addr, profile, path string) error {
 	}
 	return f.Close()
 }
+
+// clockTick is the unit of /proc/<pid>/stat's times: USER_HZ, 100 on Linux.
+const clockTick = 10 * time.Millisecond
+
+// ProcCPU is the CPU time (user and system) a process has used so far,
+// from /proc/<pid>/stat, in steps of 10ms.
+func ProcCPU(pid int) (time.Duration, error) {
+	raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, err
+	}
+	// The command name, in parentheses, may hold spaces: fields count
+	// from after it. utime and stime are fields 14 and 15 of the line.
+	i := strings.LastIndexByte(string(raw), ')')
+	if i < 0 {
+		return 0, fmt.Errorf("/proc/%d/stat: unexpected format", pid)
+	}
+	f := strings.Fields(string(raw[i+1:]))
+	if len(f) < 13 {
+		return 0, fmt.Errorf("/proc/%d/stat: unexpected format", pid)
+	}
+	var ticks int64
+	for _, s := range f[11:13] {
+		n, err := strconv.ParseInt(s, 10, 64)
+		if err != nil {
+			return 0, fmt.Errorf("/proc/%d/stat: %w", pid, err)
+		}
+		ticks += n
+	}
+	return time.Duration(ticks) * clockTick, nil
+}

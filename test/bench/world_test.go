@@ -13,6 +13,8 @@ import (
 
 	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/experimental"
+	"google.golang.org/grpc/mem"
 
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	"github.com/kcp-dev/tunnel-broker/kcpplugin"
@@ -48,6 +50,16 @@ const (
 )
 
 func TestMain(m *testing.M) {
+	// An experiment, not a setting of the product: gRPC's default buffer
+	// pool has tiers of 16 KiB, 32 KiB and 1 MiB and zeroes a buffer's whole
+	// capacity on every Get. A 32 KiB data frame encodes to 32 KiB + 4 bytes,
+	// so each Marshal and each Unmarshal of one takes (and clears) a 1 MiB
+	// buffer. BENCH_GRPC_POOL=fit adds a tier just above 32 KiB, process-wide
+	// (client, in-process broker and agent), to show what frames that fit
+	// the 32 KiB tier would gain.
+	if os.Getenv("BENCH_GRPC_POOL") == "fit" {
+		experimental.SetDefaultBufferPool(mem.NewTieredBufferPool(256, 4<<10, 16<<10, 32<<10, 32<<10+256, 1<<20))
+	}
 	os.Exit(runMain(m))
 }
 

@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"os"
+	"path/filepath"
 	"sync"
 	"time"
 
@@ -107,6 +109,7 @@ func (r *runner) idle(ctx context.Context, n int) {
 	r.logf("idle %d: opened %d tunnels in %v; the target holds %d connections", n, opened, took.Round(time.Millisecond), r.targets[svcIdle].Open())
 	time.Sleep(settle)
 	b1, a1 := r.read(ctx, brokerPID, p.brokerPprof), r.read(ctx, agentPID, p.agentPprof)
+	r.saveIdleProfiles(ctx, p, n)
 
 	for _, c := range conns {
 		c.Close()
@@ -131,4 +134,27 @@ func (r *runner) idle(ctx context.Context, n int) {
 		r.report.row(name+"agent_goroutines_per_tunnel", none, per(int64(a0.goroutines), int64(a1.goroutines)))
 	}
 	r.report.row(name+"dials_per_s_64_at_once", none, float64(opened)/took.Seconds())
+}
+
+// saveIdleProfiles saves the processes' heap and goroutine profiles with n
+// tunnels open, when -profile-dir is set and the binaries serve pprof.
+func (r *runner) saveIdleProfiles(ctx context.Context, p *pair, n int) {
+	if r.cfg.profileDir == "" || !r.pprof {
+		return
+	}
+	if err := os.MkdirAll(r.cfg.profileDir, 0o755); err != nil {
+		r.logf("profiles: %v", err)
+		return
+	}
+	for proc, addr := range map[string]string{"broker": p.brokerPprof, "agent": p.agentPprof} {
+		for profile, file := range map[string]string{
+			"heap":              "heap.pprof",
+			"goroutine?debug=1": "goroutines.txt",
+		} {
+			path := filepath.Join(r.cfg.profileDir, fmt.Sprintf("%s-idle-%d.%s", proc, n, file))
+			if err := bench.FetchProfile(ctx, addr, profile, path); err != nil {
+				r.logf("profile %s: %v", path, err)
+			}
+		}
+	}
 }

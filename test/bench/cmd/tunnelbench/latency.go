@@ -21,13 +21,17 @@ const maxRoundTrips = 1_000_000
 // per path, for cfg.duration, and reports p50, p99 and what the tunnel adds.
 func (r *runner) latency(ctx context.Context) {
 	q := map[string][2]float64{}
+	cpu := map[string]float64{}
+	var broker, agent float64
 	for _, p := range r.paths() {
 		var stop func()
 		if p.name == "tunneled" {
 			stop = r.profile(ctx, "latency", r.cfg.duration)
 		}
 		c := r.dialOrFatal(ctx, p, svcEcho)
+		cpu0 := r.cpu()
 		s, err := roundTrips(c, r.cfg.duration)
+		used := r.cpu().sub(cpu0)
 		c.Close()
 		if stop != nil {
 			stop()
@@ -36,6 +40,9 @@ func (r *runner) latency(ctx context.Context) {
 			r.m.Fatalf("%s round trips: %v", p.name, err)
 		}
 		q[p.name] = [2]float64{bench.Micros(s.Quantile(0.5)), bench.Micros(s.Quantile(0.99))}
+		perRT := func(d time.Duration) float64 { return bench.Micros(d) / float64(len(s)) }
+		cpu[p.name] = perRT(used.total())
+		broker, agent = perRT(used.broker), perRT(used.agent)
 		r.logf("%s: %d round trips", p.name, len(s))
 	}
 	d, t := q["direct"], q["tunneled"]
@@ -43,6 +50,9 @@ func (r *runner) latency(ctx context.Context) {
 	r.report.row("rtt64_p99_us", d[1], t[1])
 	r.report.row("rtt64_added_p50_us", none, t[0]-d[0])
 	r.report.row("rtt64_added_p99_us", none, t[1]-d[1])
+	r.report.row("rtt64_cpu_us_per_rt", cpu["direct"], cpu["tunneled"])
+	r.report.row("rtt64_broker_cpu_us_per_rt", none, broker)
+	r.report.row("rtt64_agent_cpu_us_per_rt", none, agent)
 }
 
 // roundTrips runs 64-byte round trips on c for d (after a short warm-up)
@@ -77,6 +87,7 @@ func roundTrips(c net.Conn, d time.Duration) (bench.Samples, error) {
 // round trips per second.
 func (r *runner) roundTripRate(ctx context.Context) {
 	rates := map[string]float64{}
+	cpu := map[string]float64{}
 	for _, p := range r.paths() {
 		var stop func()
 		if p.name == "tunneled" {
@@ -86,6 +97,7 @@ func (r *runner) roundTripRate(ctx context.Context) {
 		for i := range conns {
 			conns[i] = r.dialOrFatal(ctx, p, svcEcho)
 		}
+		cpu0 := r.cpu()
 		var (
 			total  atomic.Int64
 			failed atomic.Value
@@ -108,6 +120,7 @@ func (r *runner) roundTripRate(ctx context.Context) {
 		}
 		wg.Wait()
 		took := time.Since(start)
+		used := r.cpu().sub(cpu0)
 		for _, c := range conns {
 			c.Close()
 		}
@@ -118,7 +131,10 @@ func (r *runner) roundTripRate(ctx context.Context) {
 			r.m.Fatalf("%s round trips: %v", p.name, err)
 		}
 		rates[p.name] = float64(total.Load()) / took.Seconds()
+		cpu[p.name] = bench.Micros(used.total()) / float64(max(1, total.Load()))
 		r.logf("%s: %d round trips on %d connections in %v", p.name, total.Load(), r.cfg.conns, took.Round(time.Millisecond))
 	}
-	r.report.row("rtt64_per_s_"+strconv.Itoa(r.cfg.conns)+"conns", rates["direct"], rates["tunneled"])
+	name := "rtt64_" + strconv.Itoa(r.cfg.conns) + "conns"
+	r.report.row(name+"_per_s", rates["direct"], rates["tunneled"])
+	r.report.row(name+"_cpu_us_per_rt", cpu["direct"], cpu["tunneled"])
 }

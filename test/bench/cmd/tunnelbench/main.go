@@ -43,6 +43,10 @@ type config struct {
 }
 
 func main() {
+	if os.Getenv(roleEnv) == "webhook" {
+		serveWebhook()
+		return
+	}
 	var (
 		cfg    config
 		size   = flag.String("size", "1GiB", "bytes of each bulk transfer (download and upload), e.g. 1GiB, 64MiB")
@@ -51,7 +55,7 @@ func main() {
 		phases = flag.String("phases", strings.Join(allPhases, ","), "phases to run, comma-separated: "+strings.Join(allPhases, ","))
 		quick  = flag.Bool("quick", false, "small sizes and short durations, for a smoke run (overrides -size, -duration, -dials, -idle)")
 	)
-	flag.DurationVar(&cfg.duration, "duration", 3*time.Second, "length of each timed measurement (round trips, rates)")
+	flag.DurationVar(&cfg.duration, "duration", 5*time.Second, "length of each timed measurement (round trips, rates)")
 	flag.IntVar(&cfg.conns, "conns", 16, "connections for the round-trips-per-second figure")
 	flag.IntVar(&cfg.dials, "dials", 1000, "dials per path for the dial latency figure")
 	flag.IntVar(&cfg.webhookConns, "webhook-conns", 16, "concurrent kept-alive connections for the webhook rate figure")

@@ -50,7 +50,7 @@ type runner struct {
 
 	targets map[string]*bench.Target
 	addrs   map[string]string // service -> target address
-	webhook *harness.Webhook
+	webhook *webhookServer
 
 	// pprof is whether the binaries have --pprof-listen.
 	pprof bool
@@ -86,7 +86,7 @@ func newBench(cfg config) *runner {
 		r.targets[s.name] = t
 		r.addrs[s.name] = t.Addr
 	}
-	r.webhook = harness.StartWebhook(r.m, harness.WebhookOptions{Namespace: namespace, Name: svcWebhook}, allow)
+	r.webhook = startWebhookProcess(r.m)
 	r.addrs[svcWebhook] = r.webhook.Addr
 
 	bin := harness.Binaries(r.m)

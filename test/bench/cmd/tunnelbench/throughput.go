@@ -21,6 +21,7 @@ func (r *runner) throughput(ctx context.Context) {
 		{"upload", bench.Upload},
 	} {
 		rates := map[string]float64{}
+		cpu := map[string]cpuTimes{}
 		for _, p := range r.paths() {
 			var stop func()
 			if p.name == "tunneled" {
@@ -30,9 +31,10 @@ func (r *runner) throughput(ctx context.Context) {
 			// Bounded: a stuck transfer fails at the deadline.
 			_ = c.SetDeadline(time.Now().Add(r.cfg.timeout))
 			buf := make([]byte, bench.BulkBuffer)
-			start := time.Now()
+			cpu0, start := r.cpu(), time.Now()
 			err := dir.run(c, r.cfg.size, buf)
 			took := time.Since(start)
+			cpu[p.name] = r.cpu().sub(cpu0)
 			c.Close()
 			if stop != nil {
 				stop()
@@ -45,7 +47,14 @@ func (r *runner) throughput(ctx context.Context) {
 			rates[p.name] = float64(r.cfg.size) / (1 << 20) / took.Seconds()
 			r.logf("%s %s: %s in %v", p.name, dir.name, bytesString(r.cfg.size), took.Round(time.Millisecond))
 		}
-		r.report.row("throughput_"+dir.name+"_MiBps", rates["direct"], rates["tunneled"])
+		name := "throughput_" + dir.name
+		r.report.row(name+"_MiBps", rates["direct"], rates["tunneled"])
+		gib := float64(r.cfg.size) / (1 << 30)
+		perGiB := func(d time.Duration) float64 { return d.Seconds() / gib }
+		d, t := cpu["direct"], cpu["tunneled"]
+		r.report.row(name+"_cpu_s_per_GiB", perGiB(d.total()), perGiB(t.total()))
+		r.report.row(name+"_broker_cpu_s_per_GiB", none, perGiB(t.broker))
+		r.report.row(name+"_agent_cpu_s_per_GiB", none, perGiB(t.agent))
 	}
 }
 
