@@ -44,6 +44,9 @@ type Agent struct {
 	registered atomic.Bool
 	drainOnce  sync.Once
 	draining   chan struct{}
+	// admit orders a tunnel admission against the start of the drain, so
+	// that no tunnel is added once Run waits for them.
+	admit sync.Mutex
 }
 
 // IsRegistered reports whether the broker holds the agent's registration now.
@@ -83,7 +86,9 @@ func (a *Agent) Run(ctx context.Context) error {
 	}()
 
 	<-ctx.Done()
+	a.admit.Lock()
 	close(draining)
+	a.admit.Unlock()
 	grace := a.Grace
 	if grace <= 0 {
 		grace = DefaultGrace
@@ -187,11 +192,14 @@ func (a *Agent) session(life context.Context, client tunnelv1.AgentServiceClient
 		switch m := msg.GetMessage().(type) {
 		case *tunnelv1.ConnectResponse_DialOrder:
 			order := m.DialOrder
+			a.admit.Lock()
 			if isClosed(draining) {
+				a.admit.Unlock()
 				fail(&tunnelv1.DialFailure{DialId: order.GetDialId(), Code: int32(codes.Unavailable), Message: "the agent is shutting down"})
 				continue
 			}
 			tunnels.Add(1)
+			a.admit.Unlock()
 			go func() {
 				defer tunnels.Done()
 				// Tunnels outlive a lost control stream (their data
