@@ -169,11 +169,13 @@ func TestSPIRE(t *testing.T) {
 		if !strings.Contains(out, "svid: "+strangerID.String()+" ") || !strings.Contains(out, "dial-error: PermissionDenied") || code != 3 {
 			t.Errorf("unauthorized caller: exit %d, output:\n%s\nwant an SVID for %s, then PermissionDenied", code, out, strangerID)
 		}
+		t.Logf("tunnel-stranger as caller: %s", oneLine(out))
 		// ...and its registration as an agent.
 		strangerAgent := harness.Workload{Name: "stranger-agent", Bin: bin, Prefix: harness.AsUser("tunnel-stranger"), Socket: s.WorkloadAPI}.
 			StartAgent(t, brokerAddr, services)
 		logs = append(logs, strangerAgent)
-		strangerAgent.WaitFor(t, regexp.MustCompile(`broker connection lost.*code = PermissionDenied`), 20*time.Second)
+		refused := strangerAgent.WaitFor(t, regexp.MustCompile(`broker connection lost.*(code = PermissionDenied desc = [^"]*)`), 20*time.Second)
+		t.Logf("tunnel-stranger as agent: %s", refused[1])
 		broker.WaitFor(t, regexp.MustCompile(`permission denied" peer=`+regexp.QuoteMeta(strangerID.String())+` method=/kcp.tunnel.v1.AgentService/Connect`), 5*time.Second)
 		if err := strangerAgent.Stop(); err != nil {
 			t.Errorf("stranger agent: %v", err)
@@ -188,6 +190,7 @@ func TestSPIRE(t *testing.T) {
 		if !strings.Contains(out, "svid-error: PermissionDenied") || code != 2 {
 			t.Errorf("unregistered workload: exit %d, output:\n%s\nwant no SVID (PermissionDenied)", code, out)
 		}
+		t.Logf("tunnel-rogue: %s", oneLine(out))
 	})
 
 	// (3) SPIRE rotates every SVID, and the ones in force above expire.
@@ -206,12 +209,16 @@ func TestSPIRE(t *testing.T) {
 			}
 			time.Sleep(wait)
 		}
-		if serial, _ := svidOf(t, bin, s, "tunnel-agent", agentID); serial == agentSerial0 {
-			t.Errorf("the agent's SVID was not rotated: serial %s", serial)
+		agentSerial, _ := svidOf(t, bin, s, "tunnel-agent", agentID)
+		if agentSerial == agentSerial0 {
+			t.Errorf("the agent's SVID was not rotated: serial %s", agentSerial)
 		}
-		if c := brokerCert(t, caller, brokerAddr); c.SerialNumber.Cmp(brokerCert0.SerialNumber) == 0 {
-			t.Errorf("the broker still presents its first SVID (serial %s) to new handshakes", c.SerialNumber)
+		brokerCert1 := brokerCert(t, caller, brokerAddr)
+		if brokerCert1.SerialNumber.Cmp(brokerCert0.SerialNumber) == 0 {
+			t.Errorf("the broker still presents its first SVID (serial %s) to new handshakes", brokerCert1.SerialNumber)
 		}
+		t.Logf("after %v the SVIDs above have expired; now: kcp %s, broker %s, agent %s",
+			time.Since(start).Round(time.Millisecond), mustSVID(t, caller).Certificates[0].SerialNumber, brokerCert1.SerialNumber, agentSerial)
 
 		// The tunnel opened with the expired SVIDs still carries data.
 		roundTrip(t, longLived, "after rotation")
@@ -230,6 +237,7 @@ func TestSPIRE(t *testing.T) {
 			roundTrip(t, c, "new tunnel after rotation, "+name)
 			c.Close()
 		}
+		t.Log("the tunnel opened before still echoes, the agent is still registered once, new dials and the webhook work")
 	})
 	// Tunnels end with kcp's connection (the webhook client keeps idle
 	// ones); then the agent and the broker shut down by themselves.
@@ -392,6 +400,8 @@ func roundTrip(t *testing.T, conn net.Conn, what string) {
 		t.Fatalf("%s: read %q, %v", what, got, err)
 	}
 }
+
+func oneLine(s string) string { return strings.ReplaceAll(strings.TrimSpace(s), "\n", "; ") }
 
 func latest(ts ...time.Time) time.Time {
 	var l time.Time
