@@ -20,9 +20,11 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"os/signal"
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 )
 
@@ -61,6 +63,7 @@ func main() {
 	flag.IntVar(&cfg.webhookConns, "webhook-conns", 16, "concurrent kept-alive connections for the webhook rate figure")
 	flag.StringVar(&cfg.profileDir, "profile-dir", "", "if set and the binaries serve pprof (--pprof-listen), save their CPU and heap profiles of the throughput and round-trip runs here")
 	flag.DurationVar(&cfg.timeout, "timeout", 3*time.Minute, "bound of one bulk transfer")
+	maxTime := flag.Duration("max-time", 20*time.Minute, "bound of the whole run: stop everything and fail after it")
 	flag.Parse()
 
 	var err error
@@ -98,6 +101,20 @@ func main() {
 
 	b := newBench(cfg)
 	defer b.close()
+	// Whatever happens, stop the broker, agent and webhook processes before
+	// exiting: on a signal, and at -max-time.
+	stop := make(chan os.Signal, 1)
+	signal.Notify(stop, os.Interrupt, syscall.SIGTERM)
+	go func() {
+		select {
+		case s := <-stop:
+			b.logf("%v: stopping", s)
+		case <-time.After(*maxTime):
+			b.logf("the run took longer than -max-time %v: stopping", *maxTime)
+		}
+		b.close()
+		os.Exit(1)
+	}()
 	ctx := context.Background()
 	b.report.header(b)
 	for _, p := range allPhases {

@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"sync"
 	"time"
 
 	"google.golang.org/grpc"
@@ -55,6 +56,8 @@ type runner struct {
 	// pprof is whether the binaries have --pprof-listen.
 	pprof bool
 	main  *pair
+
+	closeOnce sync.Once
 }
 
 // pair is a broker process, an agent process registered with it, and a kcp
@@ -152,7 +155,8 @@ func freeAddr(t harness.T) string {
 	return l.Addr().String()
 }
 
-func (r *runner) close() { r.m.Close() }
+// close stops everything once, from main or on a signal.
+func (r *runner) close() { r.closeOnce.Do(r.m.Close) }
 
 // logf reports progress on stderr; the table goes to stdout.
 func (r *runner) logf(format string, args ...any) {
