@@ -11,6 +11,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
+	"github.com/kcp-dev/tunnel-broker/internal/frames"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -100,10 +101,12 @@ type activity struct{ last atomic.Int64 }
 func (a *activity) touch()               { a.last.Store(time.Now().UnixNano()) }
 func (a *activity) since() time.Duration { return time.Duration(time.Now().UnixNano() - a.last.Load()) }
 
-// copyUp forwards the caller's bytes to the agent, then its half-close.
+// copyUp forwards the caller's bytes to the agent, then its half-close. Data
+// frames pass through in their wire encoding (internal/frames).
 func copyUp(caller tunnelv1.DialService_DialServer, agent tunnelv1.AgentService_TunnelServer, active *activity) *failure {
 	for {
-		msg, err := caller.Recv()
+		var f frames.Frame
+		err := caller.RecvMsg(&f)
 		if errors.Is(err, io.EOF) {
 			if err := agent.Send(&tunnelv1.TunnelResponse{Frame: &tunnelv1.TunnelResponse_CloseWrite{CloseWrite: &tunnelv1.CloseWrite{}}}); err != nil {
 				return &failure{err: err}
@@ -114,21 +117,23 @@ func copyUp(caller tunnelv1.DialService_DialServer, agent tunnelv1.AgentService_
 			return &failure{byCaller: true, err: err}
 		}
 		active.touch()
-		data := msg.GetData()
-		if len(data) == 0 {
+		n, err := f.DataLen()
+		if err != nil {
+			f.Free()
 			return &failure{byCaller: true, err: status.Error(codes.InvalidArgument, "protocol error: after the target, a caller may only send non-empty data")}
 		}
-		if err := agent.Send(&tunnelv1.TunnelResponse{Frame: &tunnelv1.TunnelResponse_Data{Data: data}}); err != nil {
+		if err := agent.SendMsg(&f); err != nil {
 			return &failure{err: err}
 		}
-		metrics.BytesUp.Add(float64(len(data)))
+		metrics.BytesUp.Add(float64(n))
 	}
 }
 
 // copyDown forwards the agent's bytes to the caller, then its half-close.
 func copyDown(agent tunnelv1.AgentService_TunnelServer, caller tunnelv1.DialService_DialServer, active *activity) *failure {
 	for {
-		msg, err := agent.Recv()
+		var f frames.Frame
+		err := agent.RecvMsg(&f)
 		if errors.Is(err, io.EOF) {
 			if err := caller.Send(&tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_CloseWrite{CloseWrite: &tunnelv1.CloseWrite{}}}); err != nil {
 				return &failure{byCaller: true, err: err}
@@ -139,13 +144,14 @@ func copyDown(agent tunnelv1.AgentService_TunnelServer, caller tunnelv1.DialServ
 			return &failure{err: err}
 		}
 		active.touch()
-		data := msg.GetData()
-		if len(data) == 0 {
-			return &failure{err: errors.New("protocol error: after opening, an agent may only send data")}
+		n, err := f.DataLen()
+		if err != nil {
+			f.Free()
+			return &failure{err: errors.New("protocol error: after opening, an agent may only send non-empty data")}
 		}
-		if err := caller.Send(&tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_Data{Data: data}}); err != nil {
+		if err := caller.SendMsg(&f); err != nil {
 			return &failure{byCaller: true, err: err}
 		}
-		metrics.BytesDown.Add(float64(len(data)))
+		metrics.BytesDown.Add(float64(n))
 	}
 }
