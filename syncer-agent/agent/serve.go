@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"sync"
 	"time"
 
@@ -90,7 +91,9 @@ func (a *Agent) connect(ctx context.Context, order *tunnelv1.DialOrder) (*net.TC
 			break
 		}
 	}
-	if ctx.Err() != nil {
+	// The poller's deadline for a connect is ctx's, and may fire before
+	// ctx's own timer does: an i/o timeout is the same timeout.
+	if ctx.Err() != nil || errors.Is(errors.Join(errs...), os.ErrDeadlineExceeded) {
 		return nil, status.Errorf(codes.DeadlineExceeded, "connecting to %s/%s:%d timed out after %v",
 			t.GetNamespace(), t.GetService(), t.GetPort(), timeout)
 	}
