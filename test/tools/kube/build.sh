@@ -1,10 +1,11 @@
 #!/bin/sh
-# Builds kube-apiserver and etcd at the versions pinned in this folder's
-# go.mod, unless a build of those versions is already cached, and prints the
-# folder that holds them. The cache lives in the repo's git-ignored .cache/
-# (or $KUBE_TOOLS_CACHE), one folder per version pair, so a second run only
-# checks that the binaries are there. make kube-tools and the
-# KubeAPIServer tests both call this.
+# Builds kube-apiserver, kubectl and etcd at the versions pinned in this
+# folder's go.mod, unless a build of those versions is already cached, and
+# prints the folder that holds them. The cache lives in the repo's
+# git-ignored .cache/ (or $KUBE_TOOLS_CACHE), one folder per version pair, so
+# a second run only checks that the binaries are there, and builds only
+# those missing (a cache from before kubectl was added gets kubectl alone).
+# make kube-tools, the KubeAPIServer tests and the Deploy tests call this.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 cache=${KUBE_TOOLS_CACHE:-$(cd "$here/../../.." && pwd)/.cache/kube}
@@ -15,7 +16,13 @@ export GOWORK=off
 kube=$(go list -m -f '{{.Version}}' k8s.io/kubernetes)
 etcd=$(go list -m -f '{{.Version}}' go.etcd.io/etcd/server/v3)
 dir=$cache/kubernetes-$kube-etcd-$etcd
-if [ -x "$dir/kube-apiserver" ] && [ -x "$dir/etcd" ]; then
+binaries="kube-apiserver kubectl etcd"
+missing() {
+	for b in $binaries; do
+		[ -x "$dir/$b" ] || echo "$b"
+	done
+}
+if [ -z "$(missing)" ]; then
 	echo "$dir"
 	exit 0
 fi
@@ -24,17 +31,24 @@ mkdir -p "$cache"
 # Tests of several packages may ask at once: one builds, the others wait.
 exec 9>"$dir.lock"
 flock 9
-if [ ! -x "$dir/kube-apiserver" ] || [ ! -x "$dir/etcd" ]; then
+todo=$(missing)
+if [ -n "$todo" ]; then
 	tmp=$(mktemp -d "$cache/.build-XXXXXX")
 	trap 'rm -rf "$tmp"' EXIT
 	minor=$(echo "$kube" | cut -d. -f2)
 	# kubectl and client-go parse the server's version: give it the real one.
 	pkg=k8s.io/component-base/version
 	ldflags="-s -w -X $pkg.gitVersion=$kube -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
-	echo "building kube-apiserver $kube and etcd $etcd into $dir (the first build takes many minutes)" >&2
-	go build -ldflags "$ldflags" -o "$tmp/kube-apiserver" k8s.io/kubernetes/cmd/kube-apiserver
-	go build -ldflags "-s -w" -o "$tmp/etcd" go.etcd.io/etcd/server/v3
+	echo "building" $todo "(kubernetes $kube, etcd $etcd) into $dir (the first build takes many minutes)" >&2
+	for b in $todo; do
+		case $b in
+		etcd) go build -ldflags "-s -w" -o "$tmp/etcd" go.etcd.io/etcd/server/v3 ;;
+		*) go build -ldflags "$ldflags" -o "$tmp/$b" "k8s.io/kubernetes/cmd/$b" ;;
+		esac
+	done
 	mkdir -p "$dir"
-	mv "$tmp/kube-apiserver" "$tmp/etcd" "$dir/"
+	for b in $todo; do
+		mv "$tmp/$b" "$dir/"
+	done
 fi
 echo "$dir"
