@@ -87,7 +87,7 @@ func (d *Dialer) DialService(ctx context.Context, cluster, namespace, name strin
 
 // open sends the target and waits for the broker's answer.
 func (d *Dialer) open(ctx context.Context, target *tunnelv1.Target) (tunnelv1.DialService_DialClient, error) {
-	stream, err := d.client.Dial(ctx)
+	stream, err := d.client.Dial(ctx, tunnelv1.FrameCallOption())
 	if err != nil {
 		return nil, err
 	}

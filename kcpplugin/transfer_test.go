@@ -188,7 +188,7 @@ func TestLargeWritesAreSplitIntoFrames(t *testing.T) {
 	for range (1<<20 + 1) / maxFrame {
 		want = append(want, maxFrame)
 	}
-	want = append(want, 1)
+	want = append(want, (1<<20+1)%maxFrame)
 	if fmt.Sprint(got) != fmt.Sprint(want) {
 		t.Errorf("frame sizes = %v\nwant %v", got, want)
 	}

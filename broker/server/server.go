@@ -23,8 +23,9 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
-	"github.com/kcp-dev/tunnel-broker/internal/frames"
+
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
 // Defaults for Config's zero values.
@@ -104,7 +105,7 @@ func New(cfg Config) *Server {
 	opts = append(opts, authorizer.ServerOptions()...)
 	opts = append(opts,
 		grpc.Creds(creds),
-		frames.ServerOption(),
+		tunnelv1.FrameServerOption(),
 		grpc.MaxRecvMsgSize(cfg.MaxMessageSize),
 		// Agents ping to notice a dead broker quickly; allow it.
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}),

@@ -11,7 +11,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
-	"github.com/kcp-dev/tunnel-broker/internal/frames"
+
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -102,10 +102,10 @@ func (a *activity) touch()               { a.last.Store(time.Now().UnixNano()) }
 func (a *activity) since() time.Duration { return time.Duration(time.Now().UnixNano() - a.last.Load()) }
 
 // copyUp forwards the caller's bytes to the agent, then its half-close. Data
-// frames pass through in their wire encoding (internal/frames).
+// frames pass through in their wire encoding (tunnelv1.Frame).
 func copyUp(caller tunnelv1.DialService_DialServer, agent tunnelv1.AgentService_TunnelServer, active *activity) *failure {
 	for {
-		var f frames.Frame
+		var f tunnelv1.Frame
 		err := caller.RecvMsg(&f)
 		if errors.Is(err, io.EOF) {
 			if err := agent.Send(&tunnelv1.TunnelResponse{Frame: &tunnelv1.TunnelResponse_CloseWrite{CloseWrite: &tunnelv1.CloseWrite{}}}); err != nil {
@@ -132,7 +132,7 @@ func copyUp(caller tunnelv1.DialService_DialServer, agent tunnelv1.AgentService_
 // copyDown forwards the agent's bytes to the caller, then its half-close.
 func copyDown(agent tunnelv1.AgentService_TunnelServer, caller tunnelv1.DialService_DialServer, active *activity) *failure {
 	for {
-		var f frames.Frame
+		var f tunnelv1.Frame
 		err := agent.RecvMsg(&f)
 		if errors.Is(err, io.EOF) {
 			if err := caller.Send(&tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_CloseWrite{CloseWrite: &tunnelv1.CloseWrite{}}}); err != nil {
