@@ -41,6 +41,7 @@ func run() error {
 		maxAgent   = flag.Int64("max-tunnels-per-agent", 20000, "tunnels one agent may carry (0: no limit)")
 		maxCaller  = flag.Int64("max-tunnels-per-caller", 20000, "tunnels one caller SPIFFE ID may hold (0: no limit)")
 		maxMsg     = flag.Int("max-message-size", server.DefaultMaxMessageSize, "largest gRPC message accepted, in bytes")
+		window     = flag.Int("window-size", server.DefaultWindowSize, "HTTP/2 flow-control window per stream, in bytes (negative: gRPC's dynamic windows)")
 		probe      = flag.Duration("probe-interval", agentv1.DefaultProbeEvery, "how often each agent is probed over its control stream")
 		opsListen  = flag.String("metrics-listen", ":9090", "address for /metrics, /healthz and /readyz (empty: off)")
 		pprof      = flag.String("pprof-listen", "", "address for /debug/pprof (empty: off; keep it on loopback)")
@@ -84,6 +85,7 @@ func run() error {
 		MaxTunnelsPerCaller: *maxCaller,
 		MaxMessageSize:      *maxMsg,
 		ProbeEvery:          *probe,
+		WindowSize:          int32(*window),
 		Log:                 log,
 	})
 	metrics.Registry.MustRegister(metrics.AgentsCollector{PerCluster: srv.Registry.AgentsPerCluster})

@@ -22,6 +22,10 @@ import (
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
 )
 
+// WindowSize is the agent's HTTP/2 flow-control window per stream: fixed,
+// like the broker's, so that ping-pong traffic sends no window PINGs.
+const WindowSize = 1 << 20
+
 // DefaultGrace is how long tunnels in flight may run once the agent drains.
 const DefaultGrace = 20 * time.Second
 
@@ -67,6 +71,9 @@ func (a *Agent) Run(ctx context.Context) error {
 		// Ping every 5s, give up after 5s more: a broker that vanished
 		// without a word is noticed in about ten seconds.
 		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 5 * time.Second, Timeout: 5 * time.Second, PermitWithoutStream: true}),
+		// Fixed windows, as the broker's (see its DefaultWindowSize).
+		grpc.WithInitialWindowSize(WindowSize),
+		grpc.WithInitialConnWindowSize(16*WindowSize),
 	)
 	if err != nil {
 		return err
