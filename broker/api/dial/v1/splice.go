@@ -37,9 +37,13 @@ type splicer struct {
 // agent's Tunnel stream until both directions are half-closed, or either side
 // fails. It returns the status that ends each RPC (nil for OK).
 //
-// Each direction runs in its own goroutine because a gRPC Recv cannot be
-// interrupted: only the end of its RPC frees it. So when one side fails, both
-// handlers return and the blocked Recv of the other direction ends with them.
+// Each direction runs in its own goroutine because a gRPC Recv or Send
+// cannot be interrupted: only the end of its RPC frees it. Each copy uses
+// both streams, so neither RPC's own handler may run one (it could block on
+// its own stream forever); the handlers only wait, and when one side fails
+// both return, which frees whatever the copies are blocked in. That makes
+// four goroutines a tunnel, the least this robustness allows with gRPC's
+// blocking streams.
 func (sp splicer) splice(caller tunnelv1.DialService_DialServer, agent tunnelv1.AgentService_TunnelServer) (callerStatus, agentStatus error) {
 	var active activity
 	active.touch()
