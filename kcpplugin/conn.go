@@ -151,7 +151,7 @@ func (c *conn) receive() {
 		switch {
 		case err == nil && msg.GetCloseWrite() != nil:
 			finish(io.EOF)
-		case err == nil && msg.GetData() != nil:
+		case err == nil && msg.GetData() != nil && len(msg.GetData()) == 0:
 			// Empty data: nothing to read, and no reason to fail.
 		default:
 			if brokeProtocol == nil {

@@ -61,18 +61,10 @@ func FuzzCallerFrames(f *testing.F) {
 	})
 }
 
-// knownBugDropsNonCanonicalData makes the expected outcome follow a known
-// bug instead of the protocol: conn.receive decodes a message that carries
-// non-empty data in any encoding other than 0x12 varint(n) payload (data
-// and an unknown field, data twice) and then treats it as an empty data
-// frame, so its bytes vanish from the stream without an error. Either
-// delivering them (what proto decoding says the message is) or refusing the
-// frame as a protocol error, as the broker and the agent do, is right;
-// dropping is not. Set this to false once receive does one of those: the
-// seeds "data twice" and "data and an unknown field" fail while the bug is
-// there. (Refusing takes one condition in receive: only data of length 0
-// is the empty frame it may ignore.)
-const knownBugDropsNonCanonicalData = true
+// Non-empty data in any encoding other than 0x12 varint(n) payload (data and
+// an unknown field, data twice) is refused as a protocol error, as the broker
+// and the agent refuse it: the reader may see the data up to that frame, or
+// that data with the frame's (the alternative outcome), never bytes dropped.
 
 // Script opcodes, taken modulo opCount from the fuzz input.
 const (
@@ -235,9 +227,6 @@ func expect(s script) outcome {
 		case *tunnelv1.DialResponse_Data:
 			if !f.canonical && len(fr.Data) > 0 {
 				o.alternatives = append(o.alternatives, bytes.Clone(o.data))
-				if knownBugDropsNonCanonicalData {
-					continue
-				}
 			}
 			o.data = append(o.data, fr.Data...)
 		case *tunnelv1.DialResponse_CloseWrite:
