@@ -88,7 +88,9 @@ func (e *Env) BrokerConn(addr, path string) *grpc.ClientConn {
 	e.T.Helper()
 	src := e.Identity(path)
 	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(
-		identity.ClientCredentials(src, tlsconfig.AuthorizeMemberOf(src.ID().TrustDomain()))))
+		identity.ClientCredentials(src, tlsconfig.AuthorizeMemberOf(src.ID().TrustDomain()))),
+		// As the README recommends to kcp: fixed windows, like the broker's.
+		grpc.WithInitialWindowSize(1<<20), grpc.WithInitialConnWindowSize(16<<20))
 	if err != nil {
 		e.T.Fatal(err)
 	}
