@@ -6,7 +6,6 @@ import (
 	"context"
 	"flag"
 	"fmt"
-	"log/slog"
 	"net"
 	"os"
 	"os/signal"
@@ -51,7 +50,7 @@ func run() error {
 	)
 	flag.Parse()
 
-	log := newLogger(*jsonLogs, *verbose)
+	log := ops.NewLogger(*jsonLogs, *verbose)
 	if *policyFile == "" {
 		return fmt.Errorf("--policy is required: the broker admits no one by default")
 	}
@@ -94,17 +93,6 @@ func run() error {
 	}
 	log.Info("broker serving", "address", l.Addr().String(), "id", self.String(), "replica", *id)
 	return srv.Serve(ctx, l)
-}
-
-func newLogger(json, verbose bool) *slog.Logger {
-	opts := &slog.HandlerOptions{Level: slog.LevelInfo}
-	if verbose {
-		opts.Level = slog.LevelDebug
-	}
-	if json {
-		return slog.New(slog.NewJSONHandler(os.Stderr, opts))
-	}
-	return slog.New(slog.NewTextHandler(os.Stderr, opts))
 }
 
 func hostname() string {

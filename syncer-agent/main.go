@@ -10,7 +10,6 @@ import (
 	"flag"
 	"fmt"
 	"github.com/prometheus/client_golang/prometheus"
-	"log/slog"
 	"os"
 	"os/signal"
 	"syscall"
@@ -47,16 +46,7 @@ func run() error {
 	resolverFlags := addResolverFlags(flag.CommandLine)
 	flag.Parse()
 
-	opts := &slog.HandlerOptions{Level: slog.LevelInfo}
-	if *verbose {
-		opts.Level = slog.LevelDebug
-	}
-	var log *slog.Logger
-	if *jsonLogs {
-		log = slog.New(slog.NewJSONHandler(os.Stderr, opts))
-	} else {
-		log = slog.New(slog.NewTextHandler(os.Stderr, opts))
-	}
+	log := ops.NewLogger(*jsonLogs, *verbose)
 
 	if *brokers == "" && *dns == "" {
 		return fmt.Errorf("--broker or --broker-dns is required")

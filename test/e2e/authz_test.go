@@ -34,7 +34,7 @@ func authzPolicy() *policy.File {
 func startAuthzWorld(t *testing.T) (*harness.Env, *harness.Broker) {
 	env := harness.NewEnv(t)
 	b := env.StartBroker(harness.BrokerOptions{Policy: authzPolicy()})
-	echo := startEcho(t)
+	echo := harness.StartEcho(t)
 	env.StartAgent(b.Addr, "/syncer-east", lookup.StaticFile{Services: []lookup.StaticService{
 		{Cluster: "root", Namespace: "default", Name: "echo", Ports: map[string]string{"80": echo}},
 		{Cluster: "team-a", Namespace: "default", Name: "echo", Ports: map[string]string{"80": echo}},
@@ -209,7 +209,7 @@ func TestAuthzRotationKeepsOpenTunnels(t *testing.T) {
 	files := env.SVID("/broker")
 	brokerSrc := loadWatched(t, files)
 	b := env.StartBroker(harness.BrokerOptions{Identity: brokerSrc})
-	echo := startEcho(t)
+	echo := harness.StartEcho(t)
 	env.StartAgent(b.Addr, "/agent/sync-target-1", lookup.StaticFile{Services: []lookup.StaticService{
 		{Cluster: "root", Namespace: "default", Name: "echo", Ports: map[string]string{"80": echo}},
 	}})

@@ -31,7 +31,7 @@ func TestBadInputs(t *testing.T) {
 	}
 	refused := l.Addr().String()
 	l.Close()
-	echo := startEcho(t)
+	echo := harness.StartEcho(t)
 
 	env.StartAgent(b.Addr, "/agent/sync-target-1", lookup.StaticFile{Services: []lookup.StaticService{
 		{Cluster: cluster, Namespace: "default", Name: "echo", Ports: map[string]string{"80": echo}},
@@ -160,30 +160,6 @@ func rawDial(ctx context.Context, client tunnelv1.DialServiceClient, target *tun
 		return errors.New("no established frame")
 	}
 	return nil
-}
-
-// startEcho serves TCP echo on loopback until the test ends.
-func startEcho(t testing.TB) string {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				io.Copy(c, c)
-			}()
-		}
-	}()
-	t.Cleanup(func() { l.Close(); <-done })
-	return l.Addr().String()
 }
 
 // startSilentAgent registers an agent for cluster that never answers orders.

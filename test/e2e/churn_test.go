@@ -61,7 +61,7 @@ func TestChurn(t *testing.T) {
 	env := harness.NewEnv(t)
 	b := env.StartBroker(harness.BrokerOptions{})
 	targets := map[string]string{
-		"echo":    startEcho(t),
+		"echo":    harness.StartEcho(t),
 		"reset":   startTarget(t, resetAtOnce),
 		"closer":  startTarget(t, closeAtOnce),
 		"chatter": startTarget(t, chatter(nil)),

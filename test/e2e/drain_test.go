@@ -17,7 +17,7 @@ import (
 func TestFailoverBrokerDrainsOnSIGTERM(t *testing.T) {
 	env := harness.NewEnv(t)
 	broker, addr := env.StartBrokerProcess("--grace", "3s")
-	echo := startEcho(t)
+	echo := harness.StartEcho(t)
 	env.StartAgentProcess(addr, "/agent/sync-target-1", lookup.StaticFile{Services: []lookup.StaticService{
 		{Cluster: "root", Namespace: "default", Name: "echo", Ports: map[string]string{"80": echo}},
 	}})
@@ -51,7 +51,7 @@ func TestFailoverBrokerDrainsOnSIGTERM(t *testing.T) {
 func TestFailoverAgentDrainsOnSIGTERM(t *testing.T) {
 	env := harness.NewEnv(t)
 	_, addr := env.StartBrokerProcess()
-	echo := startEcho(t)
+	echo := harness.StartEcho(t)
 	services := lookup.StaticFile{Services: []lookup.StaticService{
 		{Cluster: "root", Namespace: "default", Name: "echo", Ports: map[string]string{"80": echo}},
 	}}

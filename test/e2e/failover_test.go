@@ -134,7 +134,7 @@ func readFull(c net.Conn, b []byte) (int, error) {
 func TestFailoverBrokerReplicaDies(t *testing.T) {
 	env := harness.NewEnv(t)
 	r := startReplicas(t, env)
-	echo := startEcho(t)
+	echo := harness.StartEcho(t)
 	services := lookup.StaticFile{Services: []lookup.StaticService{
 		{Cluster: "root", Namespace: "default", Name: "echo", Ports: map[string]string{"80": echo}},
 	}}
@@ -243,7 +243,7 @@ func TestFailoverBrokerReplicaDies(t *testing.T) {
 func TestFailoverAgentDies(t *testing.T) {
 	env := harness.NewEnv(t)
 	r := startReplicas(t, env)
-	echo := startEcho(t)
+	echo := harness.StartEcho(t)
 	services := func(clusters ...string) lookup.StaticFile {
 		var f lookup.StaticFile
 		for _, c := range clusters {

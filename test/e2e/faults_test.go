@@ -54,7 +54,7 @@ func TestFaults(t *testing.T) {
 		chatterEnded: make(chan error, 16),
 	}
 	targets := map[string]string{
-		"echo":    startEcho(t),
+		"echo":    harness.StartEcho(t),
 		"refuses": closedPort(t),
 		"stuck":   unacceptingListener(t),
 		"hangs":   startTarget(t, w.hung.hold),

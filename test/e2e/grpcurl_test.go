@@ -39,7 +39,7 @@ func TestGrpcurlListsServices(t *testing.T) {
 	}
 
 	// The admin RPC lists the agent, for an operator.
-	echo := startEcho(t)
+	echo := harness.StartEcho(t)
 	env.StartAgent(b.Addr, "/agent/sync-target-1", lookup.StaticFile{Services: []lookup.StaticService{
 		{Cluster: "root", Namespace: "default", Name: "echo", Ports: map[string]string{"80": echo}},
 	}})

@@ -36,7 +36,7 @@ func scrape(t *testing.T, p *harness.Process, series string) (float64, bool) {
 func TestMetricsMoveWithTraffic(t *testing.T) {
 	env := harness.NewEnv(t)
 	broker, addr := env.StartBrokerProcess("--probe-interval", "200ms")
-	echo := startEcho(t)
+	echo := harness.StartEcho(t)
 	agent := env.StartAgentProcess(addr, "/agent/sync-target-1", lookup.StaticFile{Services: []lookup.StaticService{
 		{Cluster: "root", Namespace: "default", Name: "echo", Ports: map[string]string{"80": echo}},
 	}})
@@ -107,7 +107,7 @@ func TestMetricsMoveWithTraffic(t *testing.T) {
 func TestMetricsReadinessFollowsTheBroker(t *testing.T) {
 	env := harness.NewEnv(t)
 	broker, addr := env.StartBrokerProcess()
-	echo := startEcho(t)
+	echo := harness.StartEcho(t)
 	agent := env.StartAgentProcess(addr, "/agent/sync-target-1", lookup.StaticFile{Services: []lookup.StaticService{
 		{Cluster: "root", Namespace: "default", Name: "echo", Ports: map[string]string{"80": echo}},
 	}})

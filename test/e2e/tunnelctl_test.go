@@ -80,7 +80,7 @@ func TestPortForwardCarriesHTTPSToWebhook(t *testing.T) {
 func TestPortForwardTunnelctlDialAndAgents(t *testing.T) {
 	env := harness.NewEnv(t)
 	b := env.StartBroker(harness.BrokerOptions{})
-	echo := startEcho(t)
+	echo := harness.StartEcho(t)
 	env.StartAgent(b.Addr, "/agent/sync-target-1", lookup.StaticFile{Services: []lookup.StaticService{
 		{Cluster: "root", Namespace: "default", Name: "echo", Ports: map[string]string{"80": echo}},
 	}})

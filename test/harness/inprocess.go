@@ -8,12 +8,9 @@ import (
 	"sync"
 	"time"
 
-	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
-
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/server"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
-	"github.com/kcp-dev/tunnel-broker/syncer-agent/agent"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
 )
 
@@ -110,37 +107,7 @@ func (e *Env) StartAgent(brokerAddr, path string, services lookup.StaticFile) *A
 	if err != nil {
 		e.T.Fatal(err)
 	}
-	src := e.Identity(path)
-	registered := make(chan struct{}, 1)
-	a := &agent.Agent{
-		Broker:      brokerAddr,
-		Credentials: identity.ClientCredentials(src, tlsconfig.AuthorizeID(ID("/broker"))),
-		Name:        path[1:],
-		Resolver:    resolver,
-		Log:         Logger(),
-		Registered: func(string) {
-			select {
-			case registered <- struct{}{}:
-			default:
-			}
-		},
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		_ = a.Run(ctx)
-	}()
-	select {
-	case <-registered:
-	case <-time.After(10 * time.Second):
-		cancel()
-		e.T.Fatal("agent did not register within 10s")
-	}
-	var once sync.Once
-	stop := func() { once.Do(func() { cancel(); <-done }) }
-	e.T.Cleanup(stop)
-	return &Agent{stop: stop}
+	return e.StartAgentWithResolver(brokerAddr, path, resolver)
 }
 
 // Logger logs at warning level unless TUNNEL_TEST_LOG=debug asks for all.

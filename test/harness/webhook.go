@@ -4,6 +4,7 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/json"
+	"io"
 	"net"
 	"net/http"
 
@@ -84,4 +85,29 @@ func AdmissionHandler(review func(req *admissionv1.AdmissionRequest, clientCN st
 		w.Header().Set("Content-Type", "application/json")
 		_ = json.NewEncoder(w).Encode(&out)
 	})
+}
+
+// StartEcho serves TCP echo on loopback until the test ends.
+func StartEcho(t T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				_, _ = io.Copy(c, c)
+			}()
+		}
+	}()
+	t.Cleanup(func() { l.Close(); <-done })
+	return l.Addr().String()
 }

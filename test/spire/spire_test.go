@@ -109,7 +109,7 @@ func TestSPIRE(t *testing.T) {
 	}
 
 	wh := harness.StartWebhook(t, harness.WebhookOptions{Namespace: "default", Name: "webhook"}, review)
-	echo := startEcho(t)
+	echo := harness.StartEcho(t)
 	policyFile := harness.WriteShared(t, shared, "policy.yaml", brokerPolicy())
 	services := harness.WriteShared(t, shared, "services.yaml", lookup.StaticFile{Services: []lookup.StaticService{
 		{Cluster: cluster, Namespace: "default", Name: "webhook", Ports: map[string]string{"443": wh.Addr}},
@@ -359,30 +359,6 @@ func svidOf(t *testing.T, bin string, s *harness.SPIRE, user string, want spiffe
 		t.Fatal(err)
 	}
 	return m[2], expires
-}
-
-// startEcho serves TCP echo on loopback until the test ends.
-func startEcho(t *testing.T) string {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				_, _ = io.Copy(c, c)
-			}()
-		}
-	}()
-	t.Cleanup(func() { l.Close(); <-done })
-	return l.Addr().String()
 }
 
 // roundTrip writes a line to an echo tunnel and reads it back.
