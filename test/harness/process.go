@@ -2,7 +2,9 @@ package harness
 
 import (
 	"bufio"
+	"bytes"
 	"context"
+	"crypto/sha256"
 	"fmt"
 	"io"
 	"net/http"
@@ -24,9 +26,11 @@ var (
 	buildErr  error
 )
 
-// Binaries returns a folder holding the built broker and syncer-agent. It
-// uses $TUNNEL_BIN_DIR when set (make builds there), else builds them once
-// per test process.
+// Binaries returns a folder holding the built broker, syncer-agent and
+// tunnelctl. It uses $TUNNEL_BIN_DIR when set (make builds there), else
+// builds them once per test process into a folder of this checkout's own in
+// the temp dir, reused by later runs (go build replaces each binary in one
+// rename, so test processes that build at once do not trip each other).
 func Binaries(t T) string {
 	t.Helper()
 	buildOnce.Do(func() {
@@ -34,14 +38,20 @@ func Binaries(t T) string {
 			binDir = dir
 			return
 		}
-		binDir, buildErr = os.MkdirTemp("", "tunnel-bin-")
-		if buildErr != nil {
+		out, err := exec.Command("go", "env", "GOWORK").Output()
+		if err != nil {
+			buildErr = fmt.Errorf("go env GOWORK: %v", err)
+			return
+		}
+		sum := sha256.Sum256(bytes.TrimSpace(out))
+		binDir = filepath.Join(os.TempDir(), fmt.Sprintf("kcp-tunnel-bin-%x", sum[:6]))
+		if buildErr = os.MkdirAll(binDir, 0o755); buildErr != nil {
 			return
 		}
 		cmd := exec.Command("go", "build", "-o", binDir+"/",
 			"github.com/kcp-dev/tunnel-broker/broker", "github.com/kcp-dev/tunnel-broker/syncer-agent",
 			"github.com/kcp-dev/tunnel-broker/broker/cmd/tunnelctl")
-		out, err := cmd.CombinedOutput()
+		out, err = cmd.CombinedOutput()
 		if err != nil {
 			buildErr = fmt.Errorf("building binaries: %v\n%s", err, out)
 		}
