@@ -242,3 +242,44 @@ func TestAuthzRotationKeepsOpenTunnels(t *testing.T) {
 		t.Fatalf("after half-close: %q, %v", rest, err)
 	}
 }
+
+// TestAuthzFederatedAgent: an agent of another trust domain registers and
+// serves dials when the broker trusts that domain's bundle and its policy
+// names the agent; the agent trusts the broker's domain in turn.
+func TestAuthzFederatedAgent(t *testing.T) {
+	env := harness.NewEnv(t)
+	partner, err := devca.New("partner CA", "partner.test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	pol := harness.DefaultPolicy()
+	pol.Agents = append(pol.Agents, policy.AgentRule{ID: "spiffe://partner.test/syncer-east", Clusters: []string{"root"}})
+	brokerID := env.Source(env.CA, devca.Leaf{SPIFFEID: "/broker"}, partner)
+	b := env.StartBroker(harness.BrokerOptions{Policy: &pol, Identity: brokerID})
+	resolver, err := lookup.NewStatic(lookup.StaticFile{Services: []lookup.StaticService{
+		{Cluster: "root", Namespace: "default", Name: "echo", Ports: map[string]string{"80": harness.StartEcho(t)}},
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	env.StartAgentAs(b.Addr, "syncer-east", env.Source(partner, devca.Leaf{SPIFFEID: "/syncer-east"}, env.CA), resolver)
+
+	conn, err := dialEchoConn(env.Dialer(b.Addr, "/kcp"))
+	if err != nil {
+		t.Fatalf("dial through the federated agent: %v", err)
+	}
+	defer conn.Close()
+	roundTrip(t, conn, "through a partner.test agent")
+
+	// The same agent without a policy entry is refused, though trusted.
+	other := tunnelv1.NewAgentServiceClient(env.ConnWith(b.Addr, env.Source(partner, devca.Leaf{SPIFFEID: "/syncer-west"}, env.CA)))
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	stream, err := other.Connect(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stream.Send(&tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_Register{Register: &tunnelv1.Register{Clusters: []string{"root"}}}})
+	_, err = stream.Recv()
+	checkStatus(t, "unlisted partner agent", err, codes.PermissionDenied, "spiffe://partner.test/syncer-west may not call")
+}

@@ -19,12 +19,19 @@ import (
 // until the broker at brokerAddr has registered it.
 func (e *Env) StartAgentWithResolver(brokerAddr, path string, r lookup.Resolver) *Agent {
 	e.T.Helper()
-	src := e.Identity(path)
+	return e.StartAgentAs(brokerAddr, path[1:], e.Identity(path), r)
+}
+
+// StartAgentAs runs an in-process agent named name with the identity src
+// (e.g. one of another trust domain, see Env.Source), and waits until the
+// broker at brokerAddr has registered it.
+func (e *Env) StartAgentAs(brokerAddr, name string, src identity.SVIDSource, r lookup.Resolver) *Agent {
+	e.T.Helper()
 	registered := make(chan struct{}, 1)
 	a := &agent.Agent{
 		Broker:      brokerAddr,
 		Credentials: identity.ClientCredentials(src, tlsconfig.AuthorizeID(ID("/broker"))),
-		Name:        path[1:],
+		Name:        name,
 		Resolver:    r,
 		Log:         Logger(),
 		Registered: func(string) {
