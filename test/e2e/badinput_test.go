@@ -163,7 +163,8 @@ func rawDial(ctx context.Context, client tunnelv1.DialServiceClient, target *tun
 }
 
 // startSilentAgent registers an agent for cluster that never answers orders.
-func startSilentAgent(t testing.TB, env *harness.Env, brokerAddr, cluster string) {
+// The returned channel receives each order it ignores.
+func startSilentAgent(t testing.TB, env *harness.Env, brokerAddr, cluster string) <-chan *tunnelv1.DialOrder {
 	client := tunnelv1.NewAgentServiceClient(env.BrokerConn(brokerAddr, "/agent/silent"))
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
@@ -175,11 +176,20 @@ func startSilentAgent(t testing.TB, env *harness.Env, brokerAddr, cluster string
 	if _, err := stream.Recv(); err != nil {
 		t.Fatal(err)
 	}
+	orders := make(chan *tunnelv1.DialOrder, 100)
 	go func() {
 		for {
-			if _, err := stream.Recv(); err != nil {
+			msg, err := stream.Recv()
+			if err != nil {
 				return
+			}
+			if o := msg.GetDialOrder(); o != nil {
+				select {
+				case orders <- o:
+				default:
+				}
 			}
 		}
 	}()
+	return orders
 }
