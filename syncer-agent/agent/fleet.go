@@ -23,7 +23,9 @@ type Fleet struct {
 	ResolveEvery time.Duration
 	// Agent makes the agent for one replica's address.
 	Agent func(address string) *Agent
-	Log   *slog.Logger
+	// LookupHost resolves DNS's host; nil means the system resolver.
+	LookupHost func(ctx context.Context, host string) ([]string, error)
+	Log        *slog.Logger
 
 	mu      sync.Mutex
 	members map[string]*member
@@ -81,7 +83,11 @@ func (f *Fleet) resolve(ctx context.Context) []string {
 		host, port, err := net.SplitHostPort(f.DNS)
 		if err == nil {
 			var ips []string
-			ips, err = net.DefaultResolver.LookupHost(ctx, host)
+			lookup := f.LookupHost
+			if lookup == nil {
+				lookup = net.DefaultResolver.LookupHost
+			}
+			ips, err = lookup(ctx, host)
 			for _, ip := range ips {
 				addrs = append(addrs, net.JoinHostPort(ip, port))
 			}
