@@ -54,18 +54,25 @@ func (b *fakeBroker) Dial(stream tunnelv1.DialService_DialServer) error { return
 // tearing them down also ends any tunnel a failed test left open.
 func startBroker(t *testing.T, handle dialHandler) *Dialer {
 	t.Helper()
+	return serveFakeBroker(t, handle)
+}
+
+// serveFakeBroker serves handle as the broker's Dial on a loopback port until
+// the test ends, and returns a Dialer connected to it.
+func serveFakeBroker(tb testing.TB, handle dialHandler, opts ...grpc.ServerOption) *Dialer {
+	tb.Helper()
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
-		t.Fatal(err)
+		tb.Fatal(err)
 	}
-	srv := grpc.NewServer()
+	srv := grpc.NewServer(opts...)
 	tunnelv1.RegisterDialServiceServer(srv, &fakeBroker{handle: handle})
 	served := make(chan struct{})
 	go func() {
 		defer close(served)
 		_ = srv.Serve(lis)
 	}()
-	t.Cleanup(func() {
+	tb.Cleanup(func() {
 		srv.Stop()
 		<-served
 	})
@@ -73,9 +80,9 @@ func startBroker(t *testing.T, handle dialHandler) *Dialer {
 	cc, err := grpc.NewClient("passthrough:///"+lis.Addr().String(),
 		grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
-		t.Fatal(err)
+		tb.Fatal(err)
 	}
-	t.Cleanup(func() { _ = cc.Close() })
+	tb.Cleanup(func() { _ = cc.Close() })
 	return NewDialer(cc)
 }
 

@@ -17,7 +17,6 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/encoding"
 	protocodec "google.golang.org/grpc/encoding/proto"
 	"google.golang.org/grpc/mem"
@@ -363,29 +362,8 @@ func short(b []byte) string {
 // startScriptedBroker serves scripts on loopback for the whole fuzz run, so
 // that one input costs one Dial RPC.
 func startScriptedBroker(tb testing.TB) *scriptedBroker {
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		tb.Fatal(err)
-	}
 	b := &scriptedBroker{}
-	srv := grpc.NewServer(grpc.ForceServerCodecV2(rawCodec{encoding.GetCodecV2(protocodec.Name)}))
-	tunnelv1.RegisterDialServiceServer(srv, &fakeBroker{handle: b.handle})
-	served := make(chan struct{})
-	go func() {
-		defer close(served)
-		_ = srv.Serve(lis)
-	}()
-	tb.Cleanup(func() {
-		srv.Stop()
-		<-served
-	})
-	cc, err := grpc.NewClient("passthrough:///"+lis.Addr().String(),
-		grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		tb.Fatal(err)
-	}
-	tb.Cleanup(func() { _ = cc.Close() })
-	b.dialer = NewDialer(cc)
+	b.dialer = serveFakeBroker(tb, b.handle, grpc.ForceServerCodecV2(rawCodec{encoding.GetCodecV2(protocodec.Name)}))
 	return b
 }
 

@@ -77,9 +77,6 @@ func NewAgent(sessionID string, id spiffeid.ID, name string, clusters []string) 
 // Orders are the dial orders to send to the agent, in order.
 func (a *Agent) Orders() <-chan *tunnelv1.DialOrder { return a.orders }
 
-// Gone is closed once the agent is unregistered.
-func (a *Agent) Gone() <-chan struct{} { return a.gone }
-
 func (a *Agent) markGone() { a.goneOnce.Do(func() { close(a.gone) }) }
 
 // String names the agent in messages: its name and SPIFFE ID.

@@ -203,6 +203,3 @@ func (s *FileSource) GetX509BundleForTrustDomain(td spiffeid.TrustDomain) (*x509
 	defer s.mu.RUnlock()
 	return s.bundles.GetX509BundleForTrustDomain(td)
 }
-
-// Load reads SVID files once, without following rotations.
-func Load(f Files) (*FileSource, error) { return LoadFiles(f, nil) }

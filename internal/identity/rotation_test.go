@@ -73,7 +73,9 @@ func serialOf(t *testing.T, s *FileSource) string {
 	return svid.Certificates[0].SerialNumber.String()
 }
 
-func TestFileSourceFollowsAtomicRotation(t *testing.T) {
+// loadRotating lays out a first SVID from a new CA in a csiDir and loads it.
+func loadRotating(t *testing.T) (*devca.CA, *csiDir, *devca.Issued, *FileSource) {
+	t.Helper()
 	ca, err := devca.New("ca", "example.org")
 	if err != nil {
 		t.Fatal(err)
@@ -85,6 +87,11 @@ func TestFileSourceFollowsAtomicRotation(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return ca, d, first, s
+}
+
+func TestFileSourceFollowsAtomicRotation(t *testing.T) {
+	ca, d, _, s := loadRotating(t)
 	before := serialOf(t, s)
 
 	if s.Reload() {
@@ -110,17 +117,7 @@ func TestFileSourceFollowsAtomicRotation(t *testing.T) {
 }
 
 func TestFileSourceKeepsOldMaterialWhenRotationIsHalfWritten(t *testing.T) {
-	ca, err := devca.New("ca", "example.org")
-	if err != nil {
-		t.Fatal(err)
-	}
-	d := newCSIDir(t)
-	first := issue(t, ca, "/agent")
-	d.rotate(first.CertPEM, first.KeyPEM, ca.BundlePEM())
-	s, err := LoadFiles(d.files(), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	ca, d, first, s := loadRotating(t)
 	before := serialOf(t, s)
 
 	second := issue(t, ca, "/agent")
@@ -145,17 +142,7 @@ func TestFileSourceKeepsOldMaterialWhenRotationIsHalfWritten(t *testing.T) {
 }
 
 func TestFileSourceWatchesWithoutRestart(t *testing.T) {
-	ca, err := devca.New("ca", "example.org")
-	if err != nil {
-		t.Fatal(err)
-	}
-	d := newCSIDir(t)
-	first := issue(t, ca, "/agent")
-	d.rotate(first.CertPEM, first.KeyPEM, ca.BundlePEM())
-	s, err := LoadFiles(d.files(), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	ca, d, _, s := loadRotating(t)
 	s.Watch(10 * time.Millisecond)
 	defer s.Close()
 	before := serialOf(t, s)

@@ -63,7 +63,7 @@ func (e *Env) SVID(path string) devca.Files {
 func (e *Env) Identity(path string) *identity.FileSource {
 	e.T.Helper()
 	f := e.SVID(path)
-	src, err := identity.Load(identity.Files{Cert: f.Cert, Key: f.Key, Bundle: f.Bundle})
+	src, err := identity.LoadFiles(identity.Files{Cert: f.Cert, Key: f.Key, Bundle: f.Bundle}, nil)
 	if err != nil {
 		e.T.Fatal(err)
 	}
