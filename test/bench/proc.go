@@ -3,6 +3,7 @@ package bench
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -77,6 +78,60 @@ func Goroutines(ctx context.Context, addr string) (int, error) {
 		return 0, fmt.Errorf("goroutine profile: unexpected first line %q", line)
 	}
 	return strconv.Atoi(total)
+}
+
+// GoMemory is what a Go process holds in its heap and in goroutine stacks,
+// in bytes, as its runtime counts them (MemStats.HeapInuse, StackInuse).
+type GoMemory struct{ HeapInuse, StackInuse int64 }
+
+// ReadGoMemory reads GoMemory of a process serving net/http/pprof at addr:
+// /debug/pprof/heap?debug=1 ends with the runtime's MemStats, one
+// "# Name = value" line each ("# Stack = inuse / sys" for the stacks).
+func ReadGoMemory(ctx context.Context, addr string) (GoMemory, error) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+"/debug/pprof/heap?debug=1", nil)
+	if err != nil {
+		return GoMemory{}, err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return GoMemory{}, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return GoMemory{}, fmt.Errorf("heap profile: %s", resp.Status)
+	}
+	var m GoMemory
+	found := 0
+	s := bufio.NewScanner(resp.Body)
+	s.Buffer(make([]byte, 64<<10), 1<<20)
+	for s.Scan() {
+		name, value, ok := strings.Cut(strings.TrimPrefix(s.Text(), "# "), " = ")
+		var field *int64
+		switch {
+		case !ok:
+			continue
+		case name == "HeapInuse":
+			field = &m.HeapInuse
+		case name == "Stack":
+			field = &m.StackInuse
+			value, _, _ = strings.Cut(value, " / ")
+		default:
+			continue
+		}
+		if *field, err = strconv.ParseInt(value, 10, 64); err != nil {
+			return GoMemory{}, fmt.Errorf("heap profile: %s: %w", name, err)
+		}
+		found++
+	}
+	if err := s.Err(); err != nil {
+		return GoMemory{}, fmt.Errorf("heap profile: %w", err)
+	}
+	if found != 2 {
+		return GoMemory{}, errors.New("heap profile: no HeapInuse and Stack lines")
+	}
+	return m, nil
 }
 
 // FetchProfile saves a pprof profile (e.g. "profile?seconds=10", "heap")

@@ -33,7 +33,8 @@ func (r *runner) idleTunnels(ctx context.Context) {
 
 type reading struct {
 	status     bench.ProcStatus
-	goroutines int // -1 without pprof
+	goroutines int             // -1 without pprof
+	memory     *bench.GoMemory // nil without pprof
 }
 
 func (r *runner) read(ctx context.Context, pid int, pprof string) reading {
@@ -48,7 +49,15 @@ func (r *runner) read(ctx context.Context, pid int, pprof string) reading {
 			g = -1
 		}
 	}
-	return reading{status: st, goroutines: g}
+	rd := reading{status: st, goroutines: g}
+	if pprof != "" {
+		if m, err := bench.ReadGoMemory(ctx, pprof); err != nil {
+			r.logf("memory: %v", err)
+		} else {
+			rd.memory = &m
+		}
+	}
+	return rd
 }
 
 func (r *runner) idle(ctx context.Context, n int) {
@@ -127,6 +136,11 @@ func (r *runner) idle(ctx context.Context, n int) {
 	r.report.row(name+"broker_rss_KiB_per_tunnel", none, per(b0.status.RSSKiB, b1.status.RSSKiB))
 	if b0.goroutines >= 0 && b1.goroutines >= 0 {
 		r.report.row(name+"broker_goroutines_per_tunnel", none, per(int64(b0.goroutines), int64(b1.goroutines)))
+	}
+	if b0.memory != nil && b1.memory != nil {
+		// Where the resident memory goes, as the Go runtime counts it.
+		r.report.row(name+"broker_go_heap_KiB_per_tunnel", none, per(b0.memory.HeapInuse>>10, b1.memory.HeapInuse>>10))
+		r.report.row(name+"broker_go_stacks_KiB_per_tunnel", none, per(b0.memory.StackInuse>>10, b1.memory.StackInuse>>10))
 	}
 	r.report.row(name+"broker_threads", none, float64(b1.status.Threads))
 	r.report.row(name+"agent_rss_KiB_per_tunnel", none, per(a0.status.RSSKiB, a1.status.RSSKiB))
