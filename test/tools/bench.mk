@@ -14,6 +14,7 @@ BENCH_TIME  ?= 1s
 ## bench: broker and agent binaries on loopback, every figure tunneled vs direct (BENCH_FLAGS=-quick for a smoke run)
 bench: build
 	$(GO) run ./test/bench/cmd/tunnelbench $(BENCH_FLAGS)
+	$(GO) run ./test/bench/cmd/streamfloor
 
 ## bench-go: the Go benchmarks of the hot paths, in process (benchstat-friendly; BENCH_COUNT, BENCH_TIME)
 bench-go:
