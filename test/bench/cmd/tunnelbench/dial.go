@@ -13,9 +13,17 @@ import (
 // which comes after the agent connected to the target, so the stream is
 // usable; there is no TLS inside. A direct dial is a TCP connect. Each
 // connection is closed before the next dial.
+//
+// A relay dial (when the relay path runs) is more than a tunneled one: the
+// tunnel reuses its long-lived gRPC connections, while the relay path makes
+// two TCP connections and mTLS handshakes per dial (caller to relay 1, relay
+// 1 to relay 2), then relay 2's connect to the target and its answer. So its
+// rows say so (relay_dial_2handshakes_*), and relay_handshake_* is the
+// caller's TCP connect and handshake to relay 1 alone, from the same dials.
 func (r *runner) dialLatency(ctx context.Context) {
-	paths := r.paths()
+	paths := r.withRelay()
 	samples := make([]bench.Samples, len(paths))
+	var handshakes bench.Samples
 	// Warm up: the first dial of each path pays for lazy setup.
 	for _, p := range paths {
 		r.dialOrFatal(ctx, p, svcDial).Close()
@@ -26,6 +34,9 @@ func (r *runner) dialLatency(ctx context.Context) {
 			start := time.Now()
 			c := r.dialOrFatal(ctx, p, svcDial)
 			samples[j] = append(samples[j], time.Since(start))
+			if rc, ok := c.(*relayConn); ok {
+				handshakes = append(handshakes, rc.handshake)
+			}
 			c.Close()
 		}
 	}
@@ -35,4 +46,11 @@ func (r *runner) dialLatency(ctx context.Context) {
 	d, t := samples[0], samples[1]
 	r.report.row("dial_p50_us", bench.Micros(d.Quantile(0.5)), bench.Micros(t.Quantile(0.5)))
 	r.report.row("dial_p99_us", bench.Micros(d.Quantile(0.99)), bench.Micros(t.Quantile(0.99)))
+	if r.relay != nil {
+		rl := samples[2]
+		r.report.relayRow("dial_2handshakes_p50_us", bench.Micros(d.Quantile(0.5)), bench.Micros(rl.Quantile(0.5)))
+		r.report.relayRow("dial_2handshakes_p99_us", bench.Micros(d.Quantile(0.99)), bench.Micros(rl.Quantile(0.99)))
+		r.report.relayRow("handshake_p50_us", bench.Micros(d.Quantile(0.5)), bench.Micros(handshakes.Quantile(0.5)))
+		r.report.relayRow("handshake_p99_us", bench.Micros(d.Quantile(0.99)), bench.Micros(handshakes.Quantile(0.99)))
+	}
 }

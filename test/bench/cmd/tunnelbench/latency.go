@@ -18,12 +18,13 @@ const msgSize = 64
 const maxRoundTrips = 1_000_000
 
 // latency measures 64-byte round trips one after another on one connection
-// per path, for cfg.duration, and reports p50, p99 and what the tunnel adds.
+// per path, for cfg.duration, and reports p50, p99 and what the tunnel (and
+// the relay path, when it runs) adds.
 func (r *runner) latency(ctx context.Context) {
 	q := map[string][2]float64{}
 	cpu := map[string]float64{}
-	var broker, agent float64
-	for _, p := range r.paths() {
+	var broker, agent, relay1, relay2 float64
+	for _, p := range r.withRelay() {
 		var stop func()
 		if p.name == "tunneled" {
 			stop = r.profile(ctx, "latency", r.cfg.duration)
@@ -42,7 +43,12 @@ func (r *runner) latency(ctx context.Context) {
 		q[p.name] = [2]float64{bench.Micros(s.Quantile(0.5)), bench.Micros(s.Quantile(0.99))}
 		perRT := func(d time.Duration) float64 { return bench.Micros(d) / float64(len(s)) }
 		cpu[p.name] = perRT(used.total())
-		broker, agent = perRT(used.broker), perRT(used.agent)
+		switch p.name {
+		case "tunneled":
+			broker, agent = perRT(used.broker), perRT(used.agent)
+		case "relay":
+			relay1, relay2 = perRT(used.relay1), perRT(used.relay2)
+		}
 		r.logf("%s: %d round trips", p.name, len(s))
 	}
 	d, t := q["direct"], q["tunneled"]
@@ -53,6 +59,16 @@ func (r *runner) latency(ctx context.Context) {
 	r.report.row("rtt64_cpu_us_per_rt", cpu["direct"], cpu["tunneled"])
 	r.report.row("rtt64_broker_cpu_us_per_rt", none, broker)
 	r.report.row("rtt64_agent_cpu_us_per_rt", none, agent)
+	if r.relay != nil {
+		rl := q["relay"]
+		r.report.relayRow("rtt64_p50_us", d[0], rl[0])
+		r.report.relayRow("rtt64_p99_us", d[1], rl[1])
+		r.report.relayRow("rtt64_added_p50_us", none, rl[0]-d[0])
+		r.report.relayRow("rtt64_added_p99_us", none, rl[1]-d[1])
+		r.report.relayRow("rtt64_cpu_us_per_rt", cpu["direct"], cpu["relay"])
+		r.report.relayRow("rtt64_relay1_cpu_us_per_rt", none, relay1)
+		r.report.relayRow("rtt64_relay2_cpu_us_per_rt", none, relay2)
+	}
 }
 
 // roundTrips runs 64-byte round trips on c for d (after a short warm-up)
@@ -88,7 +104,7 @@ func roundTrips(c net.Conn, d time.Duration) (bench.Samples, error) {
 func (r *runner) roundTripRate(ctx context.Context) {
 	rates := map[string]float64{}
 	cpu := map[string]float64{}
-	for _, p := range r.paths() {
+	for _, p := range r.withRelay() {
 		var stop func()
 		if p.name == "tunneled" {
 			stop = r.profile(ctx, "rps", r.cfg.duration)
@@ -137,4 +153,8 @@ func (r *runner) roundTripRate(ctx context.Context) {
 	name := "rtt64_" + strconv.Itoa(r.cfg.conns) + "conns"
 	r.report.row(name+"_per_s", rates["direct"], rates["tunneled"])
 	r.report.row(name+"_cpu_us_per_rt", cpu["direct"], cpu["tunneled"])
+	if r.relay != nil {
+		r.report.relayRow(name+"_per_s", rates["direct"], rates["relay"])
+		r.report.relayRow(name+"_cpu_us_per_rt", cpu["direct"], cpu["relay"])
+	}
 }

@@ -7,7 +7,9 @@
 //	throughput_download_MiBps  direct=980  tunneled=610  ratio=0.62
 //
 // The ratio is always tunneled/direct (for latencies, lower is better; for
-// rates, higher is better); "-" marks a value that does not apply. Lines
+// rates, higher is better); "-" marks a value that does not apply. Rows
+// named relay_* measure a reference path instead of the tunnel, in a column
+// of its own (relay=, see relay.go); their ratio is relay/direct. Lines
 // starting with # describe the machine and the run. See BENCHMARKS.md for
 // what each figure means. Figures are only reported, never judged.
 //
@@ -41,12 +43,17 @@ type config struct {
 	webhookConns int           // concurrent kept-alive connections of the webhook rate figure
 	phases       []string
 	profileDir   string
+	relay        bool          // also measure the relay reference path (relay.go)
 	timeout      time.Duration // bound of one bulk transfer
 }
 
 func main() {
-	if os.Getenv(roleEnv) == "webhook" {
+	switch os.Getenv(roleEnv) {
+	case "webhook":
 		serveWebhook()
+		return
+	case "relay":
+		serveRelay()
 		return
 	}
 	var (
@@ -62,6 +69,7 @@ func main() {
 	flag.IntVar(&cfg.dials, "dials", 1000, "dials per path for the dial latency figure")
 	flag.IntVar(&cfg.webhookConns, "webhook-conns", 16, "concurrent kept-alive connections for the webhook rate figure")
 	flag.StringVar(&cfg.profileDir, "profile-dir", "", "if set and the binaries serve pprof (--pprof-listen), save their CPU and heap profiles of the throughput and round-trip runs here")
+	flag.BoolVar(&cfg.relay, "relay", true, "also measure the relay reference path (caller -mTLS-> relay -mTLS-> relay -TCP-> target, plain TLS copy processes) in the throughput, latency, rps and dial phases, as relay_* rows")
 	flag.DurationVar(&cfg.timeout, "timeout", 3*time.Minute, "bound of one bulk transfer")
 	maxTime := flag.Duration("max-time", 20*time.Minute, "bound of the whole run: stop everything and fail after it")
 	flag.Parse()
@@ -101,8 +109,8 @@ func main() {
 
 	b := newBench(cfg)
 	defer b.close()
-	// Whatever happens, stop the broker, agent and webhook processes before
-	// exiting: on a signal, and at -max-time.
+	// Whatever happens, stop the broker, agent, webhook and relay processes
+	// before exiting: on a signal, and at -max-time.
 	stop := make(chan os.Signal, 1)
 	signal.Notify(stop, os.Interrupt, syscall.SIGTERM)
 	go func() {

@@ -26,6 +26,20 @@ func (*report) row(name string, direct, tunneled float64) {
 	fmt.Printf("%-44s direct=%-8s tunneled=%-8s ratio=%s\n", name, num(direct), num(tunneled), fixed(ratio, 2))
 }
 
+// relayRow prints figure name of the relay path (relay.go) against the
+// direct path, as "relay_<name>" with a relay= column in the place of
+// tunneled=; the ratio is relay/direct. A name longer than the column takes
+// from the direct value's padding, so the later columns stay aligned.
+func (*report) relayRow(name string, direct, relay float64) {
+	ratio := none
+	if !math.IsNaN(direct) && !math.IsNaN(relay) && direct != 0 {
+		ratio = relay / direct
+	}
+	name = "relay_" + name
+	w := max(44, len(name))
+	fmt.Printf("%-*s direct=%-*s relay=%-11s ratio=%s\n", w, name, 44+8-w, num(direct), num(relay), fixed(ratio, 2))
+}
+
 // note prints a comment line: scripts skip lines starting with #.
 func (*report) note(format string, args ...any) {
 	fmt.Printf("# "+format+"\n", args...)
@@ -56,6 +70,9 @@ func fixed(v float64, prec int) string {
 
 func (rep *report) header(r *runner) {
 	rep.note("tunnelbench: direct loopback vs kcpplugin -> broker -> syncer-agent, SPIFFE mTLS on both legs")
+	if r.relay != nil {
+		rep.note("relay_* rows: caller -mTLS-> relay 1 -mTLS-> relay 2 -TCP-> target, two child processes copying with io.Copy, one TLS connection per connection; relay= is that path, ratio relay/direct")
+	}
 	rep.note("machine: nproc=%d model=%q mem=%s kernel=%s go=%s", runtime.NumCPU(), cpuModel(), memTotal(), osRelease(), runtime.Version())
 	rep.note("commit: %s", commit())
 	rep.note("load at start: %s", loadAvg())
@@ -65,8 +82,8 @@ func (rep *report) header(r *runner) {
 	}
 	rep.note("pprof endpoints: %s", pprof)
 	c := r.cfg
-	rep.note("config: size=%s duration=%v conns=%d dials=%d idle=%v flood=%s webhook-conns=%d phases=%s",
-		bytesString(c.size), c.duration, c.conns, c.dials, c.idle, bytesString(c.flood), c.webhookConns, strings.Join(c.phases, ","))
+	rep.note("config: size=%s duration=%v conns=%d dials=%d idle=%v flood=%s webhook-conns=%d phases=%s relay=%v",
+		bytesString(c.size), c.duration, c.conns, c.dials, c.idle, bytesString(c.flood), c.webhookConns, strings.Join(c.phases, ","), r.relay != nil)
 }
 
 func (rep *report) footer(r *runner) {

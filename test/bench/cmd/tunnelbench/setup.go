@@ -52,6 +52,7 @@ type runner struct {
 	targets map[string]*bench.Target
 	addrs   map[string]string // service -> target address
 	webhook *webhookServer
+	relay   *relay // nil unless the relay path runs
 
 	// pprof is whether the binaries have --pprof-listen.
 	pprof bool
@@ -95,6 +96,9 @@ func newBench(cfg config) *runner {
 	bin := harness.Binaries(r.m)
 	r.pprof = hasFlag(filepath.Join(bin, "broker"), "pprof-listen") && hasFlag(filepath.Join(bin, "syncer-agent"), "pprof-listen")
 	r.main = r.startPair()
+	if relayWanted(cfg) {
+		r.relay = r.startRelays()
+	}
 	return r
 }
 

@@ -11,7 +11,8 @@ import (
 
 // throughput moves cfg.size bytes over one connection each way, on each
 // path, and reports MiB/s from the request to the last byte (download) or to
-// the target's acknowledgement that it read every byte (upload).
+// the target's acknowledgement that it read every byte (upload). The relay
+// path, when it runs, is measured last.
 func (r *runner) throughput(ctx context.Context) {
 	for _, dir := range []struct {
 		name string
@@ -22,7 +23,7 @@ func (r *runner) throughput(ctx context.Context) {
 	} {
 		rates := map[string]float64{}
 		cpu := map[string]cpuTimes{}
-		for _, p := range r.paths() {
+		for _, p := range r.withRelay() {
 			var stop func()
 			if p.name == "tunneled" {
 				stop = r.profile(ctx, "throughput-"+dir.name, r.estimate())
@@ -55,6 +56,13 @@ func (r *runner) throughput(ctx context.Context) {
 		r.report.row(name+"_cpu_s_per_GiB", perGiB(d.total()), perGiB(t.total()))
 		r.report.row(name+"_broker_cpu_s_per_GiB", none, perGiB(t.broker))
 		r.report.row(name+"_agent_cpu_s_per_GiB", none, perGiB(t.agent))
+		if r.relay != nil {
+			rl := cpu["relay"]
+			r.report.relayRow(name+"_MiBps", rates["direct"], rates["relay"])
+			r.report.relayRow(name+"_cpu_s_per_GiB", perGiB(d.total()), perGiB(rl.total()))
+			r.report.relayRow(name+"_relay1_cpu_s_per_GiB", none, perGiB(rl.relay1))
+			r.report.relayRow(name+"_relay2_cpu_s_per_GiB", none, perGiB(rl.relay2))
+		}
 	}
 }
 

@@ -1,29 +1,21 @@
 package main
 
 import (
-	"bufio"
 	"crypto/tls"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"strings"
-	"time"
 
 	"github.com/kcp-dev/tunnel-broker/internal/devca"
 	"github.com/kcp-dev/tunnel-broker/test/harness"
 )
 
-// The webhook runs in a process of its own, as a webhook pod would: in this
-// process it would share the Go runtime (and its garbage collector and
-// scheduler) with the callers it is measured with. The child is this
-// program, started with these variables; it serves until its stdin closes,
-// so it cannot outlive the run.
+// The webhook runs in a process of its own, as a webhook pod would (see
+// startChild), with its serving certificate and key in these files.
 const (
-	roleEnv = "TUNNELBENCH_ROLE"
 	certEnv = "TUNNELBENCH_WEBHOOK_CERT"
 	keyEnv  = "TUNNELBENCH_WEBHOOK_KEY"
 )
@@ -57,51 +49,8 @@ func startWebhookProcess(m *harness.Main) *webhookServer {
 	if err := os.WriteFile(keyFile, leaf.KeyPEM, 0o600); err != nil {
 		m.Fatal(err)
 	}
-	self, err := os.Executable()
-	if err != nil {
-		m.Fatal(err)
-	}
-	cmd := exec.Command(self)
-	cmd.Env = append(os.Environ(), roleEnv+"=webhook", certEnv+"="+certFile, keyEnv+"="+keyFile)
-	cmd.Stderr = os.Stderr
-	stdin, err := cmd.StdinPipe()
-	if err != nil {
-		m.Fatal(err)
-	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		m.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		m.Fatal(err)
-	}
-	done := make(chan struct{})
-	go func() { _ = cmd.Wait(); close(done) }()
-	m.Cleanup(func() {
-		stdin.Close()
-		select {
-		case <-done:
-		case <-time.After(5 * time.Second):
-			_ = cmd.Process.Kill()
-			<-done
-		}
-	})
-	addr := make(chan string, 1)
-	go func() {
-		line, _ := bufio.NewReader(stdout).ReadString('\n')
-		addr <- strings.TrimSpace(strings.TrimPrefix(line, "listening "))
-		_, _ = io.Copy(io.Discard, stdout)
-	}()
-	select {
-	case a := <-addr:
-		if a == "" {
-			m.Fatal("webhook process did not start")
-		}
-		return &webhookServer{Addr: a, CABundle: ca.BundlePEM()}
-	case <-time.After(20 * time.Second):
-		m.Fatal("webhook process did not start within 20s")
-		return nil
-	}
+	addr, _ := startChild(m, "webhook", certEnv+"="+certFile, keyEnv+"="+keyFile)
+	return &webhookServer{Addr: addr, CABundle: ca.BundlePEM()}
 }
 
 // serveWebhook is the child's main: the harness's AdmissionHandler, which
