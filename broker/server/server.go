@@ -25,6 +25,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
 
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
+	"github.com/kcp-dev/tunnel-broker/kcpplugin/coalesce"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -39,6 +40,13 @@ const (
 	// window does not. 1 MiB carries 20 MiB/s per tunnel at 50 ms RTT, and
 	// bounds what a stalled reader leaves buffered in the broker.
 	DefaultWindowSize = 1 << 20
+	// WriteBufferSize is gRPC's write buffer per connection (its default
+	// is 32 KiB). gRPC writes it out when it is full or has nothing more
+	// to send, so in bulk transfers one flush carries 16 TLS records,
+	// which coalesce.Writes sends with one syscall. gRPC lends the buffer
+	// from a pool only while it holds data, so idle connections cost
+	// nothing more.
+	WriteBufferSize = 256 << 10
 )
 
 // Config is what a broker replica needs.
@@ -109,6 +117,8 @@ func New(cfg Config) *Server {
 	// policy then decides per RPC, so a refused peer gets PermissionDenied,
 	// not a bare TLS alert.
 	creds := identity.LogRefusedHandshakes(identity.ServerCredentials(cfg.Identity, tlsconfig.AuthorizeAny()), log)
+	// One write syscall per gRPC flush, not one per 16 KiB TLS record.
+	creds = coalesce.Writes(creds)
 	opts := []grpc.ServerOption{
 		// RPC metrics first, so that refused RPCs are counted too.
 		grpc.ChainUnaryInterceptor(metrics.GRPC.UnaryServerInterceptor()),
@@ -117,6 +127,7 @@ func New(cfg Config) *Server {
 	opts = append(opts, authorizer.ServerOptions()...)
 	opts = append(opts,
 		grpc.Creds(creds),
+		grpc.WriteBufferSize(WriteBufferSize),
 		tunnelv1.FrameServerOption(),
 		grpc.MaxRecvMsgSize(cfg.MaxMessageSize),
 		// Agents ping to notice a dead broker quickly; allow it.

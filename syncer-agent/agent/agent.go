@@ -18,6 +18,7 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/keepalive"
 
+	"github.com/kcp-dev/tunnel-broker/kcpplugin/coalesce"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
 )
@@ -25,6 +26,10 @@ import (
 // WindowSize is the agent's HTTP/2 flow-control window per stream: fixed,
 // like the broker's, so that ping-pong traffic sends no window PINGs.
 const WindowSize = 1 << 20
+
+// WriteBufferSize is gRPC's write buffer on the agent's connection: one
+// flush of bulk data is 16 TLS records, sent with one syscall.
+const WriteBufferSize = 256 << 10
 
 // DefaultGrace is how long tunnels in flight may run once the agent drains.
 const DefaultGrace = 20 * time.Second
@@ -67,7 +72,11 @@ func (a *Agent) drainCh() chan struct{} {
 // tunnels in flight run for Grace, and cancels what is left.
 func (a *Agent) Run(ctx context.Context) error {
 	conn, err := grpc.NewClient(a.Broker,
-		grpc.WithTransportCredentials(a.Credentials),
+		// One write syscall per gRPC flush, not one per 16 KiB TLS record,
+		// and flushes of up to 256 KiB, as the broker's (see its
+		// WriteBufferSize).
+		grpc.WithTransportCredentials(coalesce.Writes(a.Credentials)),
+		grpc.WithWriteBufferSize(WriteBufferSize),
 		// Ping every 5s, give up after 5s more: a broker that vanished
 		// without a word is noticed in about ten seconds.
 		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 5 * time.Second, Timeout: 5 * time.Second, PermitWithoutStream: true}),

@@ -87,9 +87,13 @@ func (e *Env) Dialer(addr, path string) *kcpplugin.Dialer {
 func (e *Env) BrokerConn(addr, path string) *grpc.ClientConn {
 	e.T.Helper()
 	src := e.Identity(path)
-	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(
-		identity.ClientCredentials(src, tlsconfig.AuthorizeMemberOf(src.ID().TrustDomain()))),
-		// As the README recommends to kcp: fixed windows, like the broker's.
+	conn, err := grpc.NewClient(addr,
+		// As the README recommends to kcp: one write syscall per gRPC
+		// flush (not per TLS record), flushes of up to 256 KiB, and fixed
+		// windows, like the broker's.
+		grpc.WithTransportCredentials(kcpplugin.CoalesceWrites(
+			identity.ClientCredentials(src, tlsconfig.AuthorizeMemberOf(src.ID().TrustDomain())))),
+		grpc.WithWriteBufferSize(256<<10),
 		grpc.WithInitialWindowSize(1<<20), grpc.WithInitialConnWindowSize(16<<20))
 	if err != nil {
 		e.T.Fatal(err)

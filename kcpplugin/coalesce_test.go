@@ -1,0 +1,116 @@
+package kcpplugin
+
+import (
+	"bytes"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"io"
+	"math/big"
+	"net"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+	grpcpeer "google.golang.org/grpc/peer"
+
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+)
+
+// mtlsConfigs are a server's and a client's TLS configs that trust each
+// other: both present one self-signed certificate.
+type mtlsConfigs struct{ server, client *tls.Config }
+
+func selfSignedMTLS(t *testing.T) mtlsConfigs {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber: big.NewInt(1), DNSNames: []string{"broker.test"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+		KeyUsage:              x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign,
+		ExtKeyUsage:           []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
+		BasicConstraintsValid: true, IsCA: true,
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	leaf, err := x509.ParseCertificate(der)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool := x509.NewCertPool()
+	pool.AddCert(leaf)
+	cert := []tls.Certificate{{Certificate: [][]byte{der}, PrivateKey: key, Leaf: leaf}}
+	return mtlsConfigs{
+		server: &tls.Config{Certificates: cert, ClientCAs: pool, ClientAuth: tls.RequireAndVerifyClientCert},
+		client: &tls.Config{Certificates: cert, RootCAs: pool, ServerName: "broker.test"},
+	}
+}
+
+// TestDialerOverCoalescedMTLS runs the Dialer as kcp does: the broker's Dial
+// over mTLS with coalesced writes and a 256 KiB write buffer on both
+// sides. The server reads the caller's certificate from the peer's AuthInfo.
+func TestDialerOverCoalescedMTLS(t *testing.T) {
+	certs := selfSignedMTLS(t)
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var peerCerts atomic.Int32
+	srv := grpc.NewServer(grpc.Creds(CoalesceWrites(credentials.NewTLS(certs.server))), grpc.WriteBufferSize(256<<10))
+	tunnelv1.RegisterDialServiceServer(srv, &fakeBroker{handle: establish(func(p *peer) error {
+		if gp, ok := grpcpeer.FromContext(p.ctx()); ok {
+			if ti, ok := gp.AuthInfo.(credentials.TLSInfo); ok && len(ti.State.PeerCertificates) == 1 {
+				peerCerts.Add(1)
+			}
+		}
+		return p.echo()
+	})})
+	served := make(chan struct{})
+	go func() {
+		defer close(served)
+		_ = srv.Serve(lis)
+	}()
+	t.Cleanup(func() {
+		srv.Stop()
+		<-served
+	})
+	cc, err := grpc.NewClient("passthrough:///"+lis.Addr().String(),
+		grpc.WithTransportCredentials(CoalesceWrites(credentials.NewTLS(certs.client))), grpc.WithWriteBufferSize(256<<10))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cc.Close() })
+	c := dial(t, NewDialer(cc))
+	if err := c.SetDeadline(time.Now().Add(waitLong)); err != nil {
+		t.Fatal(err)
+	}
+
+	data := make([]byte, 8<<20)
+	for i := range data {
+		data[i] = byte(i * 7)
+	}
+	got := make(chan []byte, 1)
+	go func() {
+		b, _ := io.ReadAll(c)
+		got <- b
+	}()
+	if _, err := c.Write(data); err != nil {
+		t.Fatal(err)
+	}
+	closeWrite(t, c)
+	if !bytes.Equal(<-got, data) {
+		t.Fatal("the echo differs from what was sent")
+	}
+	if peerCerts.Load() != 1 {
+		t.Error("the server did not find the caller's certificate in the peer's credentials.TLSInfo")
+	}
+}
