@@ -44,7 +44,9 @@ func main() {
 }
 
 // server is a FullDuplexCall that reads until the stream ends.
-type server struct{ testgrpc.UnimplementedTestServiceServer }
+type server struct {
+	testgrpc.UnimplementedTestServiceServer
+}
 
 func (server) FullDuplexCall(s testgrpc.TestService_FullDuplexCallServer) error {
 	for {
