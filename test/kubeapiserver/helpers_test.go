@@ -44,7 +44,11 @@ const (
 	webhookPort  = 8443
 )
 
-var rbacOnce sync.Once
+var (
+	rbacOnce sync.Once
+	// worldRuns numbers the worlds of this test binary.
+	worldRuns atomic.Uint32
+)
 
 // world is one test's view: the shared API server, an admin client, and a
 // broker of its own with a kcp caller.
@@ -55,7 +59,8 @@ type world struct {
 	env    *harness.Env
 	broker *harness.Broker
 	dialer *kcpplugin.Dialer
-	// syncTarget is this test's own: other tests' namespaces are not its.
+	// syncTarget is this test run's own: other tests' namespaces, and
+	// those of this test's earlier runs, are not its.
 	syncTarget lookup.SyncTarget
 }
 
@@ -73,11 +78,17 @@ func newWorld(t *testing.T) *world {
 	rbacOnce.Do(func() { applyRBAC(t, admin) })
 	env := harness.NewEnv(t)
 	b := env.StartBroker(harness.BrokerOptions{})
+	// The API server outlives a test (go test -count=N runs each test N
+	// times against it) and namespaces are never gone without a namespace
+	// controller, so earlier runs' namespaces are still there: the sync
+	// target's UID is unique to this run, which makes the namespaces
+	// located to it this run's alone.
 	name := strings.ToLower(strings.NewReplacer("/", "-", "_", "-").Replace(t.Name()))
+	uid := fmt.Sprintf("%s-%d", name, worldRuns.Add(1))
 	return &world{
 		t: t, kube: k, admin: admin, env: env, broker: b,
 		dialer:     env.Dialer(b.Addr, "/kcp"),
-		syncTarget: lookup.SyncTarget{Name: "st", Cluster: "stws", UID: name},
+		syncTarget: lookup.SyncTarget{Name: "st", Cluster: "stws", UID: uid},
 	}
 }
 
@@ -202,9 +213,12 @@ func (w *world) plainNamespace() string {
 
 // service creates a Service with a selector (so the EndpointSlice
 // controller would own its slices) and port 443 named "https" -> targetPort.
+// The test's cleanup deletes it, which frees its cluster IP: the shared API
+// server's service range would fill up over go test -count=N otherwise.
 func (w *world) service(ns, name string, targetPort intstr.IntOrString) *corev1.Service {
 	w.t.Helper()
-	svc, err := w.admin.CoreV1().Services(ns).Create(context.Background(), &corev1.Service{
+	services := w.admin.CoreV1().Services(ns)
+	svc, err := services.Create(context.Background(), &corev1.Service{
 		ObjectMeta: metav1.ObjectMeta{Name: name},
 		Spec: corev1.ServiceSpec{
 			Selector: map[string]string{"app": name},
@@ -214,6 +228,14 @@ func (w *world) service(ns, name string, targetPort intstr.IntOrString) *corev1.
 	if err != nil {
 		w.t.Fatal(err)
 	}
+	t := w.t
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		if err := services.Delete(ctx, name, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
+			t.Errorf("deleting Service %s/%s: %v", ns, name, err)
+		}
+	})
 	return svc
 }
 
@@ -336,9 +358,10 @@ func (w *world) eventuallyRefused(cluster, ns, svc string, port int32, want code
 
 var nextHost atomic.Uint32
 
-// newIP is an address in the isolated network no other server of this
-// test binary uses.
-func newIP() string { return fmt.Sprintf("192.0.2.%d", 20+nextHost.Add(1)) }
+// newIP is an address in the isolated network no other live server of this
+// test binary uses: it takes 192.0.2.21 to .254 in turn, and starts over
+// (servers close with their test) so that go test -count=N does not run out.
+func newIP() string { return fmt.Sprintf("192.0.2.%d", 21+(nextHost.Add(1)-1)%234) }
 
 // server is a "webhook pod": it greets each connection with its name
 // (ip:port) and then echoes.
