@@ -58,14 +58,21 @@ func startBroker(t *testing.T, handle dialHandler) *Dialer {
 }
 
 // serveFakeBroker serves handle as the broker's Dial on a loopback port until
-// the test ends, and returns a Dialer connected to it.
+// the test ends, and returns a Dialer connected to it, in plaintext.
 func serveFakeBroker(tb testing.TB, handle dialHandler, opts ...grpc.ServerOption) *Dialer {
+	tb.Helper()
+	return serveFakeBrokerWith(tb, handle, opts, grpc.WithTransportCredentials(insecure.NewCredentials()))
+}
+
+// serveFakeBrokerWith is serveFakeBroker with the server's options and the
+// client's (which must name transport credentials) given.
+func serveFakeBrokerWith(tb testing.TB, handle dialHandler, serverOpts []grpc.ServerOption, clientOpts ...grpc.DialOption) *Dialer {
 	tb.Helper()
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		tb.Fatal(err)
 	}
-	srv := grpc.NewServer(opts...)
+	srv := grpc.NewServer(serverOpts...)
 	tunnelv1.RegisterDialServiceServer(srv, &fakeBroker{handle: handle})
 	served := make(chan struct{})
 	go func() {
@@ -77,8 +84,7 @@ func serveFakeBroker(tb testing.TB, handle dialHandler, opts ...grpc.ServerOptio
 		<-served
 	})
 
-	cc, err := grpc.NewClient("passthrough:///"+lis.Addr().String(),
-		grpc.WithTransportCredentials(insecure.NewCredentials()))
+	cc, err := grpc.NewClient("passthrough:///"+lis.Addr().String(), clientOpts...)
 	if err != nil {
 		tb.Fatal(err)
 	}

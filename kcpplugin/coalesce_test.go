@@ -9,7 +9,6 @@ import (
 	"crypto/x509"
 	"io"
 	"math/big"
-	"net"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -17,8 +16,6 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	grpcpeer "google.golang.org/grpc/peer"
-
-	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
 // mtlsConfigs are a server's and a client's TLS configs that trust each
@@ -60,36 +57,19 @@ func selfSignedMTLS(t *testing.T) mtlsConfigs {
 // sides. The server reads the caller's certificate from the peer's AuthInfo.
 func TestDialerOverCoalescedMTLS(t *testing.T) {
 	certs := selfSignedMTLS(t)
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
 	var peerCerts atomic.Int32
-	srv := grpc.NewServer(grpc.Creds(CoalesceWrites(credentials.NewTLS(certs.server))), grpc.WriteBufferSize(256<<10))
-	tunnelv1.RegisterDialServiceServer(srv, &fakeBroker{handle: establish(func(p *peer) error {
+	handle := establish(func(p *peer) error {
 		if gp, ok := grpcpeer.FromContext(p.ctx()); ok {
 			if ti, ok := gp.AuthInfo.(credentials.TLSInfo); ok && len(ti.State.PeerCertificates) == 1 {
 				peerCerts.Add(1)
 			}
 		}
 		return p.echo()
-	})})
-	served := make(chan struct{})
-	go func() {
-		defer close(served)
-		_ = srv.Serve(lis)
-	}()
-	t.Cleanup(func() {
-		srv.Stop()
-		<-served
 	})
-	cc, err := grpc.NewClient("passthrough:///"+lis.Addr().String(),
+	dialer := serveFakeBrokerWith(t, handle,
+		[]grpc.ServerOption{grpc.Creds(CoalesceWrites(credentials.NewTLS(certs.server))), grpc.WriteBufferSize(256 << 10)},
 		grpc.WithTransportCredentials(CoalesceWrites(credentials.NewTLS(certs.client))), grpc.WithWriteBufferSize(256<<10))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = cc.Close() })
-	c := dial(t, NewDialer(cc))
+	c := dial(t, dialer)
 	if err := c.SetDeadline(time.Now().Add(waitLong)); err != nil {
 		t.Fatal(err)
 	}
