@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"sync"
 
@@ -22,6 +23,7 @@ type Registry struct {
 	Limits Limits
 
 	mu        sync.Mutex
+	agents    map[*Agent]struct{} // every registered agent, even one serving no cluster
 	byCluster map[string][]*Agent
 	next      map[string]int // round-robin cursor per cluster
 	pending   map[uint64]*Pending
@@ -42,6 +44,7 @@ func New() *Registry {
 	var seed [8]byte
 	_, _ = rand.Read(seed[:])
 	return &Registry{
+		agents:    map[*Agent]struct{}{},
 		byCluster: map[string][]*Agent{},
 		next:      map[string]int{},
 		pending:   map[uint64]*Pending{},
@@ -55,6 +58,7 @@ func New() *Registry {
 func (r *Registry) Register(a *Agent) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	r.agents[a] = struct{}{}
 	for _, c := range a.Clusters {
 		r.byCluster[c] = append(r.byCluster[c], a)
 	}
@@ -74,6 +78,7 @@ func (r *Registry) Update(a *Agent, clusters []string) {
 // Unregister removes a and fails the dials that wait on it with Unavailable.
 func (r *Registry) Unregister(a *Agent) {
 	r.mu.Lock()
+	delete(r.agents, a)
 	r.remove(a)
 	r.mu.Unlock()
 	a.markGone()
@@ -116,21 +121,11 @@ func (r *Registry) AgentsPerCluster() map[string]int {
 	return out
 }
 
-// Agents lists the registered agents.
+// Agents lists the registered agents, also those that serve no cluster.
 func (r *Registry) Agents() []*Agent {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	seen := map[*Agent]bool{}
-	var out []*Agent
-	for _, agents := range r.byCluster {
-		for _, a := range agents {
-			if !seen[a] {
-				seen[a] = true
-				out = append(out, a)
-			}
-		}
-	}
-	return out
+	return slices.Collect(maps.Keys(r.agents))
 }
 
 // pick chooses the next agent for cluster, round-robin, skipping agents
