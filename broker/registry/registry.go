@@ -64,10 +64,14 @@ func (r *Registry) Register(a *Agent) {
 	}
 }
 
-// Update replaces the clusters a serves. Dials already ordered go on.
+// Update replaces the clusters a serves. Dials already ordered go on. An
+// agent that has unregistered stays unrouted.
 func (r *Registry) Update(a *Agent, clusters []string) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	if _, ok := r.agents[a]; !ok {
+		return
+	}
 	r.remove(a)
 	a.Clusters = clusters
 	for _, c := range a.Clusters {
