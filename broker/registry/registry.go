@@ -192,8 +192,10 @@ func (r *Registry) Dial(ctx context.Context, target *tunnelv1.Target, timeoutMS 
 	select {
 	case a.orders <- order:
 	case <-a.gone:
-		r.forget(p)
-		return nil, agentGone(a)
+		if r.forget(p) {
+			return nil, agentGone(a)
+		}
+		return r.abandon(p, agentGone(a))
 	case <-ctx.Done():
 		if r.forget(p) {
 			return nil, contextStatus(ctx, a)
