@@ -54,6 +54,9 @@ func (s *Service) Connect(stream tunnelv1.AgentService_ConnectServer) error {
 		return status.Error(codes.Unauthenticated, "no SPIFFE ID")
 	}
 	first, err := stream.Recv()
+	if errors.Is(err, io.EOF) {
+		return status.Error(codes.InvalidArgument, "stream closed before registering")
+	}
 	if err != nil {
 		return err
 	}
@@ -182,6 +185,9 @@ func (s *Service) Tunnel(stream tunnelv1.AgentService_TunnelServer) error {
 		return status.Error(codes.Unauthenticated, "no SPIFFE ID")
 	}
 	first, err := stream.Recv()
+	if errors.Is(err, io.EOF) {
+		return status.Error(codes.InvalidArgument, "stream closed before naming its dial")
+	}
 	if err != nil {
 		return err
 	}
