@@ -3,6 +3,7 @@
 package admin
 
 import (
+	"cmp"
 	"context"
 	"slices"
 	"strings"
@@ -51,7 +52,7 @@ func (s *Service) ListAgents(_ context.Context, req *tunnelv1.ListAgentsRequest)
 		resp.Agents = append(resp.Agents, info)
 	}
 	slices.SortFunc(resp.Agents, func(x, y *tunnelv1.AgentInfo) int {
-		return strings.Compare(x.GetName()+x.GetSessionId(), y.GetName()+y.GetSessionId())
+		return cmp.Or(strings.Compare(x.GetName(), y.GetName()), strings.Compare(x.GetSessionId(), y.GetSessionId()))
 	})
 	return resp, nil
 }
