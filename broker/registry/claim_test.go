@@ -1,0 +1,251 @@
+package registry
+
+import (
+	"fmt"
+	"testing"
+
+	"google.golang.org/grpc/codes"
+
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+)
+
+// How an agent answers a dial order: it claims the dial with a Tunnel
+// stream, or reports a failure on its control stream.
+
+func TestClaimHandsTheTunnelToTheDial(t *testing.T) {
+	r := New()
+	a := newTestAgent(t, "a", "/agent/a", "root")
+	r.Register(a)
+	tgt := target("root")
+	d := startDial(t, r, tgt)
+	o := nextOrder(t, a)
+
+	stream := newFakeTunnelStream()
+	claimed, err := r.Claim(o.GetDialId(), a.ID, stream)
+	if err != nil {
+		t.Fatalf("claim: %v", err)
+	}
+	out := d.wait()
+	if out.err != nil {
+		t.Fatalf("dial: %v", out.err)
+	}
+	if out.tunnel != claimed {
+		t.Fatal("the dial got another tunnel than the claim made")
+	}
+	tun := out.tunnel
+	if tun.Stream != stream || tun.Agent != a || tun.Target != tgt {
+		t.Errorf("tunnel has stream %p, agent %s, target %v; want the claiming stream %p, agent %s, target %v",
+			tun.Stream, tun.Agent, tun.Target, stream, a, tgt)
+	}
+	if want := fmt.Sprintf("%016x", o.GetDialId()); tun.ID != want {
+		t.Errorf("tunnel ID %q, want the dial id in hex, %q", tun.ID, want)
+	}
+	tun.Finish(nil)
+}
+
+func TestClaimByAnotherAgentIsRefused(t *testing.T) {
+	r := New()
+	ordered := newTestAgent(t, "ordered", "/agent/ordered", "root")
+	intruder := newTestAgent(t, "intruder", "/agent/intruder", "root")
+	r.Register(ordered)
+	r.Register(intruder)
+	d := startDial(t, r, target("root"))
+	to, o := orderedTo(t, ordered, intruder)
+	if to != ordered {
+		ordered, intruder = intruder, ordered
+	}
+	noOrder(t, intruder)
+
+	_, err := r.Claim(o.GetDialId(), intruder.ID, newFakeTunnelStream())
+	checkStatus(t, "claim by another agent", err, codes.NotFound,
+		fmt.Sprintf("no pending dial %d for %s (it timed out or was cancelled)", o.GetDialId(), intruder.ID))
+	if !d.running() {
+		t.Fatalf("the refused claim ended the dial: %v", d.wait().err)
+	}
+	// The dial still waits for the agent it was ordered to.
+	if _, err := r.Claim(o.GetDialId(), ordered.ID, newFakeTunnelStream()); err != nil {
+		t.Fatalf("claim by the ordered agent after a refused one: %v", err)
+	}
+	if out := d.wait(); out.err != nil {
+		t.Fatalf("dial: %v", out.err)
+	}
+}
+
+func TestAnotherSessionOfTheAgentMayClaim(t *testing.T) {
+	// A dial id belongs to the agent's SPIFFE ID, not to one control
+	// stream: its Tunnel stream is a separate RPC.
+	r := New()
+	a := newTestAgent(t, "a", "/agent/a", "root")
+	r.Register(a)
+	sameID := NewAgent("another-session", a.ID, "a", nil)
+	d := startDial(t, r, target("root"))
+	o := nextOrder(t, a)
+
+	if _, err := r.Claim(o.GetDialId(), sameID.ID, newFakeTunnelStream()); err != nil {
+		t.Fatalf("claim with the ordered agent's SPIFFE ID: %v", err)
+	}
+	if out := d.wait(); out.err != nil {
+		t.Fatalf("dial: %v", out.err)
+	}
+}
+
+func TestClaimOfAnUnknownDialIsRefused(t *testing.T) {
+	r := New()
+	a := newTestAgent(t, "a", "/agent/a", "root")
+	r.Register(a)
+
+	_, err := r.Claim(42, a.ID, newFakeTunnelStream())
+	checkStatus(t, "claim", err, codes.NotFound, fmt.Sprintf("no pending dial 42 for %s (it timed out or was cancelled)", a.ID))
+	if n := a.Tunnels(); n != 0 {
+		t.Errorf("a refused claim left the agent with %d tunnels", n)
+	}
+}
+
+func TestSecondClaimOfADialIsRefused(t *testing.T) {
+	r := New()
+	a := newTestAgent(t, "a", "/agent/a", "root")
+	r.Register(a)
+	d := startDial(t, r, target("root"))
+	o := nextOrder(t, a)
+	if _, err := r.Claim(o.GetDialId(), a.ID, newFakeTunnelStream()); err != nil {
+		t.Fatalf("first claim: %v", err)
+	}
+
+	_, err := r.Claim(o.GetDialId(), a.ID, newFakeTunnelStream())
+	checkStatus(t, "second claim", err, codes.NotFound,
+		fmt.Sprintf("no pending dial %d for %s (it timed out or was cancelled)", o.GetDialId(), a.ID))
+	if n := a.Tunnels(); n != 1 {
+		t.Errorf("agent carries %d tunnels after two claims of one dial, want 1", n)
+	}
+	d.wait().tunnel.Finish(nil)
+}
+
+func TestDialIDsAreNotReused(t *testing.T) {
+	r := New()
+	a := newTestAgent(t, "a", "/agent/a", "root")
+	r.Register(a)
+	seen := map[uint64]bool{}
+	for range 5 {
+		d := startDial(t, r, target("root"))
+		o := nextOrder(t, a)
+		if seen[o.GetDialId()] {
+			t.Errorf("dial id %d given twice", o.GetDialId())
+		}
+		seen[o.GetDialId()] = true
+		d.cancel()
+		d.wait()
+	}
+}
+
+func TestDialIDsOfTwoRegistriesDiffer(t *testing.T) {
+	// Dial ids start at a random point, so that an agent's late open for a
+	// dial of an earlier incarnation of the replica is unlikely to match.
+	first := func() uint64 {
+		r := New()
+		a := newTestAgent(t, "a", "/agent/a", "root")
+		r.Register(a)
+		d := startDial(t, r, target("root"))
+		o := nextOrder(t, a)
+		d.cancel()
+		d.wait()
+		return o.GetDialId()
+	}
+	if x, y := first(), first(); x == y {
+		t.Errorf("two registries both started with dial id %d", x)
+	}
+}
+
+func TestFailureEndsTheDialWithTheAgentsCode(t *testing.T) {
+	for _, tc := range []struct {
+		reported, want codes.Code
+	}{
+		// Codes a caller can act on pass through.
+		{codes.NotFound, codes.NotFound},
+		{codes.Unavailable, codes.Unavailable},
+		{codes.DeadlineExceeded, codes.DeadlineExceeded},
+		{codes.PermissionDenied, codes.PermissionDenied},
+		{codes.ResourceExhausted, codes.ResourceExhausted},
+		{codes.InvalidArgument, codes.InvalidArgument},
+		{codes.FailedPrecondition, codes.FailedPrecondition},
+		// Anything else means the agent failed.
+		{codes.OK, codes.Unavailable},
+		{codes.Internal, codes.Unavailable},
+		{codes.Unknown, codes.Unavailable},
+		{codes.Canceled, codes.Unavailable},
+		{codes.Unauthenticated, codes.Unavailable},
+		{codes.Code(99), codes.Unavailable},
+	} {
+		t.Run(tc.reported.String(), func(t *testing.T) {
+			r := New()
+			a := newTestAgent(t, "sync-target-1", "/agent/a", "root")
+			r.Register(a)
+			d := startDial(t, r, target("root"))
+			o := nextOrder(t, a)
+
+			r.Fail(a, &tunnelv1.DialFailure{DialId: o.GetDialId(), Code: int32(tc.reported), Message: "connection refused"})
+			out := d.wait()
+			checkStatus(t, "dial", out.err, tc.want, "agent sync-target-1 (spiffe://example.org/agent/a): connection refused")
+			if out.tunnel != nil {
+				t.Error("a failed dial returned a tunnel")
+			}
+		})
+	}
+}
+
+func TestFailureFromAnotherSessionIsIgnored(t *testing.T) {
+	// A dial_failure counts only on the control stream the order went on,
+	// even from the same SPIFFE ID.
+	r := New()
+	a := newTestAgent(t, "a", "/agent/a", "root")
+	r.Register(a)
+	sameID := NewAgent("another-session", a.ID, "a", []string{"root"})
+	d := startDial(t, r, target("root"))
+	o := nextOrder(t, a)
+
+	r.Fail(sameID, &tunnelv1.DialFailure{DialId: o.GetDialId(), Code: int32(codes.NotFound), Message: "no such service"})
+	if !d.running() {
+		t.Fatalf("a failure from another session ended the dial: %v", d.wait().err)
+	}
+	if _, err := r.Claim(o.GetDialId(), a.ID, newFakeTunnelStream()); err != nil {
+		t.Fatalf("claim after an ignored failure: %v", err)
+	}
+	if out := d.wait(); out.err != nil {
+		t.Fatalf("dial: %v", out.err)
+	}
+}
+
+func TestFailureAfterClaimIsIgnored(t *testing.T) {
+	r := New()
+	a := newTestAgent(t, "a", "/agent/a", "root")
+	r.Register(a)
+	d := startDial(t, r, target("root"))
+	o := nextOrder(t, a)
+	if _, err := r.Claim(o.GetDialId(), a.ID, newFakeTunnelStream()); err != nil {
+		t.Fatalf("claim: %v", err)
+	}
+
+	r.Fail(a, &tunnelv1.DialFailure{DialId: o.GetDialId(), Code: int32(codes.Unavailable), Message: "reset"})
+	out := d.wait()
+	if out.err != nil || out.tunnel == nil {
+		t.Fatalf("dial: %v, tunnel %v; want the claimed tunnel", out.err, out.tunnel)
+	}
+}
+
+func TestFailureOfAnUnknownDialIsIgnored(t *testing.T) {
+	r := New()
+	a := newTestAgent(t, "a", "/agent/a", "root")
+	r.Register(a)
+	d := startDial(t, r, target("root"))
+	o := nextOrder(t, a)
+
+	r.Fail(a, &tunnelv1.DialFailure{DialId: o.GetDialId() + 1000, Code: int32(codes.NotFound)})
+	if !d.running() {
+		t.Fatalf("a failure of another dial ended this one: %v", d.wait().err)
+	}
+	if _, err := r.Claim(o.GetDialId(), a.ID, newFakeTunnelStream()); err != nil {
+		t.Fatalf("claim after a failure of another dial: %v", err)
+	}
+	if out := d.wait(); out.err != nil {
+		t.Fatalf("dial: %v", out.err)
+	}
+}

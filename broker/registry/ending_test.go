@@ -1,0 +1,215 @@
+package registry
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
+
+// How a dial ends without the agent's answer, and what becomes of a tunnel
+// the agent opens for a dial nobody waits for any more.
+
+func TestDialEndsWhenTheAgentGoes(t *testing.T) {
+	r := New()
+	a := newTestAgent(t, "a", "/agent/a", "root")
+	r.Register(a)
+	d := startDial(t, r, target("root"))
+	o := nextOrder(t, a)
+
+	r.Unregister(a)
+	checkStatus(t, "dial", d.wait().err, codes.Unavailable, "agent a (spiffe://example.org/agent/a) went away")
+	_, err := r.Claim(o.GetDialId(), a.ID, newFakeTunnelStream())
+	if status.Code(err) != codes.NotFound {
+		t.Errorf("claim after the dial ended: %v, want NotFound", err)
+	}
+}
+
+func TestDialEndsWhenTheAgentGoesBeforeTakingItsOrder(t *testing.T) {
+	r := New()
+	a := newTestAgent(t, "a", "/agent/a", "root")
+	r.Register(a)
+	fillOrders(a)
+	d := startDial(t, r, target("root"))
+	waitPending(t, r, a, 1)
+
+	r.Unregister(a)
+	checkStatus(t, "dial", d.wait().err, codes.Unavailable, "agent a (spiffe://example.org/agent/a) went away")
+}
+
+func TestDialTimesOutWhenTheAgentDoesNotConnect(t *testing.T) {
+	r := New()
+	a := newTestAgent(t, "a", "/agent/a", "root")
+	r.Register(a)
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Millisecond)
+	defer cancel()
+
+	_, err := r.Dial(ctx, target("root"), 10)
+	checkStatus(t, "dial", err, codes.DeadlineExceeded, "agent a (spiffe://example.org/agent/a) did not connect in time")
+}
+
+func TestCancelledDialIsCanceled(t *testing.T) {
+	r := New()
+	a := newTestAgent(t, "a", "/agent/a", "root")
+	r.Register(a)
+	d := startDial(t, r, target("root"))
+	nextOrder(t, a)
+
+	d.cancel()
+	checkStatus(t, "dial", d.wait().err, codes.Canceled, "context canceled")
+}
+
+func TestClaimAfterTheDialGaveUpIsRefused(t *testing.T) {
+	r := New()
+	a := newTestAgent(t, "a", "/agent/a", "root")
+	r.Register(a)
+	d := startDial(t, r, target("root"))
+	o := nextOrder(t, a)
+	d.cancel()
+	d.wait()
+
+	_, err := r.Claim(o.GetDialId(), a.ID, newFakeTunnelStream())
+	checkStatus(t, "late claim", err, codes.NotFound,
+		fmt.Sprintf("no pending dial %d for %s (it timed out or was cancelled)", o.GetDialId(), a.ID))
+	if n := a.Tunnels(); n != 0 {
+		t.Errorf("a late claim left the agent with %d tunnels", n)
+	}
+}
+
+// The dial below is claimed while its order still waits for room in the
+// agent's queue, so the dial gives up with the claim made and its tunnel
+// handed over: the registry must end that tunnel itself.
+
+func TestAbandonedClaimFinishesTheTunnel(t *testing.T) {
+	r := New()
+	a := newTestAgent(t, "a", "/agent/a", "root")
+	r.Register(a)
+	fillOrders(a)
+	d := startDial(t, r, target("root"))
+	id := waitPending(t, r, a, 1)[0]
+	tun, err := r.Claim(id, a.ID, newFakeTunnelStream())
+	if err != nil {
+		t.Fatalf("claim: %v", err)
+	}
+
+	d.cancel()
+	out := d.wait()
+	checkStatus(t, "dial", out.err, codes.Canceled, "context canceled")
+	if out.tunnel != nil {
+		t.Error("a cancelled dial returned a tunnel")
+	}
+	checkStatus(t, "the abandoned tunnel", waitFinished(t, tun), codes.Canceled, "context canceled")
+	if n := a.Tunnels(); n != 0 {
+		t.Errorf("the agent carries %d tunnels after the abandoned one ended, want 0", n)
+	}
+}
+
+func TestClaimedDialWhoseAgentGoesFinishesTheTunnel(t *testing.T) {
+	r := New()
+	a := newTestAgent(t, "a", "/agent/a", "root")
+	r.Register(a)
+	fillOrders(a)
+	d := startDial(t, r, target("root"))
+	id := waitPending(t, r, a, 1)[0]
+	tun, err := r.Claim(id, a.ID, newFakeTunnelStream())
+	if err != nil {
+		t.Fatalf("claim: %v", err)
+	}
+
+	r.Unregister(a)
+	out := d.wait()
+	checkStatus(t, "dial", out.err, codes.Unavailable, "agent a (spiffe://example.org/agent/a) went away")
+	if out.tunnel != nil {
+		t.Error("a dial whose agent went away returned a tunnel")
+	}
+	checkStatus(t, "the abandoned tunnel", waitFinished(t, tun), codes.Unavailable, "agent a (spiffe://example.org/agent/a) went away")
+	if n := a.Tunnels(); n != 0 {
+		t.Errorf("the agent carries %d tunnels after the abandoned one ended, want 0", n)
+	}
+}
+
+// TestDialThatEndsAsItIsClaimedLeavesNoTunnelOpen races a claim against the
+// end of the dial: whichever wins, the tunnel is either the dial's to finish
+// or already finished with the dial's status.
+func TestDialThatEndsAsItIsClaimedLeavesNoTunnelOpen(t *testing.T) {
+	for i := range 50 {
+		r := New()
+		a := newTestAgent(t, "a", "/agent/a", "root")
+		r.Register(a)
+		d := startDial(t, r, target("root"))
+		o := nextOrder(t, a)
+		claimed := make(chan *Tunnel, 1)
+		go func() {
+			tun, _ := r.Claim(o.GetDialId(), a.ID, newFakeTunnelStream())
+			claimed <- tun
+		}()
+		if i%2 == 0 {
+			d.cancel()
+		} else {
+			r.Unregister(a)
+		}
+		out := d.wait()
+		tun := <-claimed
+		switch {
+		case out.err == nil:
+			if out.tunnel != tun {
+				t.Fatalf("round %d: the dial returned a tunnel that was not claimed", i)
+			}
+			out.tunnel.Finish(nil)
+		case tun != nil:
+			if err := waitFinished(t, tun); status.Code(err) != status.Code(out.err) {
+				t.Errorf("round %d: the claimed tunnel ended with %v, the dial with %v", i, err, out.err)
+			}
+		}
+		if n := a.Tunnels(); n != 0 {
+			t.Fatalf("round %d: the agent carries %d tunnels, want 0", i, n)
+		}
+	}
+}
+
+// fillOrders fills a's order queue, as an agent that reads no orders would
+// let it fill: the next dial's order waits for room.
+func fillOrders(a *Agent) {
+	for len(a.orders) < cap(a.orders) {
+		a.orders <- nil
+	}
+}
+
+// waitPending waits until n dials wait on a, and returns their ids. It polls:
+// a dial that waits for room in the agent's queue shows nowhere else.
+func waitPending(t *testing.T, r *Registry, a *Agent, n int) []uint64 {
+	t.Helper()
+	deadline := time.Now().Add(waitLong)
+	for {
+		r.mu.Lock()
+		var ids []uint64
+		for id, p := range r.pending {
+			if p.Agent == a {
+				ids = append(ids, id)
+			}
+		}
+		r.mu.Unlock()
+		if len(ids) == n {
+			return ids
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d dials pending on %s after %v, want %d", len(ids), a, waitLong, n)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// waitFinished is the status a tunnel was finished with.
+func waitFinished(t *testing.T, tun *Tunnel) error {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), waitLong)
+	defer cancel()
+	err := tun.Wait(ctx)
+	if ctx.Err() != nil {
+		t.Fatalf("tunnel %s was not finished within %v", tun.ID, waitLong)
+	}
+	return err
+}

@@ -1,0 +1,141 @@
+package registry
+
+import (
+	"testing"
+
+	"google.golang.org/grpc/codes"
+
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+)
+
+// What one agent may be asked to carry: Limits.
+
+func TestPendingDialsPerAgentAreBounded(t *testing.T) {
+	r := New()
+	r.Limits = Limits{MaxPendingPerAgent: 2}
+	a := newTestAgent(t, "a", "/agent/a", "root")
+	r.Register(a)
+	for range 2 {
+		startDial(t, r, target("root"))
+		nextOrder(t, a)
+	}
+
+	_, err := r.Dial(t.Context(), target("root"), 1000)
+	checkStatus(t, "dial past the limit", err, codes.ResourceExhausted, `every agent of logical cluster "root" has 2 dials pending`)
+	noOrder(t, a)
+}
+
+func TestAnsweredDialFreesItsPendingPlace(t *testing.T) {
+	r := New()
+	r.Limits = Limits{MaxPendingPerAgent: 1}
+	a := newTestAgent(t, "a", "/agent/a", "root")
+	r.Register(a)
+	d := startDial(t, r, target("root"))
+	o := nextOrder(t, a)
+	r.Fail(a, &tunnelv1.DialFailure{DialId: o.GetDialId(), Code: int32(codes.NotFound), Message: "no such service"})
+	d.wait()
+
+	startDial(t, r, target("root"))
+	nextOrder(t, a)
+}
+
+func TestGivenUpDialFreesItsPendingPlace(t *testing.T) {
+	r := New()
+	r.Limits = Limits{MaxPendingPerAgent: 1}
+	a := newTestAgent(t, "a", "/agent/a", "root")
+	r.Register(a)
+	d := startDial(t, r, target("root"))
+	nextOrder(t, a)
+	d.cancel()
+	d.wait()
+
+	startDial(t, r, target("root"))
+	nextOrder(t, a)
+}
+
+func TestTunnelsPerAgentAreBounded(t *testing.T) {
+	r := New()
+	r.Limits = Limits{MaxTunnelsPerAgent: 1}
+	a := newTestAgent(t, "a", "/agent/a", "root")
+	r.Register(a)
+	d := startDial(t, r, target("root"))
+	o := nextOrder(t, a)
+	if _, err := r.Claim(o.GetDialId(), a.ID, newFakeTunnelStream()); err != nil {
+		t.Fatalf("claim: %v", err)
+	}
+	tun := d.wait().tunnel
+
+	_, err := r.Dial(t.Context(), target("root"), 1000)
+	checkStatus(t, "dial past the limit", err, codes.ResourceExhausted, `every agent of logical cluster "root" carries 1 tunnels`)
+	noOrder(t, a)
+
+	// A finished tunnel frees its place.
+	tun.Finish(nil)
+	startDial(t, r, target("root"))
+	nextOrder(t, a)
+}
+
+func TestDialGoesToAnotherAgentWhenOneIsAtItsLimit(t *testing.T) {
+	r := New()
+	r.Limits = Limits{MaxPendingPerAgent: 1}
+	a := newTestAgent(t, "a", "/agent/a", "root")
+	b := newTestAgent(t, "b", "/agent/b", "root")
+	r.Register(a)
+	r.Register(b)
+	startDial(t, r, target("root"))
+	full, _ := orderedTo(t, a, b)
+	free := a
+	if full == a {
+		free = b
+	}
+
+	// The round-robin turn would be free's anyway; the next one, full's,
+	// goes to free too.
+	for range 2 {
+		d := startDial(t, r, target("root"))
+		if to, _ := orderedTo(t, a, b); to != free {
+			t.Fatalf("dial went to %s, which is at its limit", to)
+		}
+		d.cancel()
+		d.wait()
+	}
+}
+
+func TestLimitsCountPerAgent(t *testing.T) {
+	// One agent's dials do not count against another's limit, even for
+	// another cluster.
+	r := New()
+	r.Limits = Limits{MaxPendingPerAgent: 1}
+	a := newTestAgent(t, "a", "/agent/a", "root")
+	b := newTestAgent(t, "b", "/agent/b", "other")
+	r.Register(a)
+	r.Register(b)
+	startDial(t, r, target("root"))
+	nextOrder(t, a)
+
+	startDial(t, r, target("other"))
+	nextOrder(t, b)
+}
+
+func TestZeroLimitsBoundNothing(t *testing.T) {
+	r := New()
+	a := newTestAgent(t, "a", "/agent/a", "root")
+	r.Register(a)
+	for range 3 {
+		d := startDial(t, r, target("root"))
+		o := nextOrder(t, a)
+		if _, err := r.Claim(o.GetDialId(), a.ID, newFakeTunnelStream()); err != nil {
+			t.Fatalf("claim: %v", err)
+		}
+		if d.wait().err != nil {
+			t.Fatalf("dial: %v", d.wait().err)
+		}
+	}
+	for range 3 {
+		startDial(t, r, target("root"))
+		nextOrder(t, a)
+	}
+	if n := a.Tunnels(); n != 3 {
+		t.Errorf("agent carries %d tunnels, want 3", n)
+	}
+}

@@ -1,0 +1,121 @@
+package registry
+
+import (
+	"context"
+	"errors"
+	"testing"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
+
+// A tunnel's end: the dial that splices it finishes it, and the agent's
+// Tunnel RPC, waiting in Wait, returns with that status.
+
+// claimedTunnel is a tunnel through a, as a dial gets it.
+func claimedTunnel(t *testing.T, r *Registry, a *Agent) *Tunnel {
+	t.Helper()
+	d := startDial(t, r, target("root"))
+	o := nextOrder(t, a)
+	if _, err := r.Claim(o.GetDialId(), a.ID, newFakeTunnelStream()); err != nil {
+		t.Fatalf("claim: %v", err)
+	}
+	out := d.wait()
+	if out.err != nil {
+		t.Fatalf("dial: %v", out.err)
+	}
+	return out.tunnel
+}
+
+func TestFinishEndsTheTunnelWithItsStatus(t *testing.T) {
+	r := New()
+	a := newTestAgent(t, "a", "/agent/a", "root")
+	r.Register(a)
+	tun := claimedTunnel(t, r, a)
+
+	tun.Finish(status.Error(codes.Aborted, "the agent's leg failed"))
+	checkStatus(t, "Wait", waitFinished(t, tun), codes.Aborted, "the agent's leg failed")
+}
+
+func TestCleanFinishEndsTheTunnelWithNoError(t *testing.T) {
+	r := New()
+	a := newTestAgent(t, "a", "/agent/a", "root")
+	r.Register(a)
+	tun := claimedTunnel(t, r, a)
+
+	tun.Finish(nil)
+	if err := waitFinished(t, tun); err != nil {
+		t.Errorf("Wait: %v, want nil", err)
+	}
+}
+
+func TestOnlyTheFirstFinishCounts(t *testing.T) {
+	r := New()
+	a := newTestAgent(t, "a", "/agent/a", "root")
+	r.Register(a)
+	tun := claimedTunnel(t, r, a)
+
+	tun.Finish(nil)
+	tun.Finish(status.Error(codes.Canceled, "caller went away"))
+	if err := waitFinished(t, tun); err != nil {
+		t.Errorf("Wait: %v, want the first Finish's nil", err)
+	}
+	if n := a.Tunnels(); n != 0 {
+		t.Errorf("agent carries %d tunnels after finishing its only one twice, want 0", n)
+	}
+}
+
+func TestWaitEndsWhenTheAgentsStreamEnds(t *testing.T) {
+	r := New()
+	a := newTestAgent(t, "a", "/agent/a", "root")
+	r.Register(a)
+	tun := claimedTunnel(t, r, a)
+	defer tun.Finish(nil)
+
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	if err := tun.Wait(ctx); !errors.Is(err, context.Canceled) {
+		t.Errorf("Wait with an ended stream context: %v, want context.Canceled", err)
+	}
+}
+
+func TestTunnelsAreCountedPerAgentUntilFinished(t *testing.T) {
+	r := New()
+	a := newTestAgent(t, "a", "/agent/a", "root")
+	b := newTestAgent(t, "b", "/agent/b", "other")
+	r.Register(a)
+	r.Register(b)
+	first := claimedTunnel(t, r, a)
+	second := claimedTunnel(t, r, a)
+	if n, m := a.Tunnels(), b.Tunnels(); n != 2 || m != 0 {
+		t.Fatalf("agents carry %d and %d tunnels, want 2 and 0", n, m)
+	}
+	first.Finish(nil)
+	if n := a.Tunnels(); n != 1 {
+		t.Errorf("agent carries %d tunnels after one of two finished, want 1", n)
+	}
+	second.Finish(nil)
+	if n := a.Tunnels(); n != 0 {
+		t.Errorf("agent carries %d tunnels after both finished, want 0", n)
+	}
+}
+
+func TestTunnelsOutliveTheirAgentsRegistration(t *testing.T) {
+	// An established tunnel has streams of its own: the agent's Connect
+	// ending does not end it.
+	r := New()
+	a := newTestAgent(t, "a", "/agent/a", "root")
+	r.Register(a)
+	tun := claimedTunnel(t, r, a)
+
+	r.Unregister(a)
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	if err := tun.Wait(ctx); !errors.Is(err, context.Canceled) {
+		t.Errorf("the tunnel ended with %v when its agent unregistered", err)
+	}
+	if n := a.Tunnels(); n != 1 {
+		t.Errorf("agent carries %d tunnels, want 1", n)
+	}
+	tun.Finish(nil)
+}
