@@ -1,0 +1,151 @@
+package dial
+
+import (
+	"fmt"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+)
+
+func TestDialRefusesAFirstMessageThatIsNotATarget(t *testing.T) {
+	b := startBroker(t, config{})
+	b.connectAgent(t, "a", "root")
+
+	t.Run("data first", func(t *testing.T) {
+		ctx, _ := streamContext(t)
+		stream, err := tunnelv1.NewDialServiceClient(b.conn(t, kcpPath)).Dial(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := stream.Send(dataUp([]byte("x"))); err != nil {
+			t.Fatal(err)
+		}
+		_, err = stream.Recv()
+		checkStatus(t, "Dial", err, codes.InvalidArgument, "the first message of a dial must name a target")
+	})
+	t.Run("closed before a message", func(t *testing.T) {
+		ctx, _ := streamContext(t)
+		stream, err := tunnelv1.NewDialServiceClient(b.conn(t, kcpPath)).Dial(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := stream.CloseSend(); err != nil {
+			t.Fatal(err)
+		}
+		_, err = stream.Recv()
+		checkStatus(t, "Dial", err, codes.InvalidArgument, "stream closed before naming a target")
+	})
+}
+
+func TestDialRefusesInvalidTargets(t *testing.T) {
+	b := startBroker(t, config{})
+	// An agent that serves everything: a refusal can only be the target's.
+	b.connectAgent(t, "a", "root", "system:admin")
+	for _, tc := range []struct {
+		name    string
+		target  *tunnelv1.Target
+		message string
+	}{
+		{"cluster path", &tunnelv1.Target{Cluster: "root:org", Namespace: "default", Service: "webhook", Port: 443}, `logical cluster "root:org" is not a valid logical cluster name`},
+		{"empty cluster", &tunnelv1.Target{Namespace: "default", Service: "webhook", Port: 443}, `logical cluster "" is not a valid`},
+		{"upper-case namespace", &tunnelv1.Target{Cluster: "root", Namespace: "Default", Service: "webhook", Port: 443}, `namespace "Default" is not a DNS-1123 label`},
+		{"service starting with a digit", &tunnelv1.Target{Cluster: "root", Namespace: "default", Service: "1webhook", Port: 443}, `service "1webhook" is not a DNS-1035 label`},
+		{"port zero", &tunnelv1.Target{Cluster: "root", Namespace: "default", Service: "webhook"}, "port 0 is outside 1-65535"},
+		{"port too large", &tunnelv1.Target{Cluster: "root", Namespace: "default", Service: "webhook", Port: 65536}, "port 65536 is outside 1-65535"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			checkStatus(t, "Dial", b.dialStatus(t, kcpPath, tc.target), codes.InvalidArgument, tc.message)
+		})
+	}
+}
+
+func TestDialRefusesCallersOutsideTheirClusters(t *testing.T) {
+	b := startBroker(t, config{})
+	a := b.connectAgent(t, "a", "root", "team-a")
+
+	checkStatus(t, "shard dialing root", b.dialStatus(t, shardPath, target("root")),
+		codes.PermissionDenied, `spiffe://example.org/shard may not dial logical cluster "root"`)
+	// An ID with no caller rule at all.
+	checkStatus(t, "agent dialing", b.dialStatus(t, agentPath, target("team-a")),
+		codes.PermissionDenied, `spiffe://example.org/agent may not dial logical cluster "team-a"`)
+
+	// The same caller reaches the cluster it is allowed.
+	tn := a.establishAs(t, shardPath, target("team-a"))
+	tn.up("allowed")
+}
+
+func TestDialWithoutAnAgentForTheClusterIsUnavailable(t *testing.T) {
+	b := startBroker(t, config{})
+	b.connectAgent(t, "a", "team-a")
+	checkStatus(t, "Dial", b.dialStatus(t, kcpPath, target("root")), codes.Unavailable, `no agent serves logical cluster "root"`)
+}
+
+func TestDialOrdersTheAgentAndEstablishes(t *testing.T) {
+	const timeout = 10 * time.Second
+	b := startBroker(t, config{timeout: timeout})
+	a := b.connectAgent(t, "a", "root")
+
+	stream, _ := b.startDial(t, kcpPath, target("root"))
+	// The caller may send data before established; the broker keeps it
+	// for the agent.
+	if err := stream.Send(dataUp([]byte("early"))); err != nil {
+		t.Fatal(err)
+	}
+	order := a.order(t, target("root"))
+	if ms := order.GetTimeoutMs(); ms == 0 || ms > uint32(timeout.Milliseconds()) {
+		t.Errorf("order's timeout_ms is %d, want in (0, %d]", ms, timeout.Milliseconds())
+	}
+	tun, _ := a.open(t, order.GetDialId())
+	msg, err := stream.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, want := msg.GetEstablished().GetTunnelId(), fmt.Sprintf("%016x", order.GetDialId()); got != want {
+		t.Errorf("established %v, want tunnel id %q", msg, want)
+	}
+	if n := b.registry.Agents()[0].Tunnels(); n != 1 {
+		t.Errorf("the agent carries %d tunnels, want 1", n)
+	}
+	got, err := tun.Recv()
+	if err != nil || string(got.GetData()) != "early" {
+		t.Fatalf("agent got %v, %v; want the data sent before established", got, err)
+	}
+}
+
+func TestDialTimesOutWhenTheAgentDoesNotOpen(t *testing.T) {
+	b := startBroker(t, config{timeout: 200 * time.Millisecond})
+	a := b.connectAgent(t, "silent", "root")
+	stream, _ := b.startDial(t, kcpPath, target("root"))
+	a.order(t, target("root")) // and never opened
+	_, err := stream.Recv()
+	checkStatus(t, "Dial", err, codes.DeadlineExceeded, "did not connect in time")
+}
+
+func TestDialWhileDrainingIsUnavailable(t *testing.T) {
+	b := startBroker(t, config{})
+	b.connectAgent(t, "a", "root")
+	b.drain()
+	checkStatus(t, "Dial", b.dialStatus(t, kcpPath, target("root")), codes.Unavailable, "this broker replica is shutting down: dial another")
+}
+
+func TestDialLimitsTunnelsPerCaller(t *testing.T) {
+	b := startBroker(t, config{maxTunnelsPerCaller: 1})
+	a := b.connectAgent(t, "a", "root", "team-a")
+
+	first := a.establish(t, target("root"))
+	checkStatus(t, "second dial", b.dialStatus(t, kcpPath, target("root")),
+		codes.ResourceExhausted, "spiffe://example.org/kcp already holds 1 tunnels, the most a caller may")
+
+	// The limit is per caller: another one still dials.
+	other := a.establishAs(t, shardPath, target("team-a"))
+	other.up("other caller")
+
+	// A tunnel that ended no longer counts. (It ends cleanly, so that the
+	// caller sees its status only once the broker's handler has returned.)
+	first.closeBoth()
+	again := a.establish(t, target("root"))
+	again.up("again")
+}

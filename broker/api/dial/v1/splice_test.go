@@ -1,0 +1,249 @@
+package dial
+
+import (
+	"bytes"
+	"context"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/mem"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+)
+
+func TestTunnelCarriesBytesBothWays(t *testing.T) {
+	b := startBroker(t, config{})
+	a := b.connectAgent(t, "a", "root")
+	tn := a.establish(t, target("root"))
+
+	tn.up("ping")
+	tn.down("pong")
+	// Frames as large as the agent and kcpplugin send, each passed on whole
+	// and in order.
+	for i := range 8 {
+		frame := bytes.Repeat([]byte{byte('a' + i)}, 32<<10-16)
+		tn.up(string(frame))
+		tn.down(string(frame))
+	}
+	tn.closeBoth()
+	if n := b.registry.Agents()[0].Tunnels(); n != 0 {
+		t.Errorf("the agent carries %d tunnels after the end, want 0", n)
+	}
+	if n := b.dial.Active(); n != 0 {
+		t.Errorf("%d tunnels active after the end, want 0", n)
+	}
+}
+
+func TestTunnelHalfClosesEachWayAlone(t *testing.T) {
+	b := startBroker(t, config{})
+	a := b.connectAgent(t, "a", "root")
+
+	t.Run("caller first", func(t *testing.T) {
+		tn := a.establish(t, target("root"))
+		tn.closeWriteUp()
+		// The other direction still carries data.
+		tn.down("after the caller's half-close")
+		tn.down("and more")
+		tn.closeWriteDown()
+		if err := tn.callerEnd(); err != nil {
+			t.Errorf("caller's status: %v, want OK", err)
+		}
+		if err := tn.agentEnd(); err != nil {
+			t.Errorf("agent's status: %v, want OK", err)
+		}
+	})
+	t.Run("agent first", func(t *testing.T) {
+		tn := a.establish(t, target("root"))
+		tn.closeWriteDown()
+		tn.up("after the agent's half-close")
+		tn.up("and more")
+		tn.closeWriteUp()
+		if err := tn.agentEnd(); err != nil {
+			t.Errorf("agent's status: %v, want OK", err)
+		}
+		if err := tn.callerEnd(); err != nil {
+			t.Errorf("caller's status: %v, want OK", err)
+		}
+	})
+}
+
+func TestTunnelLostOnTheAgentsSideIsUnavailableToTheCaller(t *testing.T) {
+	b := startBroker(t, config{})
+	a := b.connectAgent(t, "a", "root")
+
+	t.Run("agent cancels", func(t *testing.T) {
+		tn := a.establish(t, target("root"))
+		tn.up("x")
+		tn.cancelAgent()
+		checkStatus(t, "caller", tn.callerEnd(), codes.Unavailable, "tunnel lost on the agent's side")
+		if n := b.registry.Agents()[0].Tunnels(); n != 0 {
+			t.Errorf("the agent carries %d tunnels after the end, want 0", n)
+		}
+	})
+	t.Run("agent breaks the protocol", func(t *testing.T) {
+		tn := a.establish(t, target("root"))
+		again := &tunnelv1.TunnelRequest{Frame: &tunnelv1.TunnelRequest_Open{Open: &tunnelv1.TunnelOpen{DialId: 1}}}
+		if err := tn.agent.Send(again); err != nil {
+			t.Fatal(err)
+		}
+		checkStatus(t, "caller", tn.callerEnd(), codes.Unavailable, "protocol error: after opening, an agent may only send non-empty data")
+		checkStatus(t, "agent", tn.agentEnd(), codes.Aborted, "tunnel aborted: protocol error")
+	})
+}
+
+func TestCallerGoingAwayEndsTheAgentsTunnel(t *testing.T) {
+	b := startBroker(t, config{})
+	a := b.connectAgent(t, "a", "root")
+	tn := a.establish(t, target("root"))
+	tn.down("x")
+	tn.cancelCaller()
+	checkStatus(t, "agent", tn.agentEnd(), codes.Canceled, "caller went away")
+}
+
+func TestCallerBreakingTheProtocolAfterTheTarget(t *testing.T) {
+	b := startBroker(t, config{})
+	a := b.connectAgent(t, "a", "root")
+	for _, tc := range []struct {
+		name string
+		msg  *tunnelv1.DialRequest
+	}{
+		{"a second target", &tunnelv1.DialRequest{Frame: &tunnelv1.DialRequest_Target{Target: target("root")}}},
+		{"empty data", dataUp([]byte{})},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			tn := a.establish(t, target("root"))
+			tn.up("fine so far")
+			if err := tn.caller.Send(tc.msg); err != nil {
+				t.Fatal(err)
+			}
+			checkStatus(t, "caller", tn.callerEnd(), codes.InvalidArgument, "protocol error: after the target, a caller may only send non-empty data")
+			checkStatus(t, "agent", tn.agentEnd(), codes.Canceled, "caller broke the protocol")
+		})
+	}
+}
+
+func TestIdleTunnelEndsWithDeadlineExceededOnBothLegs(t *testing.T) {
+	b := startBroker(t, config{idleTimeout: 200 * time.Millisecond})
+	a := b.connectAgent(t, "a", "root")
+	tn := a.establish(t, target("root"))
+	tn.up("x")
+	tn.down("y")
+	// Then nothing: the broker ends it.
+	checkStatus(t, "caller", tn.callerEnd(), codes.DeadlineExceeded, "tunnel carried nothing for 200ms")
+	checkStatus(t, "agent", tn.agentEnd(), codes.DeadlineExceeded, "tunnel carried nothing for 200ms")
+}
+
+func TestStoppingEndsTunnelsWithUnavailable(t *testing.T) {
+	b := startBroker(t, config{})
+	a := b.connectAgent(t, "a", "root")
+	tn := a.establish(t, target("root"))
+	tn.up("x")
+	b.drain()
+	// Draining alone leaves tunnels in flight alone.
+	tn.down("still flowing while draining")
+	b.stop()
+	checkStatus(t, "caller", tn.callerEnd(), codes.Unavailable, "the broker is shutting down and its grace period is over")
+	checkStatus(t, "agent", tn.agentEnd(), codes.Unavailable, "the broker is shutting down")
+}
+
+// leg is one side of a splice without gRPC under it, for what a real stream
+// cannot be made to do on cue: block in Send until its own context ends, as
+// a gRPC stream does whose peer does not read. RecvMsg returns the frames
+// queued on frames, then blocks likewise.
+type leg struct {
+	grpc.ServerStream // not used: calling any other method panics
+	ctx               context.Context
+	cancel            context.CancelFunc
+	frames            chan []byte
+	sending           chan struct{} // gets a value as each SendMsg blocks
+}
+
+func newLeg(t *testing.T) *leg {
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	return &leg{ctx: ctx, cancel: cancel, frames: make(chan []byte, 1), sending: make(chan struct{}, 1)}
+}
+
+func (l *leg) Context() context.Context { return l.ctx }
+
+func (l *leg) RecvMsg(m any) error {
+	select {
+	case p := <-l.frames:
+		enc, err := proto.Marshal(dataUp(p)) // the same bytes on either leg
+		if err != nil {
+			return err
+		}
+		return tunnelv1.FrameCodec().Unmarshal(mem.BufferSlice{mem.SliceBuffer(enc)}, m)
+	case <-l.ctx.Done():
+		return status.FromContextError(l.ctx.Err()).Err()
+	}
+}
+
+func (l *leg) SendMsg(any) error {
+	select {
+	case l.sending <- struct{}{}:
+	default:
+	}
+	<-l.ctx.Done()
+	return status.FromContextError(l.ctx.Err()).Err()
+}
+
+func (l *leg) Recv() (*tunnelv1.DialRequest, error) { panic("not used by splice") }
+
+func (l *leg) Send(*tunnelv1.DialResponse) error { return l.SendMsg(nil) }
+
+// agentLeg is a leg as the agent's Tunnel stream.
+type agentLeg struct{ *leg }
+
+func (l agentLeg) Recv() (*tunnelv1.TunnelRequest, error) { panic("not used by splice") }
+func (l agentLeg) Send(*tunnelv1.TunnelResponse) error    { return l.SendMsg(nil) }
+
+type statuses struct{ caller, agent error }
+
+func startSplice(sp splicer, caller *leg, agent *leg) <-chan statuses {
+	done := make(chan statuses, 1)
+	go func() {
+		c, a := sp.splice(caller, agentLeg{agent})
+		done <- statuses{c, a}
+	}()
+	return done
+}
+
+func waitSplice(t *testing.T, done <-chan statuses) statuses {
+	t.Helper()
+	select {
+	case s := <-done:
+		return s
+	case <-time.After(waitLong):
+		t.Fatal("the splice did not end")
+		return statuses{}
+	}
+}
+
+func TestSpliceEndsWhenTheCallerGoesAwayWhileSendingToTheAgent(t *testing.T) {
+	caller, agent := newLeg(t), newLeg(t)
+	caller.frames <- []byte("the agent does not read this")
+	done := startSplice(splicer{}, caller, agent)
+	<-agent.sending // blocked in Send to the agent; and receiving from it
+	caller.cancel()
+	got := waitSplice(t, done)
+	checkStatus(t, "caller", got.caller, codes.Canceled, "caller went away")
+	checkStatus(t, "agent", got.agent, codes.Canceled, "caller went away")
+	agent.cancel() // as the agent's handler does once the tunnel is finished
+}
+
+func TestSpliceEndsWhenTheAgentGoesAwayWhileSendingToTheCaller(t *testing.T) {
+	caller, agent := newLeg(t), newLeg(t)
+	agent.frames <- []byte("the caller does not read this")
+	done := startSplice(splicer{}, caller, agent)
+	<-caller.sending
+	agent.cancel()
+	got := waitSplice(t, done)
+	checkStatus(t, "caller", got.caller, codes.Unavailable, "tunnel lost on the agent's side")
+	checkStatus(t, "agent", got.agent, codes.Aborted, "tunnel aborted")
+	caller.cancel()
+}
