@@ -1,0 +1,316 @@
+package agent
+
+import (
+	"errors"
+	"io"
+	"slices"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
+)
+
+func TestRegisterCarriesResolverClustersAndAgentName(t *testing.T) {
+	p := newPKI(t)
+	b := startBroker(t, p)
+	r, err := lookup.NewStatic(lookup.StaticFile{Services: []lookup.StaticService{
+		{Cluster: "root", Namespace: "default", Name: "webhook", Ports: map[string]string{"443": "127.0.0.1:1"}},
+		{Cluster: "1x2y3z4w5v6u7t8s", Namespace: "default", Name: "webhook", Ports: map[string]string{"443": "127.0.0.1:1"}},
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := newAgent(t, p, b, r)
+	a.Name = "us-east-1"
+	registered := make(chan string, 4)
+	a.Registered = func(brokerID string) { registered <- brokerID }
+	run(t, a)
+
+	s := b.nextSession(t)
+	if got, want := s.register.GetClusters(), r.Clusters(); !slices.Equal(got, want) {
+		t.Errorf("register clusters %v, want the resolver's %v", got, want)
+	}
+	if got := s.register.GetAgentName(); got != "us-east-1" {
+		t.Errorf("register agent_name %q, want %q", got, "us-east-1")
+	}
+	if s.peer != p.agentID {
+		t.Errorf("broker saw peer %q, want the agent's SVID %q", s.peer, p.agentID)
+	}
+	if got := wait(t, registered, "the Registered callback"); got != b.id {
+		t.Errorf("Registered(%q), want the broker's id %q", got, b.id)
+	}
+	if !a.IsRegistered() {
+		t.Error("IsRegistered is false after the broker confirmed the registration")
+	}
+}
+
+func TestAgentReconnectsAfterBrokerEndsControlStream(t *testing.T) {
+	for name, end := range map[string]error{
+		"with OK":          nil,
+		"with Unavailable": status.Error(codes.Unavailable, "broker is shutting down"),
+	} {
+		t.Run(name, func(t *testing.T) {
+			p := newPKI(t)
+			b := startBroker(t, p)
+			a := newAgent(t, p, b, staticResolver(t, "127.0.0.1:1"))
+			registered := make(chan string, 4)
+			a.Registered = func(brokerID string) { registered <- brokerID }
+			run(t, a)
+
+			first := b.nextSession(t)
+			wait(t, registered, "the first registration")
+			first.finish(end)
+			first.ended(t)
+
+			second := b.nextSession(t)
+			if got := second.register.GetClusters(); !slices.Equal(got, []string{testCluster}) {
+				t.Errorf("register again with clusters %v, want [%s]", got, testCluster)
+			}
+			wait(t, registered, "the second registration")
+
+			// The new session serves orders.
+			second.order(t, &tunnelv1.DialOrder{DialId: 3, Target: &tunnelv1.Target{Cluster: "root:org"}})
+			if f := second.failure(t); f.GetDialId() != 3 {
+				t.Errorf("dial_failure for dial %d, want 3", f.GetDialId())
+			}
+		})
+	}
+}
+
+func TestAgentRetriesRefusedRegistration(t *testing.T) {
+	p := newPKI(t)
+	b := startBroker(t, p)
+	b.refusals <- status.Error(codes.PermissionDenied, "not yet")
+	a := newAgent(t, p, b, staticResolver(t, "127.0.0.1:1"))
+	registered := make(chan string, 4)
+	a.Registered = func(brokerID string) { registered <- brokerID }
+	run(t, a)
+
+	s := b.nextSession(t)
+	if len(b.refusals) != 0 {
+		t.Error("the agent registered without being refused first")
+	}
+	if s.register.GetAgentName() != "test-agent" {
+		t.Errorf("register agent_name %q", s.register.GetAgentName())
+	}
+	wait(t, registered, "the registration")
+	// A probe's echo comes after the session's Registered call: by then
+	// every call there was to be has been made.
+	s.send(t, &tunnelv1.ConnectResponse{Message: &tunnelv1.ConnectResponse_Probe{Probe: &tunnelv1.Probe{Sequence: 1}}})
+	s.next(t)
+	if n := len(registered); n != 0 {
+		t.Errorf("Registered called %d more times, want once: a refused attempt is no registration", n)
+	}
+}
+
+func TestAgentEchoesProbes(t *testing.T) {
+	p := newPKI(t)
+	b := startBroker(t, p)
+	run(t, newAgent(t, p, b, staticResolver(t, "127.0.0.1:1")))
+	s := b.nextSession(t)
+
+	for _, seq := range []uint64{1, 42, 1 << 60} {
+		s.send(t, &tunnelv1.ConnectResponse{Message: &tunnelv1.ConnectResponse_Probe{Probe: &tunnelv1.Probe{Sequence: seq}}})
+		m := s.next(t)
+		if m.GetProbe() == nil || m.GetProbe().GetSequence() != seq {
+			t.Errorf("agent answered probe %d with %v", seq, m)
+		}
+	}
+}
+
+func TestAgentKeepsServingOrdersAfterBrokerDrain(t *testing.T) {
+	// A draining broker still routes its dials in flight: the agent keeps
+	// serving orders on the session.
+	p := newPKI(t)
+	b := startBroker(t, p)
+	run(t, newAgent(t, p, b, staticResolver(t, refusedAddr(t))))
+	s := b.nextSession(t)
+
+	s.send(t, &tunnelv1.ConnectResponse{Message: &tunnelv1.ConnectResponse_Drain{Drain: &tunnelv1.Drain{GraceMs: 1000}}})
+	s.order(t, dialOrder(4))
+	f := s.failure(t)
+	if f.GetDialId() != 4 || codes.Code(f.GetCode()) != codes.Unavailable || f.GetMessage() == shuttingDown {
+		t.Errorf("dial_failure{%d, %v, %q}, want the target's refusal", f.GetDialId(), codes.Code(f.GetCode()), f.GetMessage())
+	}
+}
+
+const shuttingDown = "the agent is shutting down"
+
+// watchedResolver is a resolver whose clusters change.
+type watchedResolver struct {
+	funcResolver
+	mu      sync.Mutex
+	current []string
+	changes chan struct{}
+}
+
+func (r *watchedResolver) Clusters() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Clone(r.current)
+}
+
+func (r *watchedResolver) ClustersChanged() <-chan struct{} { return r.changes }
+
+func (r *watchedResolver) set(clusters ...string) {
+	r.mu.Lock()
+	r.current = clusters
+	r.mu.Unlock()
+	select {
+	case r.changes <- struct{}{}:
+	default:
+	}
+}
+
+func TestAgentReRegistersWhenClustersChange(t *testing.T) {
+	p := newPKI(t)
+	b := startBroker(t, p)
+	r := &watchedResolver{current: []string{"root"}, changes: make(chan struct{}, 1)}
+	run(t, newAgent(t, p, b, r))
+	s := b.nextSession(t)
+	if got := s.register.GetClusters(); !slices.Equal(got, []string{"root"}) {
+		t.Fatalf("first register clusters %v", got)
+	}
+
+	r.set("root", "team-a")
+	m := s.next(t)
+	reg := m.GetRegister()
+	if reg == nil {
+		t.Fatalf("agent sent %T after its clusters changed, want register", m.GetMessage())
+	}
+	if !slices.Equal(reg.GetClusters(), []string{"root", "team-a"}) || reg.GetAgentName() != "test-agent" {
+		t.Errorf("register{%v, %q}, want {[root team-a], test-agent}", reg.GetClusters(), reg.GetAgentName())
+	}
+}
+
+func TestTunnelsOutliveLostControlStream(t *testing.T) {
+	p := newPKI(t)
+	b := startBroker(t, p)
+	tg := listenTarget(t)
+	run(t, newAgent(t, p, b, staticResolver(t, tg.addr())))
+	s := b.nextSession(t)
+	s.order(t, dialOrder(5))
+	conn := tg.accept(t)
+	tu := b.nextTunnel(t)
+
+	s.finish(status.Error(codes.Unavailable, "control stream lost"))
+	s.ended(t)
+	b.nextSession(t) // the agent noticed, and registered again
+
+	if err := tu.send([]byte("still")); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, len("still"))
+	if _, err := io.ReadFull(conn, got); err != nil || string(got) != "still" {
+		t.Fatalf("target read %q, %v", got, err)
+	}
+	if _, err := conn.Write([]byte("here")); err != nil {
+		t.Fatal(err)
+	}
+	if back, err := tu.recvN(len("here")); err != nil || string(back) != "here" {
+		t.Fatalf("broker read %q, %v", back, err)
+	}
+}
+
+// stopAsync calls stop in the background; the channel closes when it returns.
+func stopAsync(stop func()) <-chan struct{} {
+	stopped := make(chan struct{})
+	go func() {
+		defer close(stopped)
+		stop()
+	}()
+	return stopped
+}
+
+func TestDrainRefusesNewOrdersAndWaitsForTunnelsInFlight(t *testing.T) {
+	p := newPKI(t)
+	b := startBroker(t, p)
+	tg := listenTarget(t)
+	a := newAgent(t, p, b, staticResolver(t, tg.addr()))
+	a.Grace = time.Minute // longer than waitLong: Run must not wait it out
+	stop := run(t, a)
+	s := b.nextSession(t)
+	s.order(t, dialOrder(1))
+	conn := tg.accept(t)
+	tu := b.nextTunnel(t)
+
+	stopped := stopAsync(stop)
+	m := s.next(t)
+	if m.GetDrain() == nil {
+		t.Fatalf("agent sent %T when its context ended, want drain", m.GetMessage())
+	}
+	if got := m.GetDrain().GetGraceMs(); got != 60000 {
+		t.Errorf("drain grace_ms %d, want 60000", got)
+	}
+
+	s.order(t, dialOrder(2))
+	f := s.failure(t)
+	if f.GetDialId() != 2 || codes.Code(f.GetCode()) != codes.Unavailable || f.GetMessage() != shuttingDown {
+		t.Errorf("dial_failure{%d, %v, %q}, want {2, Unavailable, %q}", f.GetDialId(), codes.Code(f.GetCode()), f.GetMessage(), shuttingDown)
+	}
+	tg.noConnection(t)
+	b.noTunnel(t)
+
+	// The tunnel in flight still carries bytes, and Run waits for it.
+	if err := tu.send([]byte("in flight")); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, len("in flight"))
+	if _, err := io.ReadFull(conn, got); err != nil || string(got) != "in flight" {
+		t.Fatalf("target read %q, %v", got, err)
+	}
+	select {
+	case <-stopped:
+		t.Fatal("Run returned while a tunnel was in flight and its grace period ran")
+	default:
+	}
+
+	// Once the tunnel ends cleanly, Run returns without waiting out the grace.
+	if err := tu.closeWrite(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadAll(conn); err != nil {
+		t.Fatal(err)
+	}
+	if err := conn.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tu.recvAll(); err != nil {
+		t.Fatal(err)
+	}
+	tu.finish(nil)
+	wait(t, stopped, "Run to return after its last tunnel ended")
+	s.ended(t)
+}
+
+func TestDrainEndsTunnelsAfterGrace(t *testing.T) {
+	p := newPKI(t)
+	b := startBroker(t, p)
+	tg := listenTarget(t)
+	a := newAgent(t, p, b, staticResolver(t, tg.addr()))
+	a.Grace = 50 * time.Millisecond
+	stop := run(t, a)
+	s := b.nextSession(t)
+	s.order(t, dialOrder(1))
+	conn := tg.accept(t)
+	tu := b.nextTunnel(t)
+
+	// Neither end closes the tunnel.
+	stopped := stopAsync(stop)
+	select {
+	case <-tu.stream.Context().Done():
+	case <-time.After(waitLong):
+		t.Fatal("the tunnel did not end after the grace period")
+	}
+	if _, err := conn.Read(make([]byte, 1)); !errors.Is(err, syscall.ECONNRESET) {
+		t.Errorf("target read after the grace period: %v, want a connection reset", err)
+	}
+	wait(t, stopped, "Run to return")
+	s.ended(t)
+}

@@ -1,0 +1,564 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
+	"go.uber.org/goleak"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/status"
+
+	"github.com/kcp-dev/tunnel-broker/internal/devca"
+	"github.com/kcp-dev/tunnel-broker/internal/identity"
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
+)
+
+// This file holds the fake broker replica the agents under test register
+// with, and small helpers. The fake is a real gRPC server on loopback with
+// SPIFFE mTLS from a throwaway CA; it hands each Connect and Tunnel stream
+// to the test, which plays the broker's side of the protocol.
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// waitLong bounds every "this eventually happens" in the tests. It is far
+// above anything a healthy run needs, so hitting it means a hang.
+const waitLong = 20 * time.Second
+
+// The target the tests dial unless they test the target itself.
+const (
+	testCluster   = "root"
+	testNamespace = "default"
+	testService   = "webhook"
+	testPort      = 443
+)
+
+func testTarget() *tunnelv1.Target {
+	return &tunnelv1.Target{Cluster: testCluster, Namespace: testNamespace, Service: testService, Port: testPort}
+}
+
+// pki is one trust domain with an SVID for the broker and one for the agent.
+type pki struct {
+	broker, agent *identity.FileSource
+	agentID       spiffeid.ID
+}
+
+const trustDomain = "example.org"
+
+func newPKI(t *testing.T) *pki {
+	t.Helper()
+	ca, err := devca.New("test CA", trustDomain)
+	if err != nil {
+		t.Fatal(err)
+	}
+	load := func(path string) *identity.FileSource {
+		f, err := ca.WriteSVID(filepath.Join(t.TempDir(), path), devca.Leaf{SPIFFEID: path})
+		if err != nil {
+			t.Fatal(err)
+		}
+		src, err := identity.LoadFiles(identity.Files{Cert: f.Cert, Key: f.Key, Bundle: f.Bundle}, slog.New(slog.DiscardHandler))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return src
+	}
+	return &pki{
+		broker:  load("/broker"),
+		agent:   load("/agent"),
+		agentID: spiffeid.RequireFromString("spiffe://" + trustDomain + "/agent"),
+	}
+}
+
+// agentCredentials are what the agent binary uses: mTLS to exactly the
+// broker's SPIFFE ID.
+func (p *pki) agentCredentials() credentials.TransportCredentials {
+	return identity.ClientCredentials(p.agent, tlsconfig.AuthorizeID(spiffeid.RequireFromString("spiffe://"+trustDomain+"/broker")))
+}
+
+// fakeBroker is one broker replica.
+type fakeBroker struct {
+	tunnelv1.UnimplementedAgentServiceServer
+	addr string
+	id   string // the broker_id it sends in Registered
+	// sessions receives each registered Connect stream, tunnels each
+	// opened Tunnel stream.
+	sessions chan *session
+	tunnels  chan *tunnel
+	// refusals, when it holds an error, ends the next Connect with it
+	// instead of registered.
+	refusals chan error
+	readers  sync.WaitGroup
+}
+
+// startBroker serves a fake broker on a loopback port until the test ends.
+func startBroker(t *testing.T, p *pki) *fakeBroker {
+	t.Helper()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := &fakeBroker{
+		addr:     lis.Addr().String(),
+		id:       "broker-" + lis.Addr().String(),
+		sessions: make(chan *session, 16),
+		tunnels:  make(chan *tunnel, 16),
+		refusals: make(chan error, 4),
+	}
+	srv := grpc.NewServer(grpc.Creds(identity.ServerCredentials(p.broker, tlsconfig.AuthorizeMemberOf(spiffeid.RequireTrustDomainFromString(trustDomain)))))
+	tunnelv1.RegisterAgentServiceServer(srv, b)
+	served := make(chan struct{})
+	go func() {
+		defer close(served)
+		_ = srv.Serve(lis)
+	}()
+	t.Cleanup(func() {
+		srv.Stop()
+		<-served
+		b.readers.Wait()
+	})
+	return b
+}
+
+// session is the broker's side of one registered control stream.
+type session struct {
+	peer     spiffeid.ID
+	register *tunnelv1.Register
+	stream   tunnelv1.AgentService_ConnectServer
+	// msgs carries what the agent sends after its first register; it is
+	// closed when the agent's side of the stream ends.
+	msgs chan *tunnelv1.ConnectRequest
+	end  chan error
+}
+
+func (b *fakeBroker) Connect(stream tunnelv1.AgentService_ConnectServer) error {
+	peer, _ := identity.PeerID(stream.Context())
+	first, err := stream.Recv()
+	if err != nil {
+		return err
+	}
+	if first.GetRegister() == nil {
+		return status.Error(codes.InvalidArgument, "the first message must be register")
+	}
+	select {
+	case err := <-b.refusals:
+		return err
+	default:
+	}
+	if err := stream.Send(&tunnelv1.ConnectResponse{Message: &tunnelv1.ConnectResponse_Registered{
+		Registered: &tunnelv1.Registered{BrokerId: b.id}}}); err != nil {
+		return err
+	}
+	s := &session{peer: peer, register: first.GetRegister(), stream: stream,
+		msgs: make(chan *tunnelv1.ConnectRequest, 64), end: make(chan error, 1)}
+	ctx := stream.Context()
+	b.readers.Add(1)
+	go func() {
+		defer b.readers.Done()
+		defer close(s.msgs)
+		for {
+			m, err := stream.Recv()
+			if err != nil {
+				return
+			}
+			select {
+			case s.msgs <- m:
+			case <-ctx.Done():
+				return
+			}
+		}
+	}()
+	select {
+	case b.sessions <- s:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	select {
+	case err := <-s.end:
+		return err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// finish ends the Connect RPC with err's status (nil: OK).
+func (s *session) finish(err error) { s.end <- err }
+
+func (s *session) send(t *testing.T, m *tunnelv1.ConnectResponse) {
+	t.Helper()
+	if err := s.stream.Send(m); err != nil {
+		t.Fatalf("sending %T on the control stream: %v", m.GetMessage(), err)
+	}
+}
+
+func (s *session) order(t *testing.T, o *tunnelv1.DialOrder) {
+	t.Helper()
+	s.send(t, &tunnelv1.ConnectResponse{Message: &tunnelv1.ConnectResponse_DialOrder{DialOrder: o}})
+}
+
+// next returns the agent's next message on the control stream.
+func (s *session) next(t *testing.T) *tunnelv1.ConnectRequest {
+	t.Helper()
+	select {
+	case m, ok := <-s.msgs:
+		if !ok {
+			t.Fatal("the agent ended the control stream, want another message")
+		}
+		return m
+	case <-time.After(waitLong):
+		t.Fatal("no message from the agent on the control stream")
+	}
+	return nil
+}
+
+// failure returns the agent's next message, which must be a dial_failure.
+func (s *session) failure(t *testing.T) *tunnelv1.DialFailure {
+	t.Helper()
+	m := s.next(t)
+	f := m.GetDialFailure()
+	if f == nil {
+		t.Fatalf("agent sent %T on the control stream, want a dial_failure", m.GetMessage())
+	}
+	return f
+}
+
+// ended waits until the agent's side of the control stream has ended.
+func (s *session) ended(t *testing.T) {
+	t.Helper()
+	deadline := time.After(waitLong)
+	for {
+		select {
+		case _, ok := <-s.msgs:
+			if !ok {
+				return
+			}
+		case <-deadline:
+			t.Fatal("the agent did not end its control stream")
+		}
+	}
+}
+
+// tunnel is the broker's side of one Tunnel stream, after its open.
+type tunnel struct {
+	open   *tunnelv1.TunnelOpen
+	stream tunnelv1.AgentService_TunnelServer
+	end    chan error
+	// A reader receives from the stream, so that the test's reads can
+	// give up: received carries each message; readErr is the error that
+	// ended the stream, set before readDone closes.
+	received chan *tunnelv1.TunnelRequest
+	readErr  error
+	readDone chan struct{}
+}
+
+func (b *fakeBroker) Tunnel(stream tunnelv1.AgentService_TunnelServer) error {
+	first, err := stream.Recv()
+	if err != nil {
+		return err
+	}
+	if first.GetOpen() == nil {
+		return status.Error(codes.InvalidArgument, "the first message must be open")
+	}
+	tu := &tunnel{open: first.GetOpen(), stream: stream, end: make(chan error, 1),
+		received: make(chan *tunnelv1.TunnelRequest), readDone: make(chan struct{})}
+	ctx := stream.Context()
+	b.readers.Add(1)
+	go func() {
+		defer b.readers.Done()
+		defer close(tu.readDone)
+		for {
+			m, err := stream.Recv()
+			if err != nil {
+				tu.readErr = err
+				return
+			}
+			select {
+			case tu.received <- m:
+			case <-ctx.Done():
+				tu.readErr = ctx.Err()
+				return
+			}
+		}
+	}()
+	select {
+	case b.tunnels <- tu:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	select {
+	case err := <-tu.end:
+		return err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// finish ends the Tunnel RPC with err's status (nil: OK).
+func (tu *tunnel) finish(err error) { tu.end <- err }
+
+// send sends b as one data frame.
+func (tu *tunnel) send(b []byte) error {
+	return tu.stream.Send(&tunnelv1.TunnelResponse{Frame: &tunnelv1.TunnelResponse_Data{Data: b}})
+}
+
+// closeWrite half-closes the broker-to-agent direction.
+func (tu *tunnel) closeWrite() error {
+	return tu.stream.Send(&tunnelv1.TunnelResponse{Frame: &tunnelv1.TunnelResponse_CloseWrite{CloseWrite: &tunnelv1.CloseWrite{}}})
+}
+
+// recv returns the next data frame, io.EOF once the agent half-closed, or an
+// error for anything else, including a frame that breaks the protocol.
+func (tu *tunnel) recv() ([]byte, error) {
+	var msg *tunnelv1.TunnelRequest
+	select {
+	case msg = <-tu.received:
+	case <-tu.readDone:
+		return nil, tu.readErr
+	case <-time.After(waitLong):
+		return nil, errors.New("timed out waiting for the agent to send on the tunnel")
+	}
+	data := msg.GetData()
+	if len(data) == 0 {
+		return nil, fmt.Errorf("protocol error: agent sent %T, want non-empty data", msg.GetFrame())
+	}
+	if len(data) > copyBufferSize {
+		return nil, fmt.Errorf("agent sent a frame of %d bytes, more than %d", len(data), copyBufferSize)
+	}
+	return data, nil
+}
+
+// recvAll returns the bytes the agent sends until it half-closes.
+func (tu *tunnel) recvAll() ([]byte, error) {
+	var all []byte
+	for {
+		data, err := tu.recv()
+		if errors.Is(err, io.EOF) {
+			return all, nil
+		}
+		if err != nil {
+			return all, err
+		}
+		all = append(all, data...)
+	}
+}
+
+// recvN returns the next n bytes the agent sends.
+func (tu *tunnel) recvN(n int) ([]byte, error) {
+	var all []byte
+	for len(all) < n {
+		data, err := tu.recv()
+		if err != nil {
+			return all, err
+		}
+		all = append(all, data...)
+	}
+	if len(all) > n {
+		return all, fmt.Errorf("agent sent %d bytes, want %d", len(all), n)
+	}
+	return all, nil
+}
+
+// nextSession waits for the agent's next registered control stream.
+func (b *fakeBroker) nextSession(t *testing.T) *session {
+	t.Helper()
+	return wait(t, b.sessions, "a registration with broker "+b.addr)
+}
+
+// nextTunnel waits for the agent's next Tunnel stream.
+func (b *fakeBroker) nextTunnel(t *testing.T) *tunnel {
+	t.Helper()
+	return wait(t, b.tunnels, "a Tunnel stream")
+}
+
+// noTunnel checks that no Tunnel stream has been opened so far.
+func (b *fakeBroker) noTunnel(t *testing.T) {
+	t.Helper()
+	select {
+	case tu := <-b.tunnels:
+		t.Errorf("agent opened a Tunnel for dial %d, want none", tu.open.GetDialId())
+	default:
+	}
+}
+
+// wait returns the next value from c, failing the test after waitLong.
+func wait[T any](t *testing.T, c <-chan T, what string) T {
+	t.Helper()
+	select {
+	case v := <-c:
+		return v
+	case <-time.After(waitLong):
+		t.Fatalf("timed out waiting for %s", what)
+	}
+	var zero T
+	return zero
+}
+
+// newAgent makes an agent of broker b that resolves with r. Its grace is
+// short, so that a test that leaves a tunnel open still ends soon.
+func newAgent(t *testing.T, p *pki, b *fakeBroker, r lookup.Resolver) *Agent {
+	return &Agent{
+		Broker:      b.addr,
+		Credentials: p.agentCredentials(),
+		Name:        "test-agent",
+		Resolver:    r,
+		Grace:       50 * time.Millisecond,
+		Log:         slog.New(slog.NewTextHandler(t.Output(), nil)),
+	}
+}
+
+// run runs a until the returned stop is called or the test ends. stop
+// waits for Run to return.
+func run(t *testing.T, a *Agent) (stop func()) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- a.Run(ctx) }()
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			cancel()
+			select {
+			case err := <-done:
+				if err != nil {
+					t.Errorf("Run: %v", err)
+				}
+			case <-time.After(waitLong):
+				t.Error("Run did not return after its context ended")
+			}
+		})
+	}
+	t.Cleanup(stop)
+	return stop
+}
+
+// staticResolver resolves the test target to addr.
+func staticResolver(t *testing.T, addr string) *lookup.Static {
+	t.Helper()
+	r, err := lookup.NewStatic(lookup.StaticFile{Services: []lookup.StaticService{{
+		Cluster: testCluster, Namespace: testNamespace, Name: testService,
+		Ports: map[string]string{fmt.Sprint(testPort): addr},
+	}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
+// funcResolver resolves with a function and records the targets asked for.
+type funcResolver struct {
+	clusters []string
+	resolve  func(ctx context.Context, t *tunnelv1.Target) ([]string, error)
+
+	mu    sync.Mutex
+	asked []*tunnelv1.Target
+}
+
+func (r *funcResolver) Clusters() []string { return r.clusters }
+
+func (r *funcResolver) Resolve(ctx context.Context, t *tunnelv1.Target) ([]string, error) {
+	r.mu.Lock()
+	r.asked = append(r.asked, t)
+	r.mu.Unlock()
+	return r.resolve(ctx, t)
+}
+
+func (r *funcResolver) targetsAsked() []*tunnelv1.Target {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]*tunnelv1.Target(nil), r.asked...)
+}
+
+// target is a TCP server standing for a webhook pod.
+type target struct {
+	lis *net.TCPListener
+}
+
+func listenTarget(t *testing.T) *target {
+	t.Helper()
+	lis, err := net.ListenTCP("tcp", &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = lis.Close() })
+	return &target{lis: lis}
+}
+
+func (tg *target) addr() string { return tg.lis.Addr().String() }
+
+// accept returns the next connection the agent made to the target.
+func (tg *target) accept(t *testing.T) *net.TCPConn {
+	t.Helper()
+	if err := tg.lis.SetDeadline(time.Now().Add(waitLong)); err != nil {
+		t.Fatal(err)
+	}
+	c, err := tg.lis.AcceptTCP()
+	if err != nil {
+		t.Fatalf("the agent did not connect to the target: %v", err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	if err := c.SetDeadline(time.Now().Add(waitLong)); err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// noConnection checks that nobody has connected to the target so far. A
+// connect the agent made has completed before it opens a Tunnel or reports
+// a failure, so it is in the accept queue by then.
+func (tg *target) noConnection(t *testing.T) {
+	t.Helper()
+	if err := tg.lis.SetDeadline(time.Now()); err != nil {
+		t.Fatal(err)
+	}
+	if c, err := tg.lis.Accept(); err == nil {
+		c.Close()
+		t.Errorf("the agent connected to %s, which its resolver did not return", tg.addr())
+	}
+}
+
+// refusedAddr is a loopback address where nothing listens.
+func refusedAddr(t *testing.T) string {
+	t.Helper()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := lis.Addr().String()
+	lis.Close()
+	return addr
+}
+
+// dialOrder is an order for the test target.
+func dialOrder(id uint64) *tunnelv1.DialOrder {
+	return &tunnelv1.DialOrder{DialId: id, Target: testTarget(), TimeoutMs: uint32(waitLong.Milliseconds())}
+}
+
+// established runs an agent of a fresh broker that resolves the test target
+// to a fresh target server, orders dial id 1, and returns the tunnel's three
+// ends.
+func established(t *testing.T) (*session, *tunnel, *net.TCPConn) {
+	t.Helper()
+	p := newPKI(t)
+	b := startBroker(t, p)
+	tg := listenTarget(t)
+	run(t, newAgent(t, p, b, staticResolver(t, tg.addr())))
+	s := b.nextSession(t)
+	s.order(t, dialOrder(1))
+	conn := tg.accept(t)
+	tu := b.nextTunnel(t)
+	if got := tu.open.GetDialId(); got != 1 {
+		t.Fatalf("Tunnel opened for dial %d, want 1", got)
+	}
+	return s, tu, conn
+}

@@ -1,0 +1,411 @@
+package agent
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"errors"
+	"io"
+	"slices"
+	"strings"
+	"syscall"
+	"testing"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+)
+
+func randomBytes(t *testing.T, n int) []byte {
+	t.Helper()
+	b := make([]byte, n)
+	if _, err := rand.Read(b); err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func TestDialOrderOpensTunnelAndCarriesBytesBothWays(t *testing.T) {
+	_, tu, conn := established(t)
+
+	// Both directions at once, each larger than a frame and than a TLS
+	// record, so that neither waits for the other to be read.
+	up, down := randomBytes(t, 300<<10), randomBytes(t, 300<<10)
+	targetGot := make(chan []byte, 1)
+	targetErr := make(chan error, 2)
+	go func() {
+		b := make([]byte, len(up))
+		_, err := io.ReadFull(conn, b)
+		targetErr <- err
+		targetGot <- b
+	}()
+	go func() {
+		_, err := conn.Write(down)
+		targetErr <- err
+	}()
+	brokerGot := make(chan []byte, 1)
+	brokerErr := make(chan error, 1)
+	go func() {
+		b, err := tu.recvN(len(down))
+		brokerErr <- err
+		brokerGot <- b
+	}()
+	for chunk := range slices.Chunk(up, 16<<10) {
+		if err := tu.send(chunk); err != nil {
+			t.Fatalf("broker send: %v", err)
+		}
+	}
+
+	for range 2 {
+		if err := wait(t, targetErr, "the target's read and write"); err != nil {
+			t.Fatalf("target: %v", err)
+		}
+	}
+	if got := wait(t, targetGot, "the target's bytes"); !bytes.Equal(got, up) {
+		t.Error("the target did not receive the bytes the broker sent")
+	}
+	if err := wait(t, brokerErr, "the broker's read"); err != nil {
+		t.Fatalf("broker: %v", err)
+	}
+	if got := wait(t, brokerGot, "the broker's bytes"); !bytes.Equal(got, down) {
+		t.Error("the broker did not receive the bytes the target sent")
+	}
+}
+
+func TestBrokerHalfCloseReachesTargetAsEOF(t *testing.T) {
+	_, tu, conn := established(t)
+
+	if err := tu.send([]byte("request")); err != nil {
+		t.Fatal(err)
+	}
+	if err := tu.closeWrite(); err != nil {
+		t.Fatal(err)
+	}
+	got, err := io.ReadAll(conn)
+	if err != nil {
+		t.Fatalf("target read: %v", err)
+	}
+	if string(got) != "request" {
+		t.Errorf("target read %q before EOF, want %q", got, "request")
+	}
+
+	// The other direction stays open: the target answers after the EOF.
+	if _, err := conn.Write([]byte("response")); err != nil {
+		t.Fatal(err)
+	}
+	if err := conn.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	back, err := tu.recvAll()
+	if err != nil {
+		t.Fatalf("broker read: %v", err)
+	}
+	if string(back) != "response" {
+		t.Errorf("broker read %q before EOF, want %q", back, "response")
+	}
+	tu.finish(nil)
+}
+
+func TestTargetHalfCloseReachesBrokerAsEOF(t *testing.T) {
+	_, tu, conn := established(t)
+
+	if _, err := conn.Write([]byte("banner")); err != nil {
+		t.Fatal(err)
+	}
+	if err := conn.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	got, err := tu.recvAll()
+	if err != nil {
+		t.Fatalf("broker read: %v", err)
+	}
+	if string(got) != "banner" {
+		t.Errorf("broker read %q before EOF, want %q", got, "banner")
+	}
+
+	// The other direction stays open: the broker still reaches the target.
+	if err := tu.send([]byte("late")); err != nil {
+		t.Fatal(err)
+	}
+	if err := tu.closeWrite(); err != nil {
+		t.Fatal(err)
+	}
+	back, err := io.ReadAll(conn)
+	if err != nil {
+		t.Fatalf("target read: %v", err)
+	}
+	if string(back) != "late" {
+		t.Errorf("target read %q before EOF, want %q", back, "late")
+	}
+	tu.finish(nil)
+}
+
+func TestTunnelEndedByBrokerAbortsTarget(t *testing.T) {
+	s, tu, conn := established(t)
+
+	tu.finish(status.Error(codes.NotFound, "no pending dial"))
+	// The agent resets the target connection rather than closing it
+	// gracefully: the target must not take a truncated request for a
+	// complete one.
+	_, err := conn.Read(make([]byte, 1))
+	if !errors.Is(err, syscall.ECONNRESET) {
+		t.Errorf("target read after the broker ended the tunnel: %v, want a connection reset", err)
+	}
+	// The tunnel failed before any byte: the agent also fails the dial, in
+	// case the broker had not read the open yet.
+	f := s.failure(t)
+	if f.GetDialId() != 1 || codes.Code(f.GetCode()) != codes.Unavailable {
+		t.Errorf("dial_failure{%d, %v}, want {1, Unavailable}", f.GetDialId(), codes.Code(f.GetCode()))
+	}
+}
+
+func TestTargetResetCancelsTunnel(t *testing.T) {
+	_, tu, conn := established(t)
+
+	if err := conn.SetLinger(0); err != nil {
+		t.Fatal(err)
+	}
+	conn.Close()
+	for {
+		_, err := tu.recv()
+		if err == nil {
+			continue
+		}
+		if errors.Is(err, io.EOF) {
+			t.Fatal("the agent half-closed the tunnel after the target reset, want it cancelled")
+		}
+		break
+	}
+	select {
+	case <-tu.stream.Context().Done():
+	case <-waitCtx(t).Done():
+		t.Fatal("the Tunnel stream did not end after the target reset")
+	}
+}
+
+func TestBrokerProtocolErrorAbortsTarget(t *testing.T) {
+	_, tu, conn := established(t)
+
+	// A response with no frame: neither data nor close_write.
+	if err := tu.stream.Send(&tunnelv1.TunnelResponse{}); err != nil {
+		t.Fatal(err)
+	}
+	_, err := conn.Read(make([]byte, 1))
+	if !errors.Is(err, syscall.ECONNRESET) {
+		t.Errorf("target read after a protocol error: %v, want a connection reset", err)
+	}
+	select {
+	case <-tu.stream.Context().Done():
+	case <-waitCtx(t).Done():
+		t.Fatal("the agent did not end the Tunnel stream after a protocol error")
+	}
+}
+
+func waitCtx(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), waitLong)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func TestRefusedTargetIsReportedUnavailable(t *testing.T) {
+	p := newPKI(t)
+	b := startBroker(t, p)
+	run(t, newAgent(t, p, b, staticResolver(t, refusedAddr(t))))
+	s := b.nextSession(t)
+
+	s.order(t, dialOrder(7))
+	f := s.failure(t)
+	if f.GetDialId() != 7 {
+		t.Errorf("dial_failure for dial %d, want 7", f.GetDialId())
+	}
+	if codes.Code(f.GetCode()) != codes.Unavailable {
+		t.Errorf("code %v, want Unavailable", codes.Code(f.GetCode()))
+	}
+	if want := "default/webhook:443"; !strings.Contains(f.GetMessage(), want) {
+		t.Errorf("message %q does not name %s", f.GetMessage(), want)
+	}
+	b.noTunnel(t)
+}
+
+func TestServiceWithoutEndpointsIsReportedUnavailable(t *testing.T) {
+	p := newPKI(t)
+	b := startBroker(t, p)
+	r := &funcResolver{clusters: []string{testCluster}, resolve: func(context.Context, *tunnelv1.Target) ([]string, error) {
+		return nil, nil
+	}}
+	run(t, newAgent(t, p, b, r))
+	s := b.nextSession(t)
+
+	s.order(t, dialOrder(8))
+	f := s.failure(t)
+	if f.GetDialId() != 8 || codes.Code(f.GetCode()) != codes.Unavailable {
+		t.Errorf("dial_failure{%d, %v}, want {8, Unavailable}", f.GetDialId(), codes.Code(f.GetCode()))
+	}
+	if want := "default/webhook"; !strings.Contains(f.GetMessage(), want) {
+		t.Errorf("message %q does not name %s", f.GetMessage(), want)
+	}
+	b.noTunnel(t)
+}
+
+func TestResolverErrorIsReportedWithItsCode(t *testing.T) {
+	for _, code := range []codes.Code{codes.NotFound, codes.PermissionDenied, codes.FailedPrecondition} {
+		t.Run(code.String(), func(t *testing.T) {
+			p := newPKI(t)
+			b := startBroker(t, p)
+			msg := "resolver says " + code.String()
+			r := &funcResolver{clusters: []string{testCluster}, resolve: func(context.Context, *tunnelv1.Target) ([]string, error) {
+				return nil, status.Error(code, msg)
+			}}
+			run(t, newAgent(t, p, b, r))
+			s := b.nextSession(t)
+
+			s.order(t, dialOrder(9))
+			f := s.failure(t)
+			if f.GetDialId() != 9 || codes.Code(f.GetCode()) != code || f.GetMessage() != msg {
+				t.Errorf("dial_failure{%d, %v, %q}, want {9, %v, %q}", f.GetDialId(), codes.Code(f.GetCode()), f.GetMessage(), code, msg)
+			}
+			b.noTunnel(t)
+		})
+	}
+}
+
+func TestUnknownServiceOfStaticResolverIsNotFound(t *testing.T) {
+	p := newPKI(t)
+	b := startBroker(t, p)
+	tg := listenTarget(t)
+	run(t, newAgent(t, p, b, staticResolver(t, tg.addr())))
+	s := b.nextSession(t)
+
+	o := dialOrder(10)
+	o.Target.Service = "other"
+	s.order(t, o)
+	f := s.failure(t)
+	if f.GetDialId() != 10 || codes.Code(f.GetCode()) != codes.NotFound {
+		t.Errorf("dial_failure{%d, %v}, want {10, NotFound}", f.GetDialId(), codes.Code(f.GetCode()))
+	}
+	tg.noConnection(t)
+	b.noTunnel(t)
+}
+
+func TestInvalidTargetIsRefusedBeforeResolving(t *testing.T) {
+	for name, mutate := range map[string]func(*tunnelv1.Target){
+		"cluster path":      func(t *tunnelv1.Target) { t.Cluster = "root:org" },
+		"namespace":         func(t *tunnelv1.Target) { t.Namespace = "Default" },
+		"service":           func(t *tunnelv1.Target) { t.Service = "1webhook" },
+		"port zero":         func(t *tunnelv1.Target) { t.Port = 0 },
+		"port out of range": func(t *tunnelv1.Target) { t.Port = 70000 },
+		"no target":         nil,
+	} {
+		t.Run(name, func(t *testing.T) {
+			p := newPKI(t)
+			b := startBroker(t, p)
+			r := &funcResolver{clusters: []string{testCluster}, resolve: func(context.Context, *tunnelv1.Target) ([]string, error) {
+				return nil, errors.New("the resolver must not be asked")
+			}}
+			run(t, newAgent(t, p, b, r))
+			s := b.nextSession(t)
+
+			o := dialOrder(11)
+			if mutate == nil {
+				o.Target = nil
+			} else {
+				mutate(o.Target)
+			}
+			s.order(t, o)
+			f := s.failure(t)
+			if f.GetDialId() != 11 || codes.Code(f.GetCode()) != codes.InvalidArgument {
+				t.Errorf("dial_failure{%d, %v, %q}, want {11, InvalidArgument}", f.GetDialId(), codes.Code(f.GetCode()), f.GetMessage())
+			}
+			if asked := r.targetsAsked(); len(asked) != 0 {
+				t.Errorf("the resolver was asked for %v", asked)
+			}
+			b.noTunnel(t)
+		})
+	}
+}
+
+func TestAgentDialsOnlyWhatTheResolverReturns(t *testing.T) {
+	p := newPKI(t)
+	b := startBroker(t, p)
+	good, decoy := listenTarget(t), listenTarget(t)
+	refused := refusedAddr(t)
+	r := &funcResolver{clusters: []string{testCluster}, resolve: func(context.Context, *tunnelv1.Target) ([]string, error) {
+		// Best first: the first refuses, the second accepts.
+		return []string{refused, good.addr()}, nil
+	}}
+	run(t, newAgent(t, p, b, r))
+	s := b.nextSession(t)
+
+	s.order(t, dialOrder(12))
+	conn := good.accept(t)
+	tu := b.nextTunnel(t)
+	if tu.open.GetDialId() != 12 {
+		t.Errorf("Tunnel opened for dial %d, want 12", tu.open.GetDialId())
+	}
+	decoy.noConnection(t)
+	asked := r.targetsAsked()
+	if len(asked) != 1 || !proto.Equal(asked[0], testTarget()) {
+		t.Errorf("the resolver was asked for %v, want exactly the ordered target", asked)
+	}
+
+	// And the tunnel leads to the address the resolver returned.
+	if _, err := conn.Write([]byte("from good")); err != nil {
+		t.Fatal(err)
+	}
+	got, err := tu.recvN(len("from good"))
+	if err != nil || string(got) != "from good" {
+		t.Errorf("broker read %q, %v", got, err)
+	}
+}
+
+func TestEveryAddressRefusedIsUnavailableNamingThemAll(t *testing.T) {
+	p := newPKI(t)
+	b := startBroker(t, p)
+	first, second := refusedAddr(t), refusedAddr(t)
+	r := &funcResolver{clusters: []string{testCluster}, resolve: func(context.Context, *tunnelv1.Target) ([]string, error) {
+		return []string{first, second}, nil
+	}}
+	run(t, newAgent(t, p, b, r))
+	s := b.nextSession(t)
+
+	s.order(t, dialOrder(13))
+	f := s.failure(t)
+	if codes.Code(f.GetCode()) != codes.Unavailable {
+		t.Errorf("code %v, want Unavailable", codes.Code(f.GetCode()))
+	}
+	for _, addr := range []string{first, second} {
+		if !strings.Contains(f.GetMessage(), addr) {
+			t.Errorf("message %q does not name %s: was it tried?", f.GetMessage(), addr)
+		}
+	}
+	b.noTunnel(t)
+}
+
+func TestResolvingPastTheOrderTimeoutIsDeadlineExceeded(t *testing.T) {
+	p := newPKI(t)
+	b := startBroker(t, p)
+	tg := listenTarget(t)
+	// A resolver that answers only when the order's time is up, with an
+	// address that would accept.
+	r := &funcResolver{clusters: []string{testCluster}, resolve: func(ctx context.Context, _ *tunnelv1.Target) ([]string, error) {
+		<-ctx.Done()
+		return []string{tg.addr()}, nil
+	}}
+	run(t, newAgent(t, p, b, r))
+	s := b.nextSession(t)
+
+	o := dialOrder(14)
+	o.TimeoutMs = 20
+	s.order(t, o)
+	f := s.failure(t)
+	if f.GetDialId() != 14 || codes.Code(f.GetCode()) != codes.DeadlineExceeded {
+		t.Errorf("dial_failure{%d, %v, %q}, want {14, DeadlineExceeded}", f.GetDialId(), codes.Code(f.GetCode()), f.GetMessage())
+	}
+	if want := "default/webhook:443"; !strings.Contains(f.GetMessage(), want) {
+		t.Errorf("message %q does not name %s", f.GetMessage(), want)
+	}
+	tg.noConnection(t)
+	b.noTunnel(t)
+}
