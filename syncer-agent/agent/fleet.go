@@ -29,7 +29,7 @@ type Fleet struct {
 
 	mu      sync.Mutex
 	members map[string]*member
-	leaving []*member // drained, awaited when the fleet ends
+	leaving []*member // draining, awaited when the fleet ends
 }
 
 type member struct {
@@ -123,6 +123,8 @@ func (f *Fleet) update(ctx context.Context, addrs []string) {
 			f.leaving = append(f.leaving, m)
 		}
 	}
+	// Forget those that have left, or they pile up with every rollout.
+	f.leaving = slices.DeleteFunc(f.leaving, func(m *member) bool { return isClosed(m.done) })
 	for _, addr := range addrs {
 		if _, ok := f.members[addr]; ok {
 			continue

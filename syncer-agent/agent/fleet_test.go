@@ -245,3 +245,32 @@ func TestFleetDrainsEveryAgentWhenItEnds(t *testing.T) {
 		t.Error("Ready after the fleet ended")
 	}
 }
+
+func TestFleetForgetsReplicasOnceTheyHaveLeft(t *testing.T) {
+	// A long-lived agent sees broker replicas come and go with every
+	// rollout: those that have left must not pile up.
+	h := newFleet(t, nil, true, "10.0.0.1:8443", "10.0.0.2:8443")
+	h.run()
+	h.answer([]string{"10.0.0.1", "10.0.0.2"}, nil)
+	h.session("10.0.0.1:8443")
+	h.session("10.0.0.2:8443")
+
+	h.answer([]string{"10.0.0.1"}, nil)
+	h.parked()
+	h.fleet.mu.Lock()
+	leaving := slices.Clone(h.fleet.leaving)
+	h.fleet.mu.Unlock()
+	if len(leaving) != 1 {
+		t.Fatalf("%d agents leaving, want 1", len(leaving))
+	}
+	wait(t, leaving[0].done, "the agent of the vanished replica to end")
+
+	h.answer([]string{"10.0.0.1"}, nil)
+	h.parked()
+	h.fleet.mu.Lock()
+	n := len(h.fleet.leaving)
+	h.fleet.mu.Unlock()
+	if n != 0 {
+		t.Errorf("the fleet still holds %d agents that have left", n)
+	}
+}
