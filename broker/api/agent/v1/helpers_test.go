@@ -4,207 +4,79 @@ import (
 	"context"
 	"errors"
 	"io"
-	"log/slog"
-	"net"
-	"strings"
-	"sync"
 	"testing"
 	"time"
 
-	"github.com/spiffe/go-spiffe/v2/bundle/x509bundle"
-	"github.com/spiffe/go-spiffe/v2/spiffeid"
-	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
-	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
 	"go.uber.org/goleak"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
 	dialv1 "github.com/kcp-dev/tunnel-broker/broker/api/dial/v1"
+	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
-	"github.com/kcp-dev/tunnel-broker/internal/devca"
-	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
-// This file holds the broker the tests connect to: a real gRPC server on
-// loopback with SPIFFE mTLS from a throwaway CA, serving the AgentService
-// under test and the DialService that makes its dials. The tests play the
-// agent and kcp by hand with the generated clients.
+// This file holds the broker the tests connect to: brokertest's real gRPC
+// server on loopback with SPIFFE mTLS from a throwaway CA, serving the
+// AgentService under test and the DialService that makes its dials. The tests
+// play the agent and kcp by hand with the generated clients.
 
 func TestMain(m *testing.M) {
 	goleak.VerifyTestMain(m)
 }
 
-// waitLong bounds every wait for something that should happen. A healthy run
-// needs a tiny fraction of it; reaching it means a hang.
-const waitLong = 20 * time.Second
-
-const trustDomain = "example.org"
-
-// The identities the tests use, as paths in trustDomain.
+// The identities the tests use, as paths in brokertest.TrustDomain.
 const (
-	brokerPath = "/broker"
-	kcpPath    = "/kcp"     // may dial any cluster
-	agentA     = "/agent-a" // may serve root and team-a
-	agentB     = "/agent-b" // may serve root
+	kcpPath = "/kcp"     // may dial any cluster
+	agentA  = "/agent-a" // may serve root and team-a
+	agentB  = "/agent-b" // may serve root
 )
 
-func spiffeID(path string) spiffeid.ID {
-	return spiffeid.RequireFromPath(spiffeid.RequireTrustDomainFromString(trustDomain), path)
-}
-
-func testPolicy(t *testing.T) *policy.Policy {
-	t.Helper()
-	p, err := policy.New(policy.File{
-		Agents: []policy.AgentRule{
-			{ID: spiffeID(agentA).String(), Clusters: []string{"root", "team-a"}},
-			{ID: spiffeID(agentB).String(), Clusters: []string{"root"}},
-		},
-		Callers: []policy.CallerRule{{ID: spiffeID(kcpPath).String()}},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return p
-}
-
-// svidSource is an SVID and its trust domain's bundle, held in memory.
-type svidSource struct {
-	svid   *x509svid.SVID
-	bundle *x509bundle.Bundle
-}
-
-func (s svidSource) GetX509SVID() (*x509svid.SVID, error) { return s.svid, nil }
-
-func (s svidSource) GetX509BundleForTrustDomain(td spiffeid.TrustDomain) (*x509bundle.Bundle, error) {
-	return s.bundle.GetX509BundleForTrustDomain(td)
-}
-
-func newSource(t *testing.T, ca *devca.CA, path string) svidSource {
-	t.Helper()
-	issued, err := ca.Issue(devca.Leaf{SPIFFEID: path})
-	if err != nil {
-		t.Fatal(err)
-	}
-	svid, err := x509svid.Parse(issued.CertPEM, issued.KeyPEM)
-	if err != nil {
-		t.Fatal(err)
-	}
-	bundle, err := x509bundle.Parse(spiffeid.RequireTrustDomainFromString(trustDomain), ca.BundlePEM())
-	if err != nil {
-		t.Fatal(err)
-	}
-	return svidSource{svid: svid, bundle: bundle}
+var testPolicy = policy.File{
+	Agents: []policy.AgentRule{
+		{ID: brokertest.ID(agentA).String(), Clusters: []string{"root", "team-a"}},
+		{ID: brokertest.ID(agentB).String(), Clusters: []string{"root"}},
+	},
+	Callers: []policy.CallerRule{{ID: brokertest.ID(kcpPath).String()}},
 }
 
 // config is what a test changes in the broker.
 type config struct {
 	probeEvery  time.Duration // default: an hour, so no probes
-	dialTimeout time.Duration // default: waitLong
+	dialTimeout time.Duration // default: brokertest.WaitLong
 	grace       time.Duration
 }
 
 const brokerID = "test-broker"
 
-// broker is one broker under test and the clients that talk to it.
+// broker is one broker under test, serving the AgentService under test and
+// the DialService that makes its dials.
 type broker struct {
-	t        *testing.T
-	ca       *devca.CA
-	addr     string
-	registry *registry.Registry
-
-	draining, stopping  chan struct{}
-	drainOnce, stopOnce sync.Once
-
-	mu    sync.Mutex
-	conns map[string]*grpc.ClientConn
+	*brokertest.Server
 }
 
 func startBroker(t *testing.T, cfg config) *broker {
 	t.Helper()
-	ca, err := devca.New("test", trustDomain)
-	if err != nil {
-		t.Fatal(err)
-	}
 	if cfg.probeEvery == 0 {
 		cfg.probeEvery = time.Hour
 	}
 	if cfg.dialTimeout == 0 {
-		cfg.dialTimeout = waitLong
+		cfg.dialTimeout = brokertest.WaitLong
 	}
-	b := &broker{
-		t: t, ca: ca,
-		registry: registry.New(),
-		draining: make(chan struct{}),
-		stopping: make(chan struct{}),
-		conns:    map[string]*grpc.ClientConn{},
-	}
-	pol := testPolicy(t)
-	log := slog.New(slog.DiscardHandler)
-	srv := grpc.NewServer(
-		grpc.Creds(identity.ServerCredentials(newSource(t, ca, brokerPath), tlsconfig.AuthorizeAny())),
-		tunnelv1.FrameServerOption(),
-		// Stop returns once every handler has: nothing outlives the test.
-		grpc.WaitForHandlers(true),
-	)
-	(&Service{
-		Registry: b.registry, Policy: pol, BrokerID: brokerID,
-		Draining: b.draining, Stopping: b.stopping, Grace: cfg.grace,
-		ProbeEvery: cfg.probeEvery, Log: log,
-	}).Register(srv)
-	(&dialv1.Service{
-		Registry: b.registry, Policy: pol, Timeout: cfg.dialTimeout,
-		Draining: b.draining, Stopping: b.stopping, Log: log,
-	}).Register(srv)
-
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	b.addr = lis.Addr().String()
-	served := make(chan struct{})
-	go func() {
-		defer close(served)
-		_ = srv.Serve(lis)
-	}()
-	t.Cleanup(func() {
-		srv.Stop()
-		<-served
-	})
-	return b
-}
-
-func (b *broker) drain() { b.drainOnce.Do(func() { close(b.draining) }) }
-func (b *broker) stop()  { b.stopOnce.Do(func() { close(b.stopping) }) }
-
-// conn is a client connection to the broker as the identity path. It lasts
-// as long as the broker.
-func (b *broker) conn(t *testing.T, path string) *grpc.ClientConn {
-	t.Helper()
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if cc, ok := b.conns[path]; ok {
-		return cc
-	}
-	creds := identity.ClientCredentials(newSource(t, b.ca, path), tlsconfig.AuthorizeID(spiffeID(brokerPath)))
-	cc, err := grpc.NewClient("passthrough:///"+b.addr, grpc.WithTransportCredentials(creds))
-	if err != nil {
-		t.Fatal(err)
-	}
-	b.t.Cleanup(func() { _ = cc.Close() })
-	b.conns[path] = cc
-	return cc
-}
-
-// streamContext bounds a client stream: a test that waits on a stream for
-// something that never comes fails instead of hanging.
-func streamContext(t *testing.T) (context.Context, context.CancelFunc) {
-	ctx, cancel := context.WithTimeout(t.Context(), waitLong)
-	t.Cleanup(cancel)
-	return ctx, cancel
+	return &broker{brokertest.Start(t, testPolicy, func(s *brokertest.Server, srv *grpc.Server) {
+		(&Service{
+			Registry: s.Registry, Policy: s.Policy, BrokerID: brokerID,
+			Draining: s.Draining, Stopping: s.Stopping, Grace: cfg.grace,
+			ProbeEvery: cfg.probeEvery, Log: s.Log,
+		}).Register(srv)
+		(&dialv1.Service{
+			Registry: s.Registry, Policy: s.Policy, Timeout: cfg.dialTimeout,
+			Draining: s.Draining, Stopping: s.Stopping, Log: s.Log,
+		}).Register(srv)
+	})}
 }
 
 func register(clusters ...string) *tunnelv1.ConnectRequest {
@@ -215,8 +87,8 @@ func register(clusters ...string) *tunnelv1.ConnectRequest {
 // status the stream ends with; any answer before it fails the test.
 func (b *broker) connectStatus(t *testing.T, path string, msgs ...*tunnelv1.ConnectRequest) error {
 	t.Helper()
-	ctx, _ := streamContext(t)
-	control, err := tunnelv1.NewAgentServiceClient(b.conn(t, path)).Connect(ctx)
+	ctx, _ := brokertest.StreamContext(t)
+	control, err := tunnelv1.NewAgentServiceClient(b.Conn(t, path)).Connect(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -250,8 +122,8 @@ type agent struct {
 // the broker's answer. The control stream lasts as long as the test t.
 func (b *broker) connectAgent(t *testing.T, path, name string, clusters ...string) *agent {
 	t.Helper()
-	ctx, cancel := streamContext(t)
-	control, err := tunnelv1.NewAgentServiceClient(b.conn(t, path)).Connect(ctx)
+	ctx, cancel := brokertest.StreamContext(t)
+	control, err := tunnelv1.NewAgentServiceClient(b.Conn(t, path)).Connect(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -302,7 +174,7 @@ func (a *agent) next(t *testing.T) *tunnelv1.ConnectResponse {
 		default:
 		}
 		t.Fatalf("%s: control stream ended: %v", a.name, a.err)
-	case <-time.After(waitLong):
+	case <-time.After(brokertest.WaitLong):
 		t.Fatalf("%s: no message from the broker", a.name)
 	}
 	return nil
@@ -339,7 +211,7 @@ func (a *agent) end(t *testing.T) error {
 	t.Helper()
 	select {
 	case <-a.done:
-	case <-time.After(waitLong):
+	case <-time.After(brokertest.WaitLong):
 		t.Fatalf("%s: control stream did not end", a.name)
 	}
 	if errors.Is(a.err, io.EOF) {
@@ -351,14 +223,7 @@ func (a *agent) end(t *testing.T) error {
 // open opens a Tunnel stream as path, for dialID.
 func (b *broker) open(t *testing.T, path string, dialID uint64) tunnelv1.AgentService_TunnelClient {
 	t.Helper()
-	ctx, _ := streamContext(t)
-	tun, err := tunnelv1.NewAgentServiceClient(b.conn(t, path)).Tunnel(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := tun.Send(&tunnelv1.TunnelRequest{Frame: &tunnelv1.TunnelRequest_Open{Open: &tunnelv1.TunnelOpen{DialId: dialID}}}); err != nil {
-		t.Fatal(err)
-	}
+	tun, _ := b.OpenTunnel(t, path, dialID)
 	return tun
 }
 
@@ -375,21 +240,10 @@ func tunnelStatus(t *testing.T, tun tunnelv1.AgentService_TunnelClient) error {
 	return err
 }
 
-func target(cluster string) *tunnelv1.Target {
-	return &tunnelv1.Target{Cluster: cluster, Namespace: "default", Service: "webhook", Port: 443}
-}
-
 // startDial opens a Dial stream as kcp and sends target.
 func (b *broker) startDial(t *testing.T, tg *tunnelv1.Target) tunnelv1.DialService_DialClient {
 	t.Helper()
-	ctx, _ := streamContext(t)
-	stream, err := tunnelv1.NewDialServiceClient(b.conn(t, kcpPath)).Dial(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := stream.Send(&tunnelv1.DialRequest{Frame: &tunnelv1.DialRequest_Target{Target: tg}}); err != nil {
-		t.Fatal(err)
-	}
+	stream, _ := b.StartDial(t, kcpPath, tg)
 	return stream
 }
 
@@ -414,7 +268,7 @@ func established(t *testing.T, stream tunnelv1.DialService_DialClient) {
 
 // registered finds the registry's entry for the agent named name.
 func (b *broker) registered(name string) *registry.Agent {
-	for _, a := range b.registry.Agents() {
+	for _, a := range b.Registry.Agents() {
 		if a.Name == name {
 			return a
 		}
@@ -422,19 +276,10 @@ func (b *broker) registered(name string) *registry.Agent {
 	return nil
 }
 
-// checkStatus checks err's code and that its message contains message.
-func checkStatus(t *testing.T, what string, err error, code codes.Code, message string) {
-	t.Helper()
-	st := status.Convert(err)
-	if err == nil || st.Code() != code || !strings.Contains(st.Message(), message) {
-		t.Errorf("%s: got %v, want %v with a message containing %q", what, err, code, message)
-	}
-}
-
-// eventually polls cond until it holds, failing the test after waitLong.
+// eventually polls cond until it holds, failing the test after brokertest.WaitLong.
 func eventually(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(waitLong)
+	deadline := time.Now().Add(brokertest.WaitLong)
 	tick := time.NewTicker(5 * time.Millisecond)
 	defer tick.Stop()
 	for !cond() {

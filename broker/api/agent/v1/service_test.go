@@ -8,6 +8,7 @@ import (
 
 	"google.golang.org/grpc/codes"
 
+	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -15,12 +16,12 @@ func TestRegisterMakesTheAgentRoutableForItsClusters(t *testing.T) {
 	b := startBroker(t, config{})
 	a := b.connectAgent(t, agentA, "a", "root", "team-a")
 
-	if got, want := b.registry.AgentsPerCluster(), map[string]int{"root": 1, "team-a": 1}; !maps.Equal(got, want) {
+	if got, want := b.Registry.AgentsPerCluster(), map[string]int{"root": 1, "team-a": 1}; !maps.Equal(got, want) {
 		t.Errorf("agents per cluster %v, want %v", got, want)
 	}
 	for _, cluster := range []string{"root", "team-a"} {
-		stream := b.startDial(t, target(cluster))
-		order := a.order(t, target(cluster))
+		stream := b.startDial(t, brokertest.Target(cluster))
+		order := a.order(t, brokertest.Target(cluster))
 		b.open(t, agentA, order.GetDialId())
 		established(t, stream)
 	}
@@ -28,12 +29,12 @@ func TestRegisterMakesTheAgentRoutableForItsClusters(t *testing.T) {
 
 func TestRegisterRefusesClustersThePolicyDoesNotGive(t *testing.T) {
 	b := startBroker(t, config{})
-	checkStatus(t, "agent-b claiming team-a", b.connectStatus(t, agentB, register("root", "team-a")),
+	brokertest.CheckStatus(t, "agent-b claiming team-a", b.connectStatus(t, agentB, register("root", "team-a")),
 		codes.PermissionDenied, `spiffe://example.org/agent-b may not serve logical cluster "team-a"`)
 	// An ID without an agent rule may serve nothing.
-	checkStatus(t, "kcp claiming root", b.connectStatus(t, kcpPath, register("root")),
+	brokertest.CheckStatus(t, "kcp claiming root", b.connectStatus(t, kcpPath, register("root")),
 		codes.PermissionDenied, `spiffe://example.org/kcp may not serve logical cluster "root"`)
-	if got := b.registry.AgentsPerCluster(); len(got) != 0 {
+	if got := b.Registry.AgentsPerCluster(); len(got) != 0 {
 		t.Errorf("refused agents are routed: %v", got)
 	}
 }
@@ -44,7 +45,7 @@ func TestRegisterRefusesInvalidClusterNames(t *testing.T) {
 		t.Run(fmt.Sprintf("%q", name), func(t *testing.T) {
 			// Names are checked before the policy: agent-a may serve
 			// root, and the valid name beside the bad one changes nothing.
-			checkStatus(t, "Connect", b.connectStatus(t, agentA, register("root", name)),
+			brokertest.CheckStatus(t, "Connect", b.connectStatus(t, agentA, register("root", name)),
 				codes.InvalidArgument, fmt.Sprintf("logical cluster %q is not a valid logical cluster name", name))
 		})
 	}
@@ -62,12 +63,12 @@ func TestConnectRefusesAFirstMessageThatIsNotARegistration(t *testing.T) {
 		{"empty", &tunnelv1.ConnectRequest{}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			checkStatus(t, "Connect", b.connectStatus(t, agentA, tc.msg),
+			brokertest.CheckStatus(t, "Connect", b.connectStatus(t, agentA, tc.msg),
 				codes.InvalidArgument, "the first message on a control stream must be a registration")
 		})
 	}
 	t.Run("closed before a message", func(t *testing.T) {
-		checkStatus(t, "Connect", b.connectStatus(t, agentA), codes.InvalidArgument, "stream closed before registering")
+		brokertest.CheckStatus(t, "Connect", b.connectStatus(t, agentA), codes.InvalidArgument, "stream closed before registering")
 	})
 }
 
@@ -75,9 +76,9 @@ func TestConnectRefusesMessagesAnAgentMayNotSend(t *testing.T) {
 	b := startBroker(t, config{})
 	a := b.connectAgent(t, agentA, "a", "root")
 	a.send(t, &tunnelv1.ConnectRequest{})
-	checkStatus(t, "Connect", a.end(t), codes.InvalidArgument, "after registering, an agent may only report dial failures or re-register")
+	brokertest.CheckStatus(t, "Connect", a.end(t), codes.InvalidArgument, "after registering, an agent may only report dial failures or re-register")
 	// The agent is no longer routed once it hears so.
-	checkStatus(t, "Dial", dialStatus(t, b.startDial(t, target("root"))), codes.Unavailable, `no agent serves logical cluster "root"`)
+	brokertest.CheckStatus(t, "Dial", dialStatus(t, b.startDial(t, brokertest.Target("root"))), codes.Unavailable, `no agent serves logical cluster "root"`)
 }
 
 func TestDialFailuresReachTheDialerWithTheAgentsCode(t *testing.T) {
@@ -100,10 +101,10 @@ func TestDialFailuresReachTheDialerWithTheAgentsCode(t *testing.T) {
 		{codes.Code(99), codes.Unavailable},
 	} {
 		t.Run(tc.reported.String(), func(t *testing.T) {
-			stream := b.startDial(t, target("root"))
-			order := a.order(t, target("root"))
+			stream := b.startDial(t, brokertest.Target("root"))
+			order := a.order(t, brokertest.Target("root"))
 			a.fail(t, order.GetDialId(), tc.reported, "no service default/webhook")
-			checkStatus(t, "Dial", dialStatus(t, stream), tc.want,
+			brokertest.CheckStatus(t, "Dial", dialStatus(t, stream), tc.want,
 				"agent a (spiffe://example.org/agent-a): no service default/webhook")
 		})
 	}
@@ -115,8 +116,8 @@ func TestDialFailuresForOtherDialsAreIgnored(t *testing.T) {
 	// The same identity on another control stream, serving nothing.
 	other := b.connectAgent(t, agentA, "other")
 
-	stream := b.startDial(t, target("root"))
-	order := a.order(t, target("root"))
+	stream := b.startDial(t, brokertest.Target("root"))
+	order := a.order(t, brokertest.Target("root"))
 	a.fail(t, order.GetDialId()+1000, codes.NotFound, "not this dial")
 	other.fail(t, order.GetDialId(), codes.NotFound, "not my dial")
 	b.open(t, agentA, order.GetDialId())
@@ -129,19 +130,19 @@ func TestReRegisterChangesRouting(t *testing.T) {
 
 	a.send(t, register("team-a"))
 	eventually(t, "the new clusters to be routed", func() bool {
-		return maps.Equal(b.registry.AgentsPerCluster(), map[string]int{"team-a": 1})
+		return maps.Equal(b.Registry.AgentsPerCluster(), map[string]int{"team-a": 1})
 	})
-	checkStatus(t, "Dial root", dialStatus(t, b.startDial(t, target("root"))), codes.Unavailable, `no agent serves logical cluster "root"`)
+	brokertest.CheckStatus(t, "Dial root", dialStatus(t, b.startDial(t, brokertest.Target("root"))), codes.Unavailable, `no agent serves logical cluster "root"`)
 	// A re-registration is not answered: the next message is the order.
-	stream := b.startDial(t, target("team-a"))
-	order := a.order(t, target("team-a"))
+	stream := b.startDial(t, brokertest.Target("team-a"))
+	order := a.order(t, brokertest.Target("team-a"))
 	b.open(t, agentA, order.GetDialId())
 	established(t, stream)
 
 	// A claim the policy refuses ends the registration altogether.
 	a.send(t, register("root", "team-b"))
-	checkStatus(t, "Connect", a.end(t), codes.PermissionDenied, `spiffe://example.org/agent-a may not serve logical cluster "team-b"`)
-	checkStatus(t, "Dial team-a", dialStatus(t, b.startDial(t, target("team-a"))), codes.Unavailable, `no agent serves logical cluster "team-a"`)
+	brokertest.CheckStatus(t, "Connect", a.end(t), codes.PermissionDenied, `spiffe://example.org/agent-a may not serve logical cluster "team-b"`)
+	brokertest.CheckStatus(t, "Dial team-a", dialStatus(t, b.startDial(t, brokertest.Target("team-a"))), codes.Unavailable, `no agent serves logical cluster "team-a"`)
 }
 
 func TestAgentEndingItsControlStream(t *testing.T) {
@@ -155,19 +156,19 @@ func TestAgentEndingItsControlStream(t *testing.T) {
 		if err := a.end(t); err != nil {
 			t.Errorf("Connect ended with %v, want OK", err)
 		}
-		checkStatus(t, "Dial", dialStatus(t, b.startDial(t, target("root"))), codes.Unavailable, `no agent serves logical cluster "root"`)
+		brokertest.CheckStatus(t, "Dial", dialStatus(t, b.startDial(t, brokertest.Target("root"))), codes.Unavailable, `no agent serves logical cluster "root"`)
 	})
 	t.Run("dials waiting on it fail with Unavailable", func(t *testing.T) {
 		a := b.connectAgent(t, agentA, "a", "root")
-		stream := b.startDial(t, target("root"))
-		a.order(t, target("root"))
+		stream := b.startDial(t, brokertest.Target("root"))
+		a.order(t, brokertest.Target("root"))
 		a.cancel()
-		checkStatus(t, "Dial", dialStatus(t, stream), codes.Unavailable, "agent a (spiffe://example.org/agent-a) went away")
+		brokertest.CheckStatus(t, "Dial", dialStatus(t, stream), codes.Unavailable, "agent a (spiffe://example.org/agent-a) went away")
 	})
 	t.Run("tunnels established go on", func(t *testing.T) {
 		a := b.connectAgent(t, agentA, "a", "root")
-		stream := b.startDial(t, target("root"))
-		order := a.order(t, target("root"))
+		stream := b.startDial(t, brokertest.Target("root"))
+		order := a.order(t, brokertest.Target("root"))
 		tun := b.open(t, agentA, order.GetDialId())
 		established(t, stream)
 		if err := a.control.CloseSend(); err != nil {
@@ -189,26 +190,26 @@ func TestAgentEndingItsControlStream(t *testing.T) {
 func TestTunnelRefusesAFirstMessageThatIsNotOpen(t *testing.T) {
 	b := startBroker(t, config{})
 	t.Run("data", func(t *testing.T) {
-		ctx, _ := streamContext(t)
-		tun, err := tunnelv1.NewAgentServiceClient(b.conn(t, agentA)).Tunnel(ctx)
+		ctx, _ := brokertest.StreamContext(t)
+		tun, err := tunnelv1.NewAgentServiceClient(b.Conn(t, agentA)).Tunnel(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}
 		if err := tun.Send(&tunnelv1.TunnelRequest{Frame: &tunnelv1.TunnelRequest_Data{Data: []byte("x")}}); err != nil {
 			t.Fatal(err)
 		}
-		checkStatus(t, "Tunnel", tunnelStatus(t, tun), codes.InvalidArgument, "the first message on a tunnel must name its dial")
+		brokertest.CheckStatus(t, "Tunnel", tunnelStatus(t, tun), codes.InvalidArgument, "the first message on a tunnel must name its dial")
 	})
 	t.Run("closed before a message", func(t *testing.T) {
-		ctx, _ := streamContext(t)
-		tun, err := tunnelv1.NewAgentServiceClient(b.conn(t, agentA)).Tunnel(ctx)
+		ctx, _ := brokertest.StreamContext(t)
+		tun, err := tunnelv1.NewAgentServiceClient(b.Conn(t, agentA)).Tunnel(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}
 		if err := tun.CloseSend(); err != nil {
 			t.Fatal(err)
 		}
-		checkStatus(t, "Tunnel", tunnelStatus(t, tun), codes.InvalidArgument, "stream closed before naming its dial")
+		brokertest.CheckStatus(t, "Tunnel", tunnelStatus(t, tun), codes.InvalidArgument, "stream closed before naming its dial")
 	})
 }
 
@@ -217,29 +218,29 @@ func TestTunnelForADialNotPendingForThePeerIsNotFound(t *testing.T) {
 	a := b.connectAgent(t, agentA, "a", "root")
 	b.connectAgent(t, agentB, "b")
 
-	checkStatus(t, "unknown dial", tunnelStatus(t, b.open(t, agentA, 42)),
+	brokertest.CheckStatus(t, "unknown dial", tunnelStatus(t, b.open(t, agentA, 42)),
 		codes.NotFound, "no pending dial 42 for spiffe://example.org/agent-a")
 
-	stream := b.startDial(t, target("root"))
-	order := a.order(t, target("root"))
+	stream := b.startDial(t, brokertest.Target("root"))
+	order := a.order(t, brokertest.Target("root"))
 	id := order.GetDialId()
 	// Another agent cannot take the dial, nor spoil it.
-	checkStatus(t, "another agent's dial", tunnelStatus(t, b.open(t, agentB, id)),
+	brokertest.CheckStatus(t, "another agent's dial", tunnelStatus(t, b.open(t, agentB, id)),
 		codes.NotFound, fmt.Sprintf("no pending dial %d for spiffe://example.org/agent-b", id))
 	b.open(t, agentA, id)
 	established(t, stream)
 	// A dial is claimed once.
-	checkStatus(t, "dial already claimed", tunnelStatus(t, b.open(t, agentA, id)),
+	brokertest.CheckStatus(t, "dial already claimed", tunnelStatus(t, b.open(t, agentA, id)),
 		codes.NotFound, fmt.Sprintf("no pending dial %d for spiffe://example.org/agent-a", id))
 }
 
 func TestTunnelForADialThatTimedOutIsNotFound(t *testing.T) {
 	b := startBroker(t, config{dialTimeout: 200 * time.Millisecond})
 	a := b.connectAgent(t, agentA, "a", "root")
-	stream := b.startDial(t, target("root"))
-	order := a.order(t, target("root"))
-	checkStatus(t, "Dial", dialStatus(t, stream), codes.DeadlineExceeded, "agent a (spiffe://example.org/agent-a) did not connect in time")
-	checkStatus(t, "Tunnel", tunnelStatus(t, b.open(t, agentA, order.GetDialId())),
+	stream := b.startDial(t, brokertest.Target("root"))
+	order := a.order(t, brokertest.Target("root"))
+	brokertest.CheckStatus(t, "Dial", dialStatus(t, stream), codes.DeadlineExceeded, "agent a (spiffe://example.org/agent-a) did not connect in time")
+	brokertest.CheckStatus(t, "Tunnel", tunnelStatus(t, b.open(t, agentA, order.GetDialId())),
 		codes.NotFound, fmt.Sprintf("no pending dial %d", order.GetDialId()))
 }
 
@@ -288,7 +289,7 @@ func TestStaleProbeAnswersAreNotRecorded(t *testing.T) {
 	// Messages are handled in order: once the stream has ended on the bad
 	// message after it, the stale answer has been handled.
 	a.send(t, &tunnelv1.ConnectRequest{})
-	checkStatus(t, "Connect", a.end(t), codes.InvalidArgument, "after registering")
+	brokertest.CheckStatus(t, "Connect", a.end(t), codes.InvalidArgument, "after registering")
 	if at, rtt := reg.LastProbe(); !at.IsZero() || rtt != 0 {
 		t.Errorf("a stale answer was recorded: %v, %v", at, rtt)
 	}
@@ -303,21 +304,21 @@ func TestDrainingAgentIsUsedOnlyWhenNoOtherServesTheCluster(t *testing.T) {
 	eventually(t, "a to drain", func() bool { return b.registered("a").Draining() })
 	// Round-robin would give a every other dial.
 	for range 4 {
-		stream := b.startDial(t, target("root"))
+		stream := b.startDial(t, brokertest.Target("root"))
 		var order *tunnelv1.DialOrder
 		select {
 		case msg := <-a.msgs:
 			t.Fatalf("the draining agent got %v", msg)
 		case msg := <-other.msgs:
 			order = msg.GetDialOrder()
-		case <-time.After(waitLong):
+		case <-time.After(brokertest.WaitLong):
 			t.Fatal("no agent got the dial")
 		}
 		if order == nil {
 			t.Fatal("the other agent got no dial order")
 		}
 		other.fail(t, order.GetDialId(), codes.Unavailable, "refused")
-		checkStatus(t, "Dial", dialStatus(t, stream), codes.Unavailable, "agent b (spiffe://example.org/agent-b): refused")
+		brokertest.CheckStatus(t, "Dial", dialStatus(t, stream), codes.Unavailable, "agent b (spiffe://example.org/agent-b): refused")
 	}
 
 	// Alone, the draining agent still gets dials.
@@ -327,8 +328,8 @@ func TestDrainingAgentIsUsedOnlyWhenNoOtherServesTheCluster(t *testing.T) {
 	if err := other.end(t); err != nil {
 		t.Fatal(err)
 	}
-	stream := b.startDial(t, target("root"))
-	order := a.order(t, target("root"))
+	stream := b.startDial(t, brokertest.Target("root"))
+	order := a.order(t, brokertest.Target("root"))
 	b.open(t, agentA, order.GetDialId())
 	established(t, stream)
 }
@@ -336,13 +337,13 @@ func TestDrainingAgentIsUsedOnlyWhenNoOtherServesTheCluster(t *testing.T) {
 func TestBrokerDrainingAndStoppingReachTheAgent(t *testing.T) {
 	b := startBroker(t, config{grace: 1500 * time.Millisecond})
 	a := b.connectAgent(t, agentA, "a", "root")
-	b.drain()
+	b.Drain()
 	if msg := a.next(t); msg.GetDrain() == nil || msg.GetDrain().GetGraceMs() != 1500 {
 		t.Fatalf("got %v, want drain with grace_ms 1500", msg)
 	}
-	b.stop()
-	checkStatus(t, "Connect", a.end(t), codes.Unavailable, "the broker is shutting down")
-	if n := len(b.registry.Agents()); n != 0 {
+	b.Stop()
+	brokertest.CheckStatus(t, "Connect", a.end(t), codes.Unavailable, "the broker is shutting down")
+	if n := len(b.Registry.Agents()); n != 0 {
 		t.Errorf("%d agents still registered after the control stream ended", n)
 	}
 }

@@ -4,100 +4,41 @@ import (
 	"context"
 	"errors"
 	"io"
-	"log/slog"
-	"net"
-	"strings"
-	"sync"
 	"testing"
 	"time"
 
-	"github.com/spiffe/go-spiffe/v2/bundle/x509bundle"
-	"github.com/spiffe/go-spiffe/v2/spiffeid"
-	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
-	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
 	"go.uber.org/goleak"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
 	agentv1 "github.com/kcp-dev/tunnel-broker/broker/api/agent/v1"
+	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
-	"github.com/kcp-dev/tunnel-broker/broker/registry"
-	"github.com/kcp-dev/tunnel-broker/internal/devca"
-	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
-// This file holds the broker the tests dial through: a real gRPC server on
-// loopback with SPIFFE mTLS from a throwaway CA, serving the DialService
-// under test and the AgentService its tunnels need. The tests play kcp and
-// the agent by hand with the generated clients.
+// This file holds the broker the tests dial through: brokertest's real gRPC
+// server on loopback with SPIFFE mTLS from a throwaway CA, serving the
+// DialService under test and the AgentService its tunnels need. The tests
+// play kcp and the agent by hand with the generated clients.
 
 func TestMain(m *testing.M) {
 	goleak.VerifyTestMain(m)
 }
 
-// waitLong bounds every wait for something that should happen. A healthy run
-// needs a tiny fraction of it; reaching it means a hang.
-const waitLong = 20 * time.Second
-
-const trustDomain = "example.org"
-
-// The identities the tests use, as paths in trustDomain.
+// The identities the tests use, as paths in brokertest.TrustDomain.
 const (
-	brokerPath = "/broker"
-	kcpPath    = "/kcp"   // may dial any cluster
-	shardPath  = "/shard" // may dial team-a only
-	agentPath  = "/agent" // may serve any cluster
+	kcpPath   = "/kcp"   // may dial any cluster
+	shardPath = "/shard" // may dial team-a only
+	agentPath = "/agent" // may serve any cluster
 )
 
-func spiffeID(path string) spiffeid.ID {
-	return spiffeid.RequireFromPath(spiffeid.RequireTrustDomainFromString(trustDomain), path)
-}
-
-func testPolicy(t *testing.T) *policy.Policy {
-	t.Helper()
-	p, err := policy.New(policy.File{
-		Agents: []policy.AgentRule{{ID: spiffeID(agentPath).String(), Clusters: []string{"*"}}},
-		Callers: []policy.CallerRule{
-			{ID: spiffeID(kcpPath).String()},
-			{ID: spiffeID(shardPath).String(), Clusters: []string{"team-a"}},
-		},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return p
-}
-
-// svidSource is an SVID and its trust domain's bundle, held in memory.
-type svidSource struct {
-	svid   *x509svid.SVID
-	bundle *x509bundle.Bundle
-}
-
-func (s svidSource) GetX509SVID() (*x509svid.SVID, error) { return s.svid, nil }
-
-func (s svidSource) GetX509BundleForTrustDomain(td spiffeid.TrustDomain) (*x509bundle.Bundle, error) {
-	return s.bundle.GetX509BundleForTrustDomain(td)
-}
-
-func newSource(t *testing.T, ca *devca.CA, path string) svidSource {
-	t.Helper()
-	issued, err := ca.Issue(devca.Leaf{SPIFFEID: path})
-	if err != nil {
-		t.Fatal(err)
-	}
-	svid, err := x509svid.Parse(issued.CertPEM, issued.KeyPEM)
-	if err != nil {
-		t.Fatal(err)
-	}
-	bundle, err := x509bundle.Parse(spiffeid.RequireTrustDomainFromString(trustDomain), ca.BundlePEM())
-	if err != nil {
-		t.Fatal(err)
-	}
-	return svidSource{svid: svid, bundle: bundle}
+var testPolicy = policy.File{
+	Agents: []policy.AgentRule{{ID: brokertest.ID(agentPath).String(), Clusters: []string{"*"}}},
+	Callers: []policy.CallerRule{
+		{ID: brokertest.ID(kcpPath).String()},
+		{ID: brokertest.ID(shardPath).String(), Clusters: []string{"team-a"}},
+	},
 }
 
 // config is what a test changes in the broker.
@@ -107,132 +48,45 @@ type config struct {
 	maxTunnelsPerCaller int64
 }
 
-// broker is one broker under test and the clients that talk to it.
+// broker is one broker under test, serving the DialService under test and the
+// AgentService its tunnels need.
 type broker struct {
-	t        *testing.T
-	ca       *devca.CA
-	addr     string
-	registry *registry.Registry
-	dial     *Service
-
-	draining, stopping  chan struct{}
-	drainOnce, stopOnce sync.Once
-
-	mu    sync.Mutex
-	conns map[string]*grpc.ClientConn
+	*brokertest.Server
+	dial *Service
 }
 
 func startBroker(t *testing.T, cfg config) *broker {
 	t.Helper()
-	ca, err := devca.New("test", trustDomain)
-	if err != nil {
-		t.Fatal(err)
-	}
 	if cfg.timeout == 0 {
-		cfg.timeout = waitLong
+		cfg.timeout = brokertest.WaitLong
 	}
-	b := &broker{
-		t: t, ca: ca,
-		registry: registry.New(),
-		draining: make(chan struct{}),
-		stopping: make(chan struct{}),
-		conns:    map[string]*grpc.ClientConn{},
-	}
-	pol := testPolicy(t)
-	log := slog.New(slog.DiscardHandler)
-	srv := grpc.NewServer(
-		grpc.Creds(identity.ServerCredentials(newSource(t, ca, brokerPath), tlsconfig.AuthorizeAny())),
-		tunnelv1.FrameServerOption(),
-		// Stop returns once every handler has: nothing outlives the test.
-		grpc.WaitForHandlers(true),
-	)
-	b.dial = &Service{
-		Registry: b.registry, Policy: pol, Timeout: cfg.timeout,
-		IdleTimeout: cfg.idleTimeout, MaxTunnelsPerCaller: cfg.maxTunnelsPerCaller,
-		Draining: b.draining, Stopping: b.stopping, Log: log,
-	}
-	b.dial.Register(srv)
-	(&agentv1.Service{
-		Registry: b.registry, Policy: pol, BrokerID: "test-broker",
-		Draining: b.draining, Stopping: b.stopping, Grace: time.Second,
-		ProbeEvery: time.Hour, // no probes in these tests
-		Log:        log,
-	}).Register(srv)
-
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	b.addr = lis.Addr().String()
-	served := make(chan struct{})
-	go func() {
-		defer close(served)
-		_ = srv.Serve(lis)
-	}()
-	t.Cleanup(func() {
-		srv.Stop()
-		<-served
+	b := &broker{}
+	b.Server = brokertest.Start(t, testPolicy, func(s *brokertest.Server, srv *grpc.Server) {
+		b.dial = &Service{
+			Registry: s.Registry, Policy: s.Policy, Timeout: cfg.timeout,
+			IdleTimeout: cfg.idleTimeout, MaxTunnelsPerCaller: cfg.maxTunnelsPerCaller,
+			Draining: s.Draining, Stopping: s.Stopping, Log: s.Log,
+		}
+		b.dial.Register(srv)
+		(&agentv1.Service{
+			Registry: s.Registry, Policy: s.Policy, BrokerID: "test-broker",
+			Draining: s.Draining, Stopping: s.Stopping, Grace: time.Second,
+			ProbeEvery: time.Hour, // no probes in these tests
+			Log:        s.Log,
+		}).Register(srv)
 	})
 	return b
-}
-
-func (b *broker) drain() { b.drainOnce.Do(func() { close(b.draining) }) }
-func (b *broker) stop()  { b.stopOnce.Do(func() { close(b.stopping) }) }
-
-// conn is a client connection to the broker as the identity path. It lasts
-// as long as the broker.
-func (b *broker) conn(t *testing.T, path string) *grpc.ClientConn {
-	t.Helper()
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if cc, ok := b.conns[path]; ok {
-		return cc
-	}
-	creds := identity.ClientCredentials(newSource(t, b.ca, path), tlsconfig.AuthorizeID(spiffeID(brokerPath)))
-	cc, err := grpc.NewClient("passthrough:///"+b.addr, grpc.WithTransportCredentials(creds))
-	if err != nil {
-		t.Fatal(err)
-	}
-	b.t.Cleanup(func() { _ = cc.Close() })
-	b.conns[path] = cc
-	return cc
-}
-
-// streamContext bounds a client stream: a test that waits on a stream for
-// something that never comes fails instead of hanging.
-func streamContext(t *testing.T) (context.Context, context.CancelFunc) {
-	ctx, cancel := context.WithTimeout(t.Context(), waitLong)
-	t.Cleanup(cancel)
-	return ctx, cancel
-}
-
-// startDial opens a Dial stream as caller and sends target.
-func (b *broker) startDial(t *testing.T, caller string, target *tunnelv1.Target) (tunnelv1.DialService_DialClient, context.CancelFunc) {
-	t.Helper()
-	ctx, cancel := streamContext(t)
-	stream, err := tunnelv1.NewDialServiceClient(b.conn(t, caller)).Dial(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := stream.Send(&tunnelv1.DialRequest{Frame: &tunnelv1.DialRequest_Target{Target: target}}); err != nil {
-		t.Fatal(err)
-	}
-	return stream, cancel
 }
 
 // dialStatus dials target as caller and returns the status the dial ends with.
 func (b *broker) dialStatus(t *testing.T, caller string, target *tunnelv1.Target) error {
 	t.Helper()
-	stream, _ := b.startDial(t, caller, target)
+	stream, _ := b.StartDial(t, caller, target)
 	msg, err := stream.Recv()
 	if err == nil {
 		t.Fatalf("dial of %v answered %v, want an error", target, msg)
 	}
 	return err
-}
-
-func target(cluster string) *tunnelv1.Target {
-	return &tunnelv1.Target{Cluster: cluster, Namespace: "default", Service: "webhook", Port: 443}
 }
 
 // agent plays an agent by hand over its control stream.
@@ -245,8 +99,8 @@ type agent struct {
 // Its control stream lasts as long as the test t.
 func (b *broker) connectAgent(t *testing.T, name string, clusters ...string) *agent {
 	t.Helper()
-	ctx, _ := streamContext(t)
-	control, err := tunnelv1.NewAgentServiceClient(b.conn(t, agentPath)).Connect(ctx)
+	ctx, _ := brokertest.StreamContext(t)
+	control, err := tunnelv1.NewAgentServiceClient(b.Conn(t, agentPath)).Connect(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -286,15 +140,7 @@ func (a *agent) order(t *testing.T, want *tunnelv1.Target) *tunnelv1.DialOrder {
 // open opens the agent's Tunnel for a dial.
 func (a *agent) open(t *testing.T, dialID uint64) (tunnelv1.AgentService_TunnelClient, context.CancelFunc) {
 	t.Helper()
-	ctx, cancel := streamContext(t)
-	tun, err := tunnelv1.NewAgentServiceClient(a.b.conn(t, agentPath)).Tunnel(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := tun.Send(&tunnelv1.TunnelRequest{Frame: &tunnelv1.TunnelRequest_Open{Open: &tunnelv1.TunnelOpen{DialId: dialID}}}); err != nil {
-		t.Fatal(err)
-	}
-	return tun, cancel
+	return a.b.OpenTunnel(t, agentPath, dialID)
 }
 
 // tunnel is one established tunnel: the caller's and the agent's streams.
@@ -314,7 +160,7 @@ func (a *agent) establish(t *testing.T, tg *tunnelv1.Target) *tunnel {
 
 func (a *agent) establishAs(t *testing.T, caller string, tg *tunnelv1.Target) *tunnel {
 	t.Helper()
-	stream, cancelCaller := a.b.startDial(t, caller, tg)
+	stream, cancelCaller := a.b.StartDial(t, caller, tg)
 	order := a.order(t, tg)
 	tun, cancelAgent := a.open(t, order.GetDialId())
 	msg, err := stream.Recv()
@@ -398,15 +244,6 @@ func (tn *tunnel) agentEnd() error {
 		if msg.GetData() == nil {
 			tn.t.Fatalf("agent got %v before the end", msg)
 		}
-	}
-}
-
-// checkStatus checks err's code and that its message contains message.
-func checkStatus(t *testing.T, what string, err error, code codes.Code, message string) {
-	t.Helper()
-	st := status.Convert(err)
-	if err == nil || st.Code() != code || !strings.Contains(st.Message(), message) {
-		t.Errorf("%s: got %v, want %v with a message containing %q", what, err, code, message)
 	}
 }
 

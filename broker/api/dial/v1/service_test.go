@@ -7,6 +7,7 @@ import (
 
 	"google.golang.org/grpc/codes"
 
+	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -15,8 +16,8 @@ func TestDialRefusesAFirstMessageThatIsNotATarget(t *testing.T) {
 	b.connectAgent(t, "a", "root")
 
 	t.Run("data first", func(t *testing.T) {
-		ctx, _ := streamContext(t)
-		stream, err := tunnelv1.NewDialServiceClient(b.conn(t, kcpPath)).Dial(ctx)
+		ctx, _ := brokertest.StreamContext(t)
+		stream, err := tunnelv1.NewDialServiceClient(b.Conn(t, kcpPath)).Dial(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -24,11 +25,11 @@ func TestDialRefusesAFirstMessageThatIsNotATarget(t *testing.T) {
 			t.Fatal(err)
 		}
 		_, err = stream.Recv()
-		checkStatus(t, "Dial", err, codes.InvalidArgument, "the first message of a dial must name a target")
+		brokertest.CheckStatus(t, "Dial", err, codes.InvalidArgument, "the first message of a dial must name a target")
 	})
 	t.Run("closed before a message", func(t *testing.T) {
-		ctx, _ := streamContext(t)
-		stream, err := tunnelv1.NewDialServiceClient(b.conn(t, kcpPath)).Dial(ctx)
+		ctx, _ := brokertest.StreamContext(t)
+		stream, err := tunnelv1.NewDialServiceClient(b.Conn(t, kcpPath)).Dial(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -36,7 +37,7 @@ func TestDialRefusesAFirstMessageThatIsNotATarget(t *testing.T) {
 			t.Fatal(err)
 		}
 		_, err = stream.Recv()
-		checkStatus(t, "Dial", err, codes.InvalidArgument, "stream closed before naming a target")
+		brokertest.CheckStatus(t, "Dial", err, codes.InvalidArgument, "stream closed before naming a target")
 	})
 }
 
@@ -57,7 +58,7 @@ func TestDialRefusesInvalidTargets(t *testing.T) {
 		{"port too large", &tunnelv1.Target{Cluster: "root", Namespace: "default", Service: "webhook", Port: 65536}, "port 65536 is outside 1-65535"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			checkStatus(t, "Dial", b.dialStatus(t, kcpPath, tc.target), codes.InvalidArgument, tc.message)
+			brokertest.CheckStatus(t, "Dial", b.dialStatus(t, kcpPath, tc.target), codes.InvalidArgument, tc.message)
 		})
 	}
 }
@@ -66,21 +67,21 @@ func TestDialRefusesCallersOutsideTheirClusters(t *testing.T) {
 	b := startBroker(t, config{})
 	a := b.connectAgent(t, "a", "root", "team-a")
 
-	checkStatus(t, "shard dialing root", b.dialStatus(t, shardPath, target("root")),
+	brokertest.CheckStatus(t, "shard dialing root", b.dialStatus(t, shardPath, brokertest.Target("root")),
 		codes.PermissionDenied, `spiffe://example.org/shard may not dial logical cluster "root"`)
 	// An ID with no caller rule at all.
-	checkStatus(t, "agent dialing", b.dialStatus(t, agentPath, target("team-a")),
+	brokertest.CheckStatus(t, "agent dialing", b.dialStatus(t, agentPath, brokertest.Target("team-a")),
 		codes.PermissionDenied, `spiffe://example.org/agent may not dial logical cluster "team-a"`)
 
 	// The same caller reaches the cluster it is allowed.
-	tn := a.establishAs(t, shardPath, target("team-a"))
+	tn := a.establishAs(t, shardPath, brokertest.Target("team-a"))
 	tn.up("allowed")
 }
 
 func TestDialWithoutAnAgentForTheClusterIsUnavailable(t *testing.T) {
 	b := startBroker(t, config{})
 	b.connectAgent(t, "a", "team-a")
-	checkStatus(t, "Dial", b.dialStatus(t, kcpPath, target("root")), codes.Unavailable, `no agent serves logical cluster "root"`)
+	brokertest.CheckStatus(t, "Dial", b.dialStatus(t, kcpPath, brokertest.Target("root")), codes.Unavailable, `no agent serves logical cluster "root"`)
 }
 
 func TestDialOrdersTheAgentAndEstablishes(t *testing.T) {
@@ -88,13 +89,13 @@ func TestDialOrdersTheAgentAndEstablishes(t *testing.T) {
 	b := startBroker(t, config{timeout: timeout})
 	a := b.connectAgent(t, "a", "root")
 
-	stream, _ := b.startDial(t, kcpPath, target("root"))
+	stream, _ := b.StartDial(t, kcpPath, brokertest.Target("root"))
 	// The caller may send data before established; the broker keeps it
 	// for the agent.
 	if err := stream.Send(dataUp([]byte("early"))); err != nil {
 		t.Fatal(err)
 	}
-	order := a.order(t, target("root"))
+	order := a.order(t, brokertest.Target("root"))
 	if ms := order.GetTimeoutMs(); ms == 0 || ms > uint32(timeout.Milliseconds()) {
 		t.Errorf("order's timeout_ms is %d, want in (0, %d]", ms, timeout.Milliseconds())
 	}
@@ -106,7 +107,7 @@ func TestDialOrdersTheAgentAndEstablishes(t *testing.T) {
 	if got, want := msg.GetEstablished().GetTunnelId(), fmt.Sprintf("%016x", order.GetDialId()); got != want {
 		t.Errorf("established %v, want tunnel id %q", msg, want)
 	}
-	if n := b.registry.Agents()[0].Tunnels(); n != 1 {
+	if n := b.Registry.Agents()[0].Tunnels(); n != 1 {
 		t.Errorf("the agent carries %d tunnels, want 1", n)
 	}
 	got, err := tun.Recv()
@@ -118,34 +119,34 @@ func TestDialOrdersTheAgentAndEstablishes(t *testing.T) {
 func TestDialTimesOutWhenTheAgentDoesNotOpen(t *testing.T) {
 	b := startBroker(t, config{timeout: 200 * time.Millisecond})
 	a := b.connectAgent(t, "silent", "root")
-	stream, _ := b.startDial(t, kcpPath, target("root"))
-	a.order(t, target("root")) // and never opened
+	stream, _ := b.StartDial(t, kcpPath, brokertest.Target("root"))
+	a.order(t, brokertest.Target("root")) // and never opened
 	_, err := stream.Recv()
-	checkStatus(t, "Dial", err, codes.DeadlineExceeded, "did not connect in time")
+	brokertest.CheckStatus(t, "Dial", err, codes.DeadlineExceeded, "did not connect in time")
 }
 
 func TestDialWhileDrainingIsUnavailable(t *testing.T) {
 	b := startBroker(t, config{})
 	b.connectAgent(t, "a", "root")
-	b.drain()
-	checkStatus(t, "Dial", b.dialStatus(t, kcpPath, target("root")), codes.Unavailable, "this broker replica is shutting down: dial another")
+	b.Drain()
+	brokertest.CheckStatus(t, "Dial", b.dialStatus(t, kcpPath, brokertest.Target("root")), codes.Unavailable, "this broker replica is shutting down: dial another")
 }
 
 func TestDialLimitsTunnelsPerCaller(t *testing.T) {
 	b := startBroker(t, config{maxTunnelsPerCaller: 1})
 	a := b.connectAgent(t, "a", "root", "team-a")
 
-	first := a.establish(t, target("root"))
-	checkStatus(t, "second dial", b.dialStatus(t, kcpPath, target("root")),
+	first := a.establish(t, brokertest.Target("root"))
+	brokertest.CheckStatus(t, "second dial", b.dialStatus(t, kcpPath, brokertest.Target("root")),
 		codes.ResourceExhausted, "spiffe://example.org/kcp already holds 1 tunnels, the most a caller may")
 
 	// The limit is per caller: another one still dials.
-	other := a.establishAs(t, shardPath, target("team-a"))
+	other := a.establishAs(t, shardPath, brokertest.Target("team-a"))
 	other.up("other caller")
 
 	// A tunnel that ended no longer counts. (It ends cleanly, so that the
 	// caller sees its status only once the broker's handler has returned.)
 	first.closeBoth()
-	again := a.establish(t, target("root"))
+	again := a.establish(t, brokertest.Target("root"))
 	again.up("again")
 }

@@ -12,13 +12,14 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
 func TestTunnelCarriesBytesBothWays(t *testing.T) {
 	b := startBroker(t, config{})
 	a := b.connectAgent(t, "a", "root")
-	tn := a.establish(t, target("root"))
+	tn := a.establish(t, brokertest.Target("root"))
 
 	tn.up("ping")
 	tn.down("pong")
@@ -30,7 +31,7 @@ func TestTunnelCarriesBytesBothWays(t *testing.T) {
 		tn.down(string(frame))
 	}
 	tn.closeBoth()
-	if n := b.registry.Agents()[0].Tunnels(); n != 0 {
+	if n := b.Registry.Agents()[0].Tunnels(); n != 0 {
 		t.Errorf("the agent carries %d tunnels after the end, want 0", n)
 	}
 	if n := b.dial.Active(); n != 0 {
@@ -43,7 +44,7 @@ func TestTunnelHalfClosesEachWayAlone(t *testing.T) {
 	a := b.connectAgent(t, "a", "root")
 
 	t.Run("caller first", func(t *testing.T) {
-		tn := a.establish(t, target("root"))
+		tn := a.establish(t, brokertest.Target("root"))
 		tn.closeWriteUp()
 		// The other direction still carries data.
 		tn.down("after the caller's half-close")
@@ -57,7 +58,7 @@ func TestTunnelHalfClosesEachWayAlone(t *testing.T) {
 		}
 	})
 	t.Run("agent first", func(t *testing.T) {
-		tn := a.establish(t, target("root"))
+		tn := a.establish(t, brokertest.Target("root"))
 		tn.closeWriteDown()
 		tn.up("after the agent's half-close")
 		tn.up("and more")
@@ -76,32 +77,32 @@ func TestTunnelLostOnTheAgentsSideIsUnavailableToTheCaller(t *testing.T) {
 	a := b.connectAgent(t, "a", "root")
 
 	t.Run("agent cancels", func(t *testing.T) {
-		tn := a.establish(t, target("root"))
+		tn := a.establish(t, brokertest.Target("root"))
 		tn.up("x")
 		tn.cancelAgent()
-		checkStatus(t, "caller", tn.callerEnd(), codes.Unavailable, "tunnel lost on the agent's side")
-		if n := b.registry.Agents()[0].Tunnels(); n != 0 {
+		brokertest.CheckStatus(t, "caller", tn.callerEnd(), codes.Unavailable, "tunnel lost on the agent's side")
+		if n := b.Registry.Agents()[0].Tunnels(); n != 0 {
 			t.Errorf("the agent carries %d tunnels after the end, want 0", n)
 		}
 	})
 	t.Run("agent breaks the protocol", func(t *testing.T) {
-		tn := a.establish(t, target("root"))
+		tn := a.establish(t, brokertest.Target("root"))
 		again := &tunnelv1.TunnelRequest{Frame: &tunnelv1.TunnelRequest_Open{Open: &tunnelv1.TunnelOpen{DialId: 1}}}
 		if err := tn.agent.Send(again); err != nil {
 			t.Fatal(err)
 		}
-		checkStatus(t, "caller", tn.callerEnd(), codes.Unavailable, "protocol error: after opening, an agent may only send non-empty data")
-		checkStatus(t, "agent", tn.agentEnd(), codes.Aborted, "tunnel aborted: protocol error")
+		brokertest.CheckStatus(t, "caller", tn.callerEnd(), codes.Unavailable, "protocol error: after opening, an agent may only send non-empty data")
+		brokertest.CheckStatus(t, "agent", tn.agentEnd(), codes.Aborted, "tunnel aborted: protocol error")
 	})
 }
 
 func TestCallerGoingAwayEndsTheAgentsTunnel(t *testing.T) {
 	b := startBroker(t, config{})
 	a := b.connectAgent(t, "a", "root")
-	tn := a.establish(t, target("root"))
+	tn := a.establish(t, brokertest.Target("root"))
 	tn.down("x")
 	tn.cancelCaller()
-	checkStatus(t, "agent", tn.agentEnd(), codes.Canceled, "caller went away")
+	brokertest.CheckStatus(t, "agent", tn.agentEnd(), codes.Canceled, "caller went away")
 }
 
 func TestCallerBreakingTheProtocolAfterTheTarget(t *testing.T) {
@@ -111,17 +112,17 @@ func TestCallerBreakingTheProtocolAfterTheTarget(t *testing.T) {
 		name string
 		msg  *tunnelv1.DialRequest
 	}{
-		{"a second target", &tunnelv1.DialRequest{Frame: &tunnelv1.DialRequest_Target{Target: target("root")}}},
+		{"a second target", &tunnelv1.DialRequest{Frame: &tunnelv1.DialRequest_Target{Target: brokertest.Target("root")}}},
 		{"empty data", dataUp([]byte{})},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			tn := a.establish(t, target("root"))
+			tn := a.establish(t, brokertest.Target("root"))
 			tn.up("fine so far")
 			if err := tn.caller.Send(tc.msg); err != nil {
 				t.Fatal(err)
 			}
-			checkStatus(t, "caller", tn.callerEnd(), codes.InvalidArgument, "protocol error: after the target, a caller may only send non-empty data")
-			checkStatus(t, "agent", tn.agentEnd(), codes.Canceled, "caller broke the protocol")
+			brokertest.CheckStatus(t, "caller", tn.callerEnd(), codes.InvalidArgument, "protocol error: after the target, a caller may only send non-empty data")
+			brokertest.CheckStatus(t, "agent", tn.agentEnd(), codes.Canceled, "caller broke the protocol")
 		})
 	}
 }
@@ -129,25 +130,25 @@ func TestCallerBreakingTheProtocolAfterTheTarget(t *testing.T) {
 func TestIdleTunnelEndsWithDeadlineExceededOnBothLegs(t *testing.T) {
 	b := startBroker(t, config{idleTimeout: 200 * time.Millisecond})
 	a := b.connectAgent(t, "a", "root")
-	tn := a.establish(t, target("root"))
+	tn := a.establish(t, brokertest.Target("root"))
 	tn.up("x")
 	tn.down("y")
 	// Then nothing: the broker ends it.
-	checkStatus(t, "caller", tn.callerEnd(), codes.DeadlineExceeded, "tunnel carried nothing for 200ms")
-	checkStatus(t, "agent", tn.agentEnd(), codes.DeadlineExceeded, "tunnel carried nothing for 200ms")
+	brokertest.CheckStatus(t, "caller", tn.callerEnd(), codes.DeadlineExceeded, "tunnel carried nothing for 200ms")
+	brokertest.CheckStatus(t, "agent", tn.agentEnd(), codes.DeadlineExceeded, "tunnel carried nothing for 200ms")
 }
 
 func TestStoppingEndsTunnelsWithUnavailable(t *testing.T) {
 	b := startBroker(t, config{})
 	a := b.connectAgent(t, "a", "root")
-	tn := a.establish(t, target("root"))
+	tn := a.establish(t, brokertest.Target("root"))
 	tn.up("x")
-	b.drain()
+	b.Drain()
 	// Draining alone leaves tunnels in flight alone.
 	tn.down("still flowing while draining")
-	b.stop()
-	checkStatus(t, "caller", tn.callerEnd(), codes.Unavailable, "the broker is shutting down and its grace period is over")
-	checkStatus(t, "agent", tn.agentEnd(), codes.Unavailable, "the broker is shutting down")
+	b.Stop()
+	brokertest.CheckStatus(t, "caller", tn.callerEnd(), codes.Unavailable, "the broker is shutting down and its grace period is over")
+	brokertest.CheckStatus(t, "agent", tn.agentEnd(), codes.Unavailable, "the broker is shutting down")
 }
 
 // leg is one side of a splice without gRPC under it, for what a real stream
@@ -218,7 +219,7 @@ func waitSplice(t *testing.T, done <-chan statuses) statuses {
 	select {
 	case s := <-done:
 		return s
-	case <-time.After(waitLong):
+	case <-time.After(brokertest.WaitLong):
 		t.Fatal("the splice did not end")
 		return statuses{}
 	}
@@ -231,8 +232,8 @@ func TestSpliceEndsWhenTheCallerGoesAwayWhileSendingToTheAgent(t *testing.T) {
 	<-agent.sending // blocked in Send to the agent; and receiving from it
 	caller.cancel()
 	got := waitSplice(t, done)
-	checkStatus(t, "caller", got.caller, codes.Canceled, "caller went away")
-	checkStatus(t, "agent", got.agent, codes.Canceled, "caller went away")
+	brokertest.CheckStatus(t, "caller", got.caller, codes.Canceled, "caller went away")
+	brokertest.CheckStatus(t, "agent", got.agent, codes.Canceled, "caller went away")
 	agent.cancel() // as the agent's handler does once the tunnel is finished
 }
 
@@ -243,7 +244,7 @@ func TestSpliceEndsWhenTheAgentGoesAwayWhileSendingToTheCaller(t *testing.T) {
 	<-caller.sending
 	agent.cancel()
 	got := waitSplice(t, done)
-	checkStatus(t, "caller", got.caller, codes.Unavailable, "tunnel lost on the agent's side")
-	checkStatus(t, "agent", got.agent, codes.Aborted, "tunnel aborted")
+	brokertest.CheckStatus(t, "caller", got.caller, codes.Unavailable, "tunnel lost on the agent's side")
+	brokertest.CheckStatus(t, "agent", got.agent, codes.Aborted, "tunnel aborted")
 	caller.cancel()
 }

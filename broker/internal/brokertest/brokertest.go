@@ -1,0 +1,199 @@
+// Package brokertest runs a broker in process for the tests of its gRPC
+// services: a real gRPC server on loopback with SPIFFE mTLS from a throwaway
+// CA, a registry, a policy and the broker's draining and stopping signals,
+// and client connections as any identity of the trust domain.
+//
+// It registers no service itself: each test package registers the services
+// it needs, so that a service's internal tests need not import a package that
+// imports the service.
+package brokertest
+
+import (
+	"context"
+	"log/slog"
+	"net"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/kcp-dev/tunnel-broker/broker/policy"
+	"github.com/kcp-dev/tunnel-broker/broker/registry"
+	"github.com/kcp-dev/tunnel-broker/internal/devca"
+	"github.com/kcp-dev/tunnel-broker/internal/identity"
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+)
+
+// WaitLong bounds every wait for something that should happen. A healthy run
+// needs a tiny fraction of it; reaching it means a hang.
+const WaitLong = 20 * time.Second
+
+// TrustDomain is the trust domain of every identity in the tests.
+const TrustDomain = "example.org"
+
+// BrokerPath is the broker's identity, as a path in TrustDomain.
+const BrokerPath = "/broker"
+
+// ID is the SPIFFE ID of path in TrustDomain.
+func ID(path string) spiffeid.ID {
+	return spiffeid.RequireFromPath(spiffeid.RequireTrustDomainFromString(TrustDomain), path)
+}
+
+// Server is one broker under test. Its fields are what services take.
+type Server struct {
+	CA       *devca.CA
+	Addr     string
+	Registry *registry.Registry
+	Policy   *policy.Policy
+	// Draining and Stopping close on Drain and Stop.
+	Draining, Stopping chan struct{}
+	Log                *slog.Logger
+
+	t                   *testing.T
+	drainOnce, stopOnce sync.Once
+
+	mu    sync.Mutex
+	conns map[string]*grpc.ClientConn
+}
+
+// Start serves the services register registers, under the policy pol, until
+// the test t ends. The end waits for every handler to return.
+func Start(t *testing.T, pol policy.File, register func(s *Server, srv *grpc.Server)) *Server {
+	t.Helper()
+	ca, err := devca.New("test", TrustDomain)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := policy.New(pol)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &Server{
+		CA:       ca,
+		Registry: registry.New(),
+		Policy:   p,
+		Draining: make(chan struct{}),
+		Stopping: make(chan struct{}),
+		Log:      slog.New(slog.DiscardHandler),
+		t:        t,
+		conns:    map[string]*grpc.ClientConn{},
+	}
+	srv := grpc.NewServer(
+		grpc.Creds(identity.ServerCredentials(source(t, ca, BrokerPath), tlsconfig.AuthorizeAny())),
+		tunnelv1.FrameServerOption(),
+		// Stop returns once every handler has: nothing outlives the test.
+		grpc.WaitForHandlers(true),
+	)
+	register(s, srv)
+
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.Addr = lis.Addr().String()
+	served := make(chan struct{})
+	go func() {
+		defer close(served)
+		_ = srv.Serve(lis)
+	}()
+	t.Cleanup(func() {
+		srv.Stop()
+		<-served
+	})
+	return s
+}
+
+// Drain closes Draining: the broker begins to shut down.
+func (s *Server) Drain() { s.drainOnce.Do(func() { close(s.Draining) }) }
+
+// Stop closes Stopping: the broker's grace period is over.
+func (s *Server) Stop() { s.stopOnce.Do(func() { close(s.Stopping) }) }
+
+// Conn is a client connection to the broker as the identity path, expecting
+// the broker's identity. It lasts as long as the broker; each identity has
+// one.
+func (s *Server) Conn(t *testing.T, path string) *grpc.ClientConn {
+	t.Helper()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if cc, ok := s.conns[path]; ok {
+		return cc
+	}
+	creds := identity.ClientCredentials(source(t, s.CA, path), tlsconfig.AuthorizeID(ID(BrokerPath)))
+	cc, err := grpc.NewClient("passthrough:///"+s.Addr, grpc.WithTransportCredentials(creds))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.t.Cleanup(func() { _ = cc.Close() })
+	s.conns[path] = cc
+	return cc
+}
+
+func source(t *testing.T, ca *devca.CA, path string) *devca.Source {
+	t.Helper()
+	src, err := ca.Source(devca.Leaf{SPIFFEID: path})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return src
+}
+
+// StreamContext bounds a client stream: a test that waits on a stream for
+// something that never comes fails instead of hanging. It ends with t at the
+// latest.
+func StreamContext(t *testing.T) (context.Context, context.CancelFunc) {
+	ctx, cancel := context.WithTimeout(t.Context(), WaitLong)
+	t.Cleanup(cancel)
+	return ctx, cancel
+}
+
+// StartDial opens a Dial stream as the identity caller and sends target, as
+// kcp begins a dial. The stream ends on cancel, or with t at the latest.
+func (s *Server) StartDial(t *testing.T, caller string, target *tunnelv1.Target) (tunnelv1.DialService_DialClient, context.CancelFunc) {
+	t.Helper()
+	ctx, cancel := StreamContext(t)
+	stream, err := tunnelv1.NewDialServiceClient(s.Conn(t, caller)).Dial(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := stream.Send(&tunnelv1.DialRequest{Frame: &tunnelv1.DialRequest_Target{Target: target}}); err != nil {
+		t.Fatal(err)
+	}
+	return stream, cancel
+}
+
+// OpenTunnel opens a Tunnel stream as the identity path for dialID, as an
+// agent answers a dial order. The stream ends on cancel, or with t at the
+// latest.
+func (s *Server) OpenTunnel(t *testing.T, path string, dialID uint64) (tunnelv1.AgentService_TunnelClient, context.CancelFunc) {
+	t.Helper()
+	ctx, cancel := StreamContext(t)
+	tun, err := tunnelv1.NewAgentServiceClient(s.Conn(t, path)).Tunnel(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := tun.Send(&tunnelv1.TunnelRequest{Frame: &tunnelv1.TunnelRequest_Open{Open: &tunnelv1.TunnelOpen{DialId: dialID}}}); err != nil {
+		t.Fatal(err)
+	}
+	return tun, cancel
+}
+
+// Target is the webhook the tests dial, in cluster.
+func Target(cluster string) *tunnelv1.Target {
+	return &tunnelv1.Target{Cluster: cluster, Namespace: "default", Service: "webhook", Port: 443}
+}
+
+// CheckStatus checks err's code and that its message contains message.
+func CheckStatus(t *testing.T, what string, err error, code codes.Code, message string) {
+	t.Helper()
+	st := status.Convert(err)
+	if err == nil || st.Code() != code || !strings.Contains(st.Message(), message) {
+		t.Errorf("%s: got %v, want %v with a message containing %q", what, err, code, message)
+	}
+}
