@@ -7,7 +7,6 @@ import (
 	"io"
 	"log/slog"
 	"net"
-	"path/filepath"
 	"sync"
 	"testing"
 	"time"
@@ -51,7 +50,7 @@ func testTarget() *tunnelv1.Target {
 
 // pki is one trust domain with an SVID for the broker and one for the agent.
 type pki struct {
-	broker, agent *identity.FileSource
+	broker, agent *devca.Source
 	agentID       spiffeid.ID
 }
 
@@ -63,20 +62,16 @@ func newPKI(t *testing.T) *pki {
 	if err != nil {
 		t.Fatal(err)
 	}
-	load := func(path string) *identity.FileSource {
-		f, err := ca.WriteSVID(filepath.Join(t.TempDir(), path), devca.Leaf{SPIFFEID: path})
-		if err != nil {
-			t.Fatal(err)
-		}
-		src, err := identity.LoadFiles(identity.Files{Cert: f.Cert, Key: f.Key, Bundle: f.Bundle}, slog.New(slog.DiscardHandler))
+	source := func(path string) *devca.Source {
+		src, err := ca.Source(devca.Leaf{SPIFFEID: path})
 		if err != nil {
 			t.Fatal(err)
 		}
 		return src
 	}
 	return &pki{
-		broker:  load("/broker"),
-		agent:   load("/agent"),
+		broker:  source("/broker"),
+		agent:   source("/agent"),
 		agentID: spiffeid.RequireFromString("spiffe://" + trustDomain + "/agent"),
 	}
 }
