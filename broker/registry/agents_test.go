@@ -12,10 +12,8 @@ import (
 
 func TestAgentsListsEachRegisteredAgentOnce(t *testing.T) {
 	r := New()
-	a := newTestAgent(t, "a", "/agent/a", "root", "other")
-	b := newTestAgent(t, "b", "/agent/b", "root")
-	r.Register(a)
-	r.Register(b)
+	a := registerAgent(t, r, "a", "root", "other")
+	b := registerAgent(t, r, "b", "root")
 
 	got := r.Agents()
 	if len(got) != 2 || !slices.Contains(got, a) || !slices.Contains(got, b) {
@@ -25,10 +23,8 @@ func TestAgentsListsEachRegisteredAgentOnce(t *testing.T) {
 
 func TestAgentsOmitsUnregisteredAgents(t *testing.T) {
 	r := New()
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	b := newTestAgent(t, "b", "/agent/b", "root")
-	r.Register(a)
-	r.Register(b)
+	a := registerAgent(t, r, "a", "root")
+	b := registerAgent(t, r, "b", "root")
 	r.Unregister(a)
 
 	if got := r.Agents(); len(got) != 1 || got[0] != b {
@@ -40,10 +36,8 @@ func TestAgentServingNoClusterIsListed(t *testing.T) {
 	// An agent may serve no cluster for a while (a sync target no workspace
 	// uses yet); it is connected all the same, and may carry tunnels.
 	r := New()
-	idle := newTestAgent(t, "idle", "/agent/idle")
-	r.Register(idle)
-	emptied := newTestAgent(t, "emptied", "/agent/emptied", "root")
-	r.Register(emptied)
+	idle := registerAgent(t, r, "idle")
+	emptied := registerAgent(t, r, "emptied", "root")
 	r.Update(emptied, nil)
 
 	got := r.Agents()
@@ -56,8 +50,7 @@ func TestUpdateAfterUnregisterRoutesNothing(t *testing.T) {
 	// The control stream's receiver may still apply a re-registration the
 	// agent sent as the stream ended: the agent is gone all the same.
 	r := New()
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	r.Register(a)
+	a := registerAgent(t, r, "a", "root")
 	r.Unregister(a)
 	r.Update(a, []string{"root", "other"})
 
@@ -71,12 +64,9 @@ func TestUpdateAfterUnregisterRoutesNothing(t *testing.T) {
 
 func TestAgentsPerClusterCountsTheAgentsServingEachCluster(t *testing.T) {
 	r := New()
-	a := newTestAgent(t, "a", "/agent/a", "root", "other")
-	b := newTestAgent(t, "b", "/agent/b", "root")
-	c := newTestAgent(t, "c", "/agent/c", "gone")
-	r.Register(a)
-	r.Register(b)
-	r.Register(c)
+	registerAgent(t, r, "a", "root", "other")
+	b := registerAgent(t, r, "b", "root")
+	c := registerAgent(t, r, "c", "gone")
 	r.Update(b, []string{"root", "third"})
 	r.Unregister(c)
 
@@ -88,8 +78,7 @@ func TestAgentsPerClusterCountsTheAgentsServingEachCluster(t *testing.T) {
 
 func TestClustersOfFollowsUpdates(t *testing.T) {
 	r := New()
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	r.Register(a)
+	a := registerAgent(t, r, "a", "root")
 	if got := r.ClustersOf(a); !slices.Equal(got, []string{"root"}) {
 		t.Errorf("ClustersOf = %v, want [root]", got)
 	}

@@ -14,8 +14,7 @@ import (
 
 func TestClaimHandsTheTunnelToTheDial(t *testing.T) {
 	r := New()
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	r.Register(a)
+	a := registerAgent(t, r, "a", "root")
 	tgt := target("root")
 	d := startDial(t, r, tgt)
 	o := nextOrder(t, a)
@@ -45,10 +44,8 @@ func TestClaimHandsTheTunnelToTheDial(t *testing.T) {
 
 func TestClaimByAnotherAgentIsRefused(t *testing.T) {
 	r := New()
-	ordered := newTestAgent(t, "ordered", "/agent/ordered", "root")
-	intruder := newTestAgent(t, "intruder", "/agent/intruder", "root")
-	r.Register(ordered)
-	r.Register(intruder)
+	ordered := registerAgent(t, r, "ordered", "root")
+	intruder := registerAgent(t, r, "intruder", "root")
 	d := startDial(t, r, target("root"))
 	to, o := orderedTo(t, ordered, intruder)
 	if to != ordered {
@@ -56,46 +53,32 @@ func TestClaimByAnotherAgentIsRefused(t *testing.T) {
 	}
 	noOrder(t, intruder)
 
-	_, err := r.Claim(o.GetDialId(), intruder.ID, newFakeTunnelStream())
-	checkStatus(t, "claim by another agent", err, codes.NotFound,
-		fmt.Sprintf("no pending dial %d for %s (it timed out or was cancelled)", o.GetDialId(), intruder.ID))
+	checkClaimRefused(t, "claim by another agent", r, o.GetDialId(), intruder.ID)
 	if !d.running() {
 		t.Fatalf("the refused claim ended the dial: %v", d.wait().err)
 	}
 	// The dial still waits for the agent it was ordered to.
-	if _, err := r.Claim(o.GetDialId(), ordered.ID, newFakeTunnelStream()); err != nil {
-		t.Fatalf("claim by the ordered agent after a refused one: %v", err)
-	}
-	if out := d.wait(); out.err != nil {
-		t.Fatalf("dial: %v", out.err)
-	}
+	claim(t, "claim by the ordered agent after a refused one", r, o.GetDialId(), ordered.ID)
+	d.connected()
 }
 
 func TestAnotherSessionOfTheAgentMayClaim(t *testing.T) {
 	// A dial id belongs to the agent's SPIFFE ID, not to one control
 	// stream: its Tunnel stream is a separate RPC.
 	r := New()
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	r.Register(a)
+	a := registerAgent(t, r, "a", "root")
 	sameID := NewAgent("another-session", a.ID, "a", nil)
-	d := startDial(t, r, target("root"))
-	o := nextOrder(t, a)
+	d, o := orderedDial(t, r, "root", a)
 
-	if _, err := r.Claim(o.GetDialId(), sameID.ID, newFakeTunnelStream()); err != nil {
-		t.Fatalf("claim with the ordered agent's SPIFFE ID: %v", err)
-	}
-	if out := d.wait(); out.err != nil {
-		t.Fatalf("dial: %v", out.err)
-	}
+	claim(t, "claim with the ordered agent's SPIFFE ID", r, o.GetDialId(), sameID.ID)
+	d.connected()
 }
 
 func TestClaimOfAnUnknownDialIsRefused(t *testing.T) {
 	r := New()
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	r.Register(a)
+	a := registerAgent(t, r, "a", "root")
 
-	_, err := r.Claim(42, a.ID, newFakeTunnelStream())
-	checkStatus(t, "claim", err, codes.NotFound, fmt.Sprintf("no pending dial 42 for %s (it timed out or was cancelled)", a.ID))
+	checkClaimRefused(t, "claim", r, 42, a.ID)
 	if n := a.Tunnels(); n != 0 {
 		t.Errorf("a refused claim left the agent with %d tunnels", n)
 	}
@@ -103,17 +86,11 @@ func TestClaimOfAnUnknownDialIsRefused(t *testing.T) {
 
 func TestSecondClaimOfADialIsRefused(t *testing.T) {
 	r := New()
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	r.Register(a)
-	d := startDial(t, r, target("root"))
-	o := nextOrder(t, a)
-	if _, err := r.Claim(o.GetDialId(), a.ID, newFakeTunnelStream()); err != nil {
-		t.Fatalf("first claim: %v", err)
-	}
+	a := registerAgent(t, r, "a", "root")
+	d, o := orderedDial(t, r, "root", a)
+	claim(t, "first claim", r, o.GetDialId(), a.ID)
 
-	_, err := r.Claim(o.GetDialId(), a.ID, newFakeTunnelStream())
-	checkStatus(t, "second claim", err, codes.NotFound,
-		fmt.Sprintf("no pending dial %d for %s (it timed out or was cancelled)", o.GetDialId(), a.ID))
+	checkClaimRefused(t, "second claim", r, o.GetDialId(), a.ID)
 	if n := a.Tunnels(); n != 1 {
 		t.Errorf("agent carries %d tunnels after two claims of one dial, want 1", n)
 	}
@@ -122,12 +99,10 @@ func TestSecondClaimOfADialIsRefused(t *testing.T) {
 
 func TestDialIDsAreNotReused(t *testing.T) {
 	r := New()
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	r.Register(a)
+	a := registerAgent(t, r, "a", "root")
 	seen := map[uint64]bool{}
 	for range 5 {
-		d := startDial(t, r, target("root"))
-		o := nextOrder(t, a)
+		d, o := orderedDial(t, r, "root", a)
 		if seen[o.GetDialId()] {
 			t.Errorf("dial id %d given twice", o.GetDialId())
 		}
@@ -142,10 +117,8 @@ func TestDialIDsOfTwoRegistriesDiffer(t *testing.T) {
 	// dial of an earlier incarnation of the replica is unlikely to match.
 	first := func() uint64 {
 		r := New()
-		a := newTestAgent(t, "a", "/agent/a", "root")
-		r.Register(a)
-		d := startDial(t, r, target("root"))
-		o := nextOrder(t, a)
+		a := registerAgent(t, r, "a", "root")
+		d, o := orderedDial(t, r, "root", a)
 		d.cancel()
 		d.wait()
 		return o.GetDialId()
@@ -177,10 +150,10 @@ func TestFailureEndsTheDialWithTheAgentsCode(t *testing.T) {
 	} {
 		t.Run(tc.reported.String(), func(t *testing.T) {
 			r := New()
+			// A name other than its SPIFFE ID's path, to show both in the message.
 			a := newTestAgent(t, "sync-target-1", "/agent/a", "root")
 			r.Register(a)
-			d := startDial(t, r, target("root"))
-			o := nextOrder(t, a)
+			d, o := orderedDial(t, r, "root", a)
 
 			r.Fail(a, &tunnelv1.DialFailure{DialId: o.GetDialId(), Code: int32(tc.reported), Message: "connection refused"})
 			out := d.wait()
@@ -196,33 +169,23 @@ func TestFailureFromAnotherSessionIsIgnored(t *testing.T) {
 	// A dial_failure counts only on the control stream the order went on,
 	// even from the same SPIFFE ID.
 	r := New()
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	r.Register(a)
+	a := registerAgent(t, r, "a", "root")
 	sameID := NewAgent("another-session", a.ID, "a", []string{"root"})
-	d := startDial(t, r, target("root"))
-	o := nextOrder(t, a)
+	d, o := orderedDial(t, r, "root", a)
 
 	r.Fail(sameID, &tunnelv1.DialFailure{DialId: o.GetDialId(), Code: int32(codes.NotFound), Message: "no such service"})
 	if !d.running() {
 		t.Fatalf("a failure from another session ended the dial: %v", d.wait().err)
 	}
-	if _, err := r.Claim(o.GetDialId(), a.ID, newFakeTunnelStream()); err != nil {
-		t.Fatalf("claim after an ignored failure: %v", err)
-	}
-	if out := d.wait(); out.err != nil {
-		t.Fatalf("dial: %v", out.err)
-	}
+	claim(t, "claim after an ignored failure", r, o.GetDialId(), a.ID)
+	d.connected()
 }
 
 func TestFailureAfterClaimIsIgnored(t *testing.T) {
 	r := New()
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	r.Register(a)
-	d := startDial(t, r, target("root"))
-	o := nextOrder(t, a)
-	if _, err := r.Claim(o.GetDialId(), a.ID, newFakeTunnelStream()); err != nil {
-		t.Fatalf("claim: %v", err)
-	}
+	a := registerAgent(t, r, "a", "root")
+	d, o := orderedDial(t, r, "root", a)
+	claim(t, "claim", r, o.GetDialId(), a.ID)
 
 	r.Fail(a, &tunnelv1.DialFailure{DialId: o.GetDialId(), Code: int32(codes.Unavailable), Message: "reset"})
 	out := d.wait()
@@ -233,19 +196,13 @@ func TestFailureAfterClaimIsIgnored(t *testing.T) {
 
 func TestFailureOfAnUnknownDialIsIgnored(t *testing.T) {
 	r := New()
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	r.Register(a)
-	d := startDial(t, r, target("root"))
-	o := nextOrder(t, a)
+	a := registerAgent(t, r, "a", "root")
+	d, o := orderedDial(t, r, "root", a)
 
 	r.Fail(a, &tunnelv1.DialFailure{DialId: o.GetDialId() + 1000, Code: int32(codes.NotFound)})
 	if !d.running() {
 		t.Fatalf("a failure of another dial ended this one: %v", d.wait().err)
 	}
-	if _, err := r.Claim(o.GetDialId(), a.ID, newFakeTunnelStream()); err != nil {
-		t.Fatalf("claim after a failure of another dial: %v", err)
-	}
-	if out := d.wait(); out.err != nil {
-		t.Fatalf("dial: %v", out.err)
-	}
+	claim(t, "claim after a failure of another dial", r, o.GetDialId(), a.ID)
+	d.connected()
 }

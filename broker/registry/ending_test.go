@@ -2,7 +2,6 @@ package registry
 
 import (
 	"context"
-	"fmt"
 	"testing"
 	"time"
 
@@ -15,10 +14,8 @@ import (
 
 func TestDialEndsWhenTheAgentGoes(t *testing.T) {
 	r := New()
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	r.Register(a)
-	d := startDial(t, r, target("root"))
-	o := nextOrder(t, a)
+	a := registerAgent(t, r, "a", "root")
+	d, o := orderedDial(t, r, "root", a)
 
 	r.Unregister(a)
 	checkStatus(t, "dial", d.wait().err, codes.Unavailable, "agent a (spiffe://example.org/agent/a) went away")
@@ -30,11 +27,8 @@ func TestDialEndsWhenTheAgentGoes(t *testing.T) {
 
 func TestDialEndsWhenTheAgentGoesBeforeTakingItsOrder(t *testing.T) {
 	r := New()
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	r.Register(a)
-	fillOrders(a)
-	d := startDial(t, r, target("root"))
-	waitPending(t, r, a, 1)
+	a := registerAgent(t, r, "a", "root")
+	d, _ := queuedDial(t, r, "root", a)
 
 	r.Unregister(a)
 	checkStatus(t, "dial", d.wait().err, codes.Unavailable, "agent a (spiffe://example.org/agent/a) went away")
@@ -42,8 +36,7 @@ func TestDialEndsWhenTheAgentGoesBeforeTakingItsOrder(t *testing.T) {
 
 func TestDialTimesOutWhenTheAgentDoesNotConnect(t *testing.T) {
 	r := New()
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	r.Register(a)
+	registerAgent(t, r, "a", "root")
 	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Millisecond)
 	defer cancel()
 
@@ -53,10 +46,8 @@ func TestDialTimesOutWhenTheAgentDoesNotConnect(t *testing.T) {
 
 func TestCancelledDialIsCanceled(t *testing.T) {
 	r := New()
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	r.Register(a)
-	d := startDial(t, r, target("root"))
-	nextOrder(t, a)
+	a := registerAgent(t, r, "a", "root")
+	d, _ := orderedDial(t, r, "root", a)
 
 	d.cancel()
 	checkStatus(t, "dial", d.wait().err, codes.Canceled, "context canceled")
@@ -64,16 +55,12 @@ func TestCancelledDialIsCanceled(t *testing.T) {
 
 func TestClaimAfterTheDialGaveUpIsRefused(t *testing.T) {
 	r := New()
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	r.Register(a)
-	d := startDial(t, r, target("root"))
-	o := nextOrder(t, a)
+	a := registerAgent(t, r, "a", "root")
+	d, o := orderedDial(t, r, "root", a)
 	d.cancel()
 	d.wait()
 
-	_, err := r.Claim(o.GetDialId(), a.ID, newFakeTunnelStream())
-	checkStatus(t, "late claim", err, codes.NotFound,
-		fmt.Sprintf("no pending dial %d for %s (it timed out or was cancelled)", o.GetDialId(), a.ID))
+	checkClaimRefused(t, "late claim", r, o.GetDialId(), a.ID)
 	if n := a.Tunnels(); n != 0 {
 		t.Errorf("a late claim left the agent with %d tunnels", n)
 	}
@@ -85,15 +72,9 @@ func TestClaimAfterTheDialGaveUpIsRefused(t *testing.T) {
 
 func TestAbandonedClaimFinishesTheTunnel(t *testing.T) {
 	r := New()
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	r.Register(a)
-	fillOrders(a)
-	d := startDial(t, r, target("root"))
-	id := waitPending(t, r, a, 1)[0]
-	tun, err := r.Claim(id, a.ID, newFakeTunnelStream())
-	if err != nil {
-		t.Fatalf("claim: %v", err)
-	}
+	a := registerAgent(t, r, "a", "root")
+	d, id := queuedDial(t, r, "root", a)
+	tun := claim(t, "claim", r, id, a.ID)
 
 	d.cancel()
 	out := d.wait()
@@ -109,15 +90,9 @@ func TestAbandonedClaimFinishesTheTunnel(t *testing.T) {
 
 func TestClaimedDialWhoseAgentGoesFinishesTheTunnel(t *testing.T) {
 	r := New()
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	r.Register(a)
-	fillOrders(a)
-	d := startDial(t, r, target("root"))
-	id := waitPending(t, r, a, 1)[0]
-	tun, err := r.Claim(id, a.ID, newFakeTunnelStream())
-	if err != nil {
-		t.Fatalf("claim: %v", err)
-	}
+	a := registerAgent(t, r, "a", "root")
+	d, id := queuedDial(t, r, "root", a)
+	tun := claim(t, "claim", r, id, a.ID)
 
 	r.Unregister(a)
 	out := d.wait()
@@ -137,10 +112,8 @@ func TestClaimedDialWhoseAgentGoesFinishesTheTunnel(t *testing.T) {
 func TestDialThatEndsAsItIsClaimedLeavesNoTunnelOpen(t *testing.T) {
 	for i := range 50 {
 		r := New()
-		a := newTestAgent(t, "a", "/agent/a", "root")
-		r.Register(a)
-		d := startDial(t, r, target("root"))
-		o := nextOrder(t, a)
+		a := registerAgent(t, r, "a", "root")
+		d, o := orderedDial(t, r, "root", a)
 		claimed := make(chan *Tunnel, 1)
 		go func() {
 			tun, _ := r.Claim(o.GetDialId(), a.ID, newFakeTunnelStream())
@@ -168,6 +141,15 @@ func TestDialThatEndsAsItIsClaimedLeavesNoTunnelOpen(t *testing.T) {
 			t.Fatalf("round %d: the agent carries %d tunnels, want 0", i, n)
 		}
 	}
+}
+
+// queuedDial starts a dial to cluster whose order waits for room in a's
+// queue, which it fills first, and returns the dial and its id.
+func queuedDial(t *testing.T, r *Registry, cluster string, a *Agent) (*dialing, uint64) {
+	t.Helper()
+	fillOrders(a)
+	d := startDial(t, r, target(cluster))
+	return d, waitPending(t, r, a, 1)[0]
 }
 
 // fillOrders fills a's order queue, as an agent that reads no orders would

@@ -13,11 +13,9 @@ import (
 func TestPendingDialsPerAgentAreBounded(t *testing.T) {
 	r := New()
 	r.Limits = Limits{MaxPendingPerAgent: 2}
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	r.Register(a)
+	a := registerAgent(t, r, "a", "root")
 	for range 2 {
-		startDial(t, r, target("root"))
-		nextOrder(t, a)
+		orderedDial(t, r, "root", a)
 	}
 
 	_, err := r.Dial(t.Context(), target("root"), 1000)
@@ -28,10 +26,8 @@ func TestPendingDialsPerAgentAreBounded(t *testing.T) {
 func TestAnsweredDialFreesItsPendingPlace(t *testing.T) {
 	r := New()
 	r.Limits = Limits{MaxPendingPerAgent: 1}
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	r.Register(a)
-	d := startDial(t, r, target("root"))
-	o := nextOrder(t, a)
+	a := registerAgent(t, r, "a", "root")
+	d, o := orderedDial(t, r, "root", a)
 	r.Fail(a, &tunnelv1.DialFailure{DialId: o.GetDialId(), Code: int32(codes.NotFound), Message: "no such service"})
 	d.wait()
 
@@ -42,10 +38,8 @@ func TestAnsweredDialFreesItsPendingPlace(t *testing.T) {
 func TestGivenUpDialFreesItsPendingPlace(t *testing.T) {
 	r := New()
 	r.Limits = Limits{MaxPendingPerAgent: 1}
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	r.Register(a)
-	d := startDial(t, r, target("root"))
-	nextOrder(t, a)
+	a := registerAgent(t, r, "a", "root")
+	d, _ := orderedDial(t, r, "root", a)
 	d.cancel()
 	d.wait()
 
@@ -56,14 +50,8 @@ func TestGivenUpDialFreesItsPendingPlace(t *testing.T) {
 func TestTunnelsPerAgentAreBounded(t *testing.T) {
 	r := New()
 	r.Limits = Limits{MaxTunnelsPerAgent: 1}
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	r.Register(a)
-	d := startDial(t, r, target("root"))
-	o := nextOrder(t, a)
-	if _, err := r.Claim(o.GetDialId(), a.ID, newFakeTunnelStream()); err != nil {
-		t.Fatalf("claim: %v", err)
-	}
-	tun := d.wait().tunnel
+	a := registerAgent(t, r, "a", "root")
+	tun := claimedTunnel(t, r, "root", a)
 
 	_, err := r.Dial(t.Context(), target("root"), 1000)
 	checkStatus(t, "dial past the limit", err, codes.ResourceExhausted, `every agent of logical cluster "root" carries 1 tunnels`)
@@ -78,10 +66,8 @@ func TestTunnelsPerAgentAreBounded(t *testing.T) {
 func TestDialGoesToAnotherAgentWhenOneIsAtItsLimit(t *testing.T) {
 	r := New()
 	r.Limits = Limits{MaxPendingPerAgent: 1}
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	b := newTestAgent(t, "b", "/agent/b", "root")
-	r.Register(a)
-	r.Register(b)
+	a := registerAgent(t, r, "a", "root")
+	b := registerAgent(t, r, "b", "root")
 	startDial(t, r, target("root"))
 	full, _ := orderedTo(t, a, b)
 	free := a
@@ -106,12 +92,9 @@ func TestLimitsCountPerAgent(t *testing.T) {
 	// another cluster.
 	r := New()
 	r.Limits = Limits{MaxPendingPerAgent: 1}
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	b := newTestAgent(t, "b", "/agent/b", "other")
-	r.Register(a)
-	r.Register(b)
-	startDial(t, r, target("root"))
-	nextOrder(t, a)
+	a := registerAgent(t, r, "a", "root")
+	b := registerAgent(t, r, "b", "other")
+	orderedDial(t, r, "root", a)
 
 	startDial(t, r, target("other"))
 	nextOrder(t, b)
@@ -119,21 +102,12 @@ func TestLimitsCountPerAgent(t *testing.T) {
 
 func TestZeroLimitsBoundNothing(t *testing.T) {
 	r := New()
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	r.Register(a)
+	a := registerAgent(t, r, "a", "root")
 	for range 3 {
-		d := startDial(t, r, target("root"))
-		o := nextOrder(t, a)
-		if _, err := r.Claim(o.GetDialId(), a.ID, newFakeTunnelStream()); err != nil {
-			t.Fatalf("claim: %v", err)
-		}
-		if d.wait().err != nil {
-			t.Fatalf("dial: %v", d.wait().err)
-		}
+		claimedTunnel(t, r, "root", a)
 	}
 	for range 3 {
-		startDial(t, r, target("root"))
-		nextOrder(t, a)
+		orderedDial(t, r, "root", a)
 	}
 	if n := a.Tunnels(); n != 3 {
 		t.Errorf("agent carries %d tunnels, want 3", n)

@@ -2,6 +2,7 @@ package registry
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -33,6 +34,15 @@ func newTestAgent(t *testing.T, name, path string, clusters ...string) *Agent {
 		t.Fatal(err)
 	}
 	return NewAgent("session-"+name, id, name, clusters)
+}
+
+// registerAgent registers an agent named name, of SPIFFE ID path
+// /agent/<name>, serving clusters.
+func registerAgent(t *testing.T, r *Registry, name string, clusters ...string) *Agent {
+	t.Helper()
+	a := newTestAgent(t, name, "/agent/"+name, clusters...)
+	r.Register(a)
+	return a
 }
 
 // target is a valid target in cluster.
@@ -92,6 +102,16 @@ func (d *dialing) wait() outcome {
 	}
 }
 
+// connected is the tunnel the dial got; a failed dial fails the test.
+func (d *dialing) connected() *Tunnel {
+	d.t.Helper()
+	out := d.wait()
+	if out.err != nil {
+		d.t.Fatalf("dial: %v", out.err)
+	}
+	return out.tunnel
+}
+
 // running checks that the dial has not ended.
 func (d *dialing) running() bool {
 	select {
@@ -137,6 +157,42 @@ func noOrder(t *testing.T, a *Agent) {
 		t.Errorf("agent %s was ordered dial %d, want no order", a, o.GetDialId())
 	default:
 	}
+}
+
+// orderedDial starts a dial to cluster and waits for a's order for it: a dial
+// in flight, that a has yet to answer.
+func orderedDial(t *testing.T, r *Registry, cluster string, a *Agent) (*dialing, *tunnelv1.DialOrder) {
+	t.Helper()
+	d := startDial(t, r, target(cluster))
+	return d, nextOrder(t, a)
+}
+
+// claim claims dial dialID for the agent of SPIFFE ID agentID; a refused
+// claim fails the test, what naming it.
+func claim(t *testing.T, what string, r *Registry, dialID uint64, agentID spiffeid.ID) *Tunnel {
+	t.Helper()
+	tun, err := r.Claim(dialID, agentID, newFakeTunnelStream())
+	if err != nil {
+		t.Fatalf("%s: %v", what, err)
+	}
+	return tun
+}
+
+// claimedTunnel is a tunnel through a to cluster, as a dial gets it.
+func claimedTunnel(t *testing.T, r *Registry, cluster string, a *Agent) *Tunnel {
+	t.Helper()
+	d, o := orderedDial(t, r, cluster, a)
+	claim(t, "claim", r, o.GetDialId(), a.ID)
+	return d.connected()
+}
+
+// checkClaimRefused checks that a claim of dial dialID by the agent of SPIFFE
+// ID agentID is refused as NotFound.
+func checkClaimRefused(t *testing.T, what string, r *Registry, dialID uint64, agentID spiffeid.ID) {
+	t.Helper()
+	_, err := r.Claim(dialID, agentID, newFakeTunnelStream())
+	checkStatus(t, what, err, codes.NotFound,
+		fmt.Sprintf("no pending dial %d for %s (it timed out or was cancelled)", dialID, agentID))
 }
 
 // checkStatus checks err's gRPC code and message.

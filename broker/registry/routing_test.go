@@ -12,10 +12,8 @@ import (
 
 func TestDialGoesToAnAgentServingTheCluster(t *testing.T) {
 	r := New()
-	other := newTestAgent(t, "other", "/agent/other", "other")
-	serving := newTestAgent(t, "serving", "/agent/serving", "other", "root")
-	r.Register(other)
-	r.Register(serving)
+	other := registerAgent(t, r, "other", "other")
+	serving := registerAgent(t, r, "serving", "other", "root")
 
 	tgt := target("root")
 	d := startDial(t, r, tgt)
@@ -34,7 +32,7 @@ func TestDialGoesToAnAgentServingTheCluster(t *testing.T) {
 
 func TestDialWithNoAgentForTheClusterIsUnavailable(t *testing.T) {
 	r := New()
-	r.Register(newTestAgent(t, "a", "/agent/a", "root"))
+	registerAgent(t, r, "a", "root")
 
 	_, err := r.Dial(t.Context(), target("elsewhere"), 1000)
 	checkStatus(t, "dial", err, codes.Unavailable, `no agent serves logical cluster "elsewhere"`)
@@ -42,10 +40,8 @@ func TestDialWithNoAgentForTheClusterIsUnavailable(t *testing.T) {
 
 func TestDialsTakeTurnsAmongTheAgentsOfACluster(t *testing.T) {
 	r := New()
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	b := newTestAgent(t, "b", "/agent/b", "root")
-	r.Register(a)
-	r.Register(b)
+	a := registerAgent(t, r, "a", "root")
+	b := registerAgent(t, r, "b", "root")
 
 	var got []*Agent
 	for range 4 {
@@ -62,10 +58,8 @@ func TestDialsTakeTurnsAmongTheAgentsOfACluster(t *testing.T) {
 
 func TestDrainingAgentGetsNoNewDials(t *testing.T) {
 	r := New()
-	draining := newTestAgent(t, "draining", "/agent/draining", "root")
-	staying := newTestAgent(t, "staying", "/agent/staying", "root")
-	r.Register(draining)
-	r.Register(staying)
+	draining := registerAgent(t, r, "draining", "root")
+	staying := registerAgent(t, r, "staying", "root")
 	draining.Drain()
 	if !draining.Draining() {
 		t.Fatal("Draining() is false after Drain()")
@@ -83,8 +77,7 @@ func TestDrainingAgentGetsNoNewDials(t *testing.T) {
 
 func TestDrainingAgentStillGetsDialsWhenNoOtherServesTheCluster(t *testing.T) {
 	r := New()
-	draining := newTestAgent(t, "draining", "/agent/draining", "root")
-	r.Register(draining)
+	draining := registerAgent(t, r, "draining", "root")
 	draining.Drain()
 
 	startDial(t, r, target("root"))
@@ -94,22 +87,18 @@ func TestDrainingAgentStillGetsDialsWhenNoOtherServesTheCluster(t *testing.T) {
 func TestDrainingAgentGetsDialsWhenTheOthersAreAtTheirLimit(t *testing.T) {
 	r := New()
 	r.Limits = Limits{MaxPendingPerAgent: 1}
-	draining := newTestAgent(t, "draining", "/agent/draining", "root")
-	busy := newTestAgent(t, "busy", "/agent/busy", "root")
-	r.Register(draining)
-	r.Register(busy)
+	draining := registerAgent(t, r, "draining", "root")
+	busy := registerAgent(t, r, "busy", "root")
 	draining.Drain()
 
-	startDial(t, r, target("root"))
-	nextOrder(t, busy) // busy is at its limit of one pending dial now
+	orderedDial(t, r, "root", busy) // busy is at its limit of one pending dial now
 	startDial(t, r, target("root"))
 	nextOrder(t, draining)
 }
 
 func TestUnregisteredAgentGetsNoDials(t *testing.T) {
 	r := New()
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	r.Register(a)
+	a := registerAgent(t, r, "a", "root")
 	r.Unregister(a)
 
 	_, err := r.Dial(t.Context(), target("root"), 1000)
@@ -119,10 +108,8 @@ func TestUnregisteredAgentGetsNoDials(t *testing.T) {
 
 func TestUnregisterLeavesTheOtherAgentsOfTheCluster(t *testing.T) {
 	r := New()
-	leaving := newTestAgent(t, "leaving", "/agent/leaving", "root")
-	staying := newTestAgent(t, "staying", "/agent/staying", "root")
-	r.Register(leaving)
-	r.Register(staying)
+	leaving := registerAgent(t, r, "leaving", "root")
+	staying := registerAgent(t, r, "staying", "root")
 	r.Unregister(leaving)
 
 	for range 2 {
@@ -134,8 +121,7 @@ func TestUnregisterLeavesTheOtherAgentsOfTheCluster(t *testing.T) {
 
 func TestUpdateRoutesTheNewClustersAndNotTheOldOnes(t *testing.T) {
 	r := New()
-	a := newTestAgent(t, "a", "/agent/a", "old", "kept")
-	r.Register(a)
+	a := registerAgent(t, r, "a", "old", "kept")
 	r.Update(a, []string{"kept", "new"})
 
 	_, err := r.Dial(t.Context(), target("old"), 1000)
@@ -150,10 +136,8 @@ func TestUpdateRoutesTheNewClustersAndNotTheOldOnes(t *testing.T) {
 
 func TestUpdateLetsDialsAlreadyOrderedFinish(t *testing.T) {
 	r := New()
-	a := newTestAgent(t, "a", "/agent/a", "old")
-	r.Register(a)
-	d := startDial(t, r, target("old"))
-	o := nextOrder(t, a)
+	a := registerAgent(t, r, "a", "old")
+	d, o := orderedDial(t, r, "old", a)
 
 	r.Update(a, []string{"new"})
 	stream := newFakeTunnelStream()

@@ -12,26 +12,10 @@ import (
 // A tunnel's end: the dial that splices it finishes it, and the agent's
 // Tunnel RPC, waiting in Wait, returns with that status.
 
-// claimedTunnel is a tunnel through a, as a dial gets it.
-func claimedTunnel(t *testing.T, r *Registry, a *Agent) *Tunnel {
-	t.Helper()
-	d := startDial(t, r, target("root"))
-	o := nextOrder(t, a)
-	if _, err := r.Claim(o.GetDialId(), a.ID, newFakeTunnelStream()); err != nil {
-		t.Fatalf("claim: %v", err)
-	}
-	out := d.wait()
-	if out.err != nil {
-		t.Fatalf("dial: %v", out.err)
-	}
-	return out.tunnel
-}
-
 func TestFinishEndsTheTunnelWithItsStatus(t *testing.T) {
 	r := New()
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	r.Register(a)
-	tun := claimedTunnel(t, r, a)
+	a := registerAgent(t, r, "a", "root")
+	tun := claimedTunnel(t, r, "root", a)
 
 	tun.Finish(status.Error(codes.Aborted, "the agent's leg failed"))
 	checkStatus(t, "Wait", waitFinished(t, tun), codes.Aborted, "the agent's leg failed")
@@ -39,9 +23,8 @@ func TestFinishEndsTheTunnelWithItsStatus(t *testing.T) {
 
 func TestCleanFinishEndsTheTunnelWithNoError(t *testing.T) {
 	r := New()
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	r.Register(a)
-	tun := claimedTunnel(t, r, a)
+	a := registerAgent(t, r, "a", "root")
+	tun := claimedTunnel(t, r, "root", a)
 
 	tun.Finish(nil)
 	if err := waitFinished(t, tun); err != nil {
@@ -51,9 +34,8 @@ func TestCleanFinishEndsTheTunnelWithNoError(t *testing.T) {
 
 func TestOnlyTheFirstFinishCounts(t *testing.T) {
 	r := New()
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	r.Register(a)
-	tun := claimedTunnel(t, r, a)
+	a := registerAgent(t, r, "a", "root")
+	tun := claimedTunnel(t, r, "root", a)
 
 	tun.Finish(nil)
 	tun.Finish(status.Error(codes.Canceled, "caller went away"))
@@ -67,9 +49,8 @@ func TestOnlyTheFirstFinishCounts(t *testing.T) {
 
 func TestWaitEndsWhenTheAgentsStreamEnds(t *testing.T) {
 	r := New()
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	r.Register(a)
-	tun := claimedTunnel(t, r, a)
+	a := registerAgent(t, r, "a", "root")
+	tun := claimedTunnel(t, r, "root", a)
 	defer tun.Finish(nil)
 
 	ctx, cancel := context.WithCancel(t.Context())
@@ -81,12 +62,10 @@ func TestWaitEndsWhenTheAgentsStreamEnds(t *testing.T) {
 
 func TestTunnelsAreCountedPerAgentUntilFinished(t *testing.T) {
 	r := New()
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	b := newTestAgent(t, "b", "/agent/b", "other")
-	r.Register(a)
-	r.Register(b)
-	first := claimedTunnel(t, r, a)
-	second := claimedTunnel(t, r, a)
+	a := registerAgent(t, r, "a", "root")
+	b := registerAgent(t, r, "b", "other")
+	first := claimedTunnel(t, r, "root", a)
+	second := claimedTunnel(t, r, "root", a)
 	if n, m := a.Tunnels(), b.Tunnels(); n != 2 || m != 0 {
 		t.Fatalf("agents carry %d and %d tunnels, want 2 and 0", n, m)
 	}
@@ -104,9 +83,8 @@ func TestTunnelsOutliveTheirAgentsRegistration(t *testing.T) {
 	// An established tunnel has streams of its own: the agent's Connect
 	// ending does not end it.
 	r := New()
-	a := newTestAgent(t, "a", "/agent/a", "root")
-	r.Register(a)
-	tun := claimedTunnel(t, r, a)
+	a := registerAgent(t, r, "a", "root")
+	tun := claimedTunnel(t, r, "root", a)
 
 	r.Unregister(a)
 	ctx, cancel := context.WithCancel(t.Context())
