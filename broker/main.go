@@ -37,7 +37,7 @@ func run() error {
 		grace      = flag.Duration("grace", server.DefaultGrace, "on SIGTERM, how long tunnels in flight may still run")
 		idle       = flag.Duration("idle-timeout", server.DefaultIdleTimeout, "end tunnels that carry nothing for this long (negative: never)")
 		maxPending = flag.Int64("max-pending-dials-per-agent", 256, "dials one agent may have waiting (0: no limit)")
-		maxAgent   = flag.Int64("max-tunnels-per-agent", 20000, "tunnels one agent may carry (0: no limit)")
+		maxAgent   = flag.Int64("max-tunnels-per-agent", 20000, "tunnels one agent may carry, counting its pending dials (0: no limit)")
 		maxCaller  = flag.Int64("max-tunnels-per-caller", 20000, "tunnels one caller SPIFFE ID may hold (0: no limit)")
 		maxMsg     = flag.Int("max-message-size", server.DefaultMaxMessageSize, "largest gRPC message accepted, in bytes")
 		window     = flag.Int("window-size", server.DefaultWindowSize, "HTTP/2 flow-control window per stream, in bytes (negative: gRPC's dynamic windows)")

@@ -1,6 +1,7 @@
 package registry
 
 import (
+	"context"
 	"testing"
 
 	"google.golang.org/grpc/codes"
@@ -61,6 +62,22 @@ func TestTunnelsPerAgentAreBounded(t *testing.T) {
 	tun.Finish(nil)
 	startDial(t, r, target("root"))
 	nextOrder(t, a)
+}
+
+// Dials on their way to becoming tunnels count against the tunnel limit
+// too: otherwise dials that arrive together all pass it.
+func TestDialsInFlightCountAgainstTheTunnelLimit(t *testing.T) {
+	r := New()
+	r.Limits = Limits{MaxTunnelsPerAgent: 1}
+	a := registerAgent(t, r, "a", "root")
+	orderedDial(t, r, "root", a)
+
+	// Bounded: a dial wrongly let through would wait for the agent.
+	ctx, cancel := context.WithTimeout(t.Context(), waitLong)
+	defer cancel()
+	_, err := r.Dial(ctx, target("root"), 1000)
+	checkStatus(t, "dial past the limit", err, codes.ResourceExhausted, `every agent of logical cluster "root" carries 1 tunnels`)
+	noOrder(t, a)
 }
 
 func TestDialGoesToAnotherAgentWhenOneIsAtItsLimit(t *testing.T) {

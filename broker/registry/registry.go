@@ -35,7 +35,8 @@ type Limits struct {
 	// MaxPendingPerAgent bounds dials ordered and not yet answered, so a
 	// stuck agent cannot pile up waiting webhook calls.
 	MaxPendingPerAgent int64
-	// MaxTunnelsPerAgent bounds tunnels open through one agent.
+	// MaxTunnelsPerAgent bounds tunnels open through one agent, counting
+	// its pending dials, which may become tunnels.
 	MaxTunnelsPerAgent int64
 }
 
@@ -165,10 +166,15 @@ func (r *Registry) pick(cluster string) (*Agent, error) {
 	return nil, status.Errorf(codes.ResourceExhausted, "every agent of logical cluster %q carries %d tunnels", cluster, r.Limits.MaxTunnelsPerAgent)
 }
 
+// atLimit says whether a may take no more dials. Pending dials count against
+// the tunnel limit too, since each may become a tunnel: otherwise dials that
+// arrive together would all pass it. (A dial just claimed counts twice until
+// it returns, so the limit may refuse a moment early, never late.)
 func (r *Registry) atLimit(a *Agent) bool {
 	l := r.Limits
-	return l.MaxPendingPerAgent > 0 && a.pending.Load() >= l.MaxPendingPerAgent ||
-		l.MaxTunnelsPerAgent > 0 && a.tunnels.Load() >= l.MaxTunnelsPerAgent
+	pending := a.pending.Load()
+	return l.MaxPendingPerAgent > 0 && pending >= l.MaxPendingPerAgent ||
+		l.MaxTunnelsPerAgent > 0 && a.tunnels.Load()+pending >= l.MaxTunnelsPerAgent
 }
 
 // Dial orders an agent that serves target's cluster to connect, and waits
