@@ -150,11 +150,18 @@ func (a *Agent) reconnect(life context.Context, client tunnelv1.AgentServiceClie
 	}
 }
 
+// unregisterTimeout bounds how long an agent that stops waits for the broker
+// to end its control stream after it closed its send direction.
+const unregisterTimeout = time.Second
+
 // session registers once and serves dial orders until the control stream
 // ends. Once the agent drains it says so and refuses further orders, and the
 // session ends when life does.
 func (a *Agent) session(life context.Context, client tunnelv1.AgentServiceClient, tunnels *sync.WaitGroup, draining <-chan struct{}) (registered bool, err error) {
-	controlCtx, cancel := context.WithCancel(life)
+	// The control stream outlives life by a moment: when life ends the agent
+	// closes its send direction, the clean end of a registration (the broker
+	// answers OK), and cancels only if the broker does not answer in time.
+	controlCtx, cancel := context.WithCancel(context.WithoutCancel(life))
 	defer cancel()
 	control, err := client.Connect(controlCtx, grpc.WaitForReady(true))
 	if err != nil {
@@ -195,7 +202,33 @@ func (a *Agent) session(life context.Context, client tunnelv1.AgentServiceClient
 	fail := func(f *tunnelv1.DialFailure) {
 		send(&tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_DialFailure{DialFailure: f}})
 	}
-	go a.announce(controlCtx, send, draining)
+	// Drain goes out once, before the send direction closes, however the
+	// agent's stop and the announcer race.
+	drain := sync.OnceFunc(func() {
+		grace := a.Grace
+		if grace <= 0 {
+			grace = DefaultGrace
+		}
+		a.Log.Info("draining", "broker", a.Broker, "grace", grace)
+		send(&tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_Drain{Drain: &tunnelv1.Drain{GraceMs: uint32(grace.Milliseconds())}}})
+	})
+	go a.announce(controlCtx, send, draining, drain)
+	sessionDone := make(chan struct{})
+	defer close(sessionDone)
+	unregister := context.AfterFunc(life, func() {
+		if isClosed(draining) {
+			drain()
+		}
+		sendMu.Lock()
+		_ = control.CloseSend()
+		sendMu.Unlock()
+		select {
+		case <-sessionDone:
+		case <-time.After(unregisterTimeout):
+			cancel()
+		}
+	})
+	defer unregister()
 
 	for {
 		msg, err := control.Recv()
@@ -233,8 +266,8 @@ func (a *Agent) session(life context.Context, client tunnelv1.AgentServiceClient
 }
 
 // announce re-registers when the resolver's clusters change, and tells the
-// broker when the agent starts draining.
-func (a *Agent) announce(ctx context.Context, send func(*tunnelv1.ConnectRequest), draining <-chan struct{}) {
+// broker (drain) when the agent starts draining.
+func (a *Agent) announce(ctx context.Context, send func(*tunnelv1.ConnectRequest), draining <-chan struct{}, drain func()) {
 	var changed <-chan struct{}
 	if w, ok := a.Resolver.(lookup.ClusterWatcher); ok {
 		changed = w.ClustersChanged()
@@ -249,12 +282,7 @@ func (a *Agent) announce(ctx context.Context, send func(*tunnelv1.ConnectRequest
 			}}})
 		case <-draining:
 			draining = nil
-			grace := a.Grace
-			if grace <= 0 {
-				grace = DefaultGrace
-			}
-			a.Log.Info("draining", "broker", a.Broker, "grace", grace)
-			send(&tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_Drain{Drain: &tunnelv1.Drain{GraceMs: uint32(grace.Milliseconds())}}})
+			drain()
 		case <-ctx.Done():
 			return
 		}

@@ -314,3 +314,19 @@ func TestDrainEndsTunnelsAfterGrace(t *testing.T) {
 	wait(t, stopped, "Run to return")
 	s.ended(t)
 }
+
+// A stopping agent ends its registration the clean way: it closes its send
+// direction, after its Drain, rather than cancelling the stream.
+func TestStoppingAgentClosesItsControlStreamCleanly(t *testing.T) {
+	p := newPKI(t)
+	b := startBroker(t, p)
+	stop := run(t, newAgent(t, p, b, staticResolver(t, "127.0.0.1:1")))
+	s := b.nextSession(t)
+
+	stopped := stopAsync(stop)
+	if m := s.next(t); m.GetDrain() == nil {
+		t.Fatalf("agent sent %v before closing its send direction, want drain", m)
+	}
+	wait(t, s.closedSend, "the agent to close its send direction")
+	wait(t, stopped, "Run to return")
+}

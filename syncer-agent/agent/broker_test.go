@@ -135,6 +135,8 @@ type session struct {
 	// closed when the agent's side of the stream ends.
 	msgs chan *tunnelv1.ConnectRequest
 	end  chan error
+	// closedSend closes when the agent closes its send direction.
+	closedSend chan struct{}
 }
 
 func (b *fakeBroker) Connect(stream tunnelv1.AgentService_ConnectServer) error {
@@ -156,7 +158,7 @@ func (b *fakeBroker) Connect(stream tunnelv1.AgentService_ConnectServer) error {
 		return err
 	}
 	s := &session{peer: peer, register: first.GetRegister(), stream: stream,
-		msgs: make(chan *tunnelv1.ConnectRequest, 64), end: make(chan error, 1)}
+		msgs: make(chan *tunnelv1.ConnectRequest, 64), end: make(chan error, 1), closedSend: make(chan struct{})}
 	ctx := stream.Context()
 	b.readers.Add(1)
 	go func() {
@@ -164,6 +166,9 @@ func (b *fakeBroker) Connect(stream tunnelv1.AgentService_ConnectServer) error {
 		defer close(s.msgs)
 		for {
 			m, err := stream.Recv()
+			if errors.Is(err, io.EOF) {
+				close(s.closedSend)
+			}
 			if err != nil {
 				return
 			}
@@ -182,6 +187,10 @@ func (b *fakeBroker) Connect(stream tunnelv1.AgentService_ConnectServer) error {
 	select {
 	case err := <-s.end:
 		return err
+	case <-s.closedSend:
+		// As the broker does: an agent that closes its send direction
+		// has ended its registration cleanly.
+		return nil
 	case <-ctx.Done():
 		return ctx.Err()
 	}
