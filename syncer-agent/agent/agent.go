@@ -158,11 +158,14 @@ const unregisterTimeout = time.Second
 // ends. Once the agent drains it says so and refuses further orders, and the
 // session ends when life does.
 func (a *Agent) session(life context.Context, client tunnelv1.AgentServiceClient, tunnels *sync.WaitGroup, draining <-chan struct{}) (registered bool, err error) {
-	// The control stream outlives life by a moment: when life ends the agent
-	// closes its send direction, the clean end of a registration (the broker
-	// answers OK), and cancels only if the broker does not answer in time.
+	// Once registered, the control stream outlives life by a moment: when
+	// life ends the agent closes its send direction, the clean end of a
+	// registration (the broker answers OK), and cancels only if the broker
+	// does not answer in time. Until then, the end of life cancels at once.
 	controlCtx, cancel := context.WithCancel(context.WithoutCancel(life))
 	defer cancel()
+	cancelEarly := context.AfterFunc(life, cancel)
+	defer cancelEarly()
 	control, err := client.Connect(controlCtx, grpc.WaitForReady(true))
 	if err != nil {
 		return false, err
@@ -182,6 +185,8 @@ func (a *Agent) session(life context.Context, client tunnelv1.AgentServiceClient
 	if reg == nil {
 		return false, errors.New("broker did not confirm the registration")
 	}
+	// Registered: from now on the end of life unregisters cleanly (below).
+	cancelEarly()
 	a.registered.Store(true)
 	registeredBrokers.Inc()
 	defer func() {

@@ -3,6 +3,7 @@ package agent
 import (
 	"errors"
 	"io"
+	"log/slog"
 	"slices"
 	"sync"
 	"syscall"
@@ -29,7 +30,12 @@ func TestRegisterCarriesResolverClustersAndAgentName(t *testing.T) {
 	a := newAgent(t, p, b, r)
 	a.Name = "us-east-1"
 	registered := make(chan string, 4)
-	a.Registered = func(brokerID string) { registered <- brokerID }
+	a.Registered = func(brokerID string) {
+		select {
+		case registered <- brokerID:
+		default:
+		}
+	}
 	run(t, a)
 
 	s := b.nextSession(t)
@@ -60,7 +66,12 @@ func TestAgentReconnectsAfterBrokerEndsControlStream(t *testing.T) {
 			b := startBroker(t, p)
 			a := newAgent(t, p, b, staticResolver(t, "127.0.0.1:1"))
 			registered := make(chan string, 4)
-			a.Registered = func(brokerID string) { registered <- brokerID }
+			a.Registered = func(brokerID string) {
+				select {
+				case registered <- brokerID:
+				default:
+				}
+			}
 			run(t, a)
 
 			first := b.nextSession(t)
@@ -89,7 +100,12 @@ func TestAgentRetriesRefusedRegistration(t *testing.T) {
 	b.refusals <- status.Error(codes.PermissionDenied, "not yet")
 	a := newAgent(t, p, b, staticResolver(t, "127.0.0.1:1"))
 	registered := make(chan string, 4)
-	a.Registered = func(brokerID string) { registered <- brokerID }
+	a.Registered = func(brokerID string) {
+		select {
+		case registered <- brokerID:
+		default:
+		}
+	}
 	run(t, a)
 
 	s := b.nextSession(t)
@@ -320,8 +336,18 @@ func TestDrainEndsTunnelsAfterGrace(t *testing.T) {
 func TestStoppingAgentClosesItsControlStreamCleanly(t *testing.T) {
 	p := newPKI(t)
 	b := startBroker(t, p)
-	stop := run(t, newAgent(t, p, b, staticResolver(t, "127.0.0.1:1")))
+	a := newAgent(t, p, b, staticResolver(t, "127.0.0.1:1"))
+	registered := make(chan string, 1)
+	a.Registered = func(brokerID string) {
+		select {
+		case registered <- brokerID:
+		default:
+		}
+	}
+	stop := run(t, a)
 	s := b.nextSession(t)
+	// Stopped before it reads "registered", an agent just cancels.
+	wait(t, registered, "the agent to read its registration")
 
 	stopped := stopAsync(stop)
 	if m := s.next(t); m.GetDrain() == nil {
@@ -329,4 +355,20 @@ func TestStoppingAgentClosesItsControlStreamCleanly(t *testing.T) {
 	}
 	wait(t, s.closedSend, "the agent to close its send direction")
 	wait(t, stopped, "Run to return")
+}
+
+// Until it is registered, a stopping agent has nothing to end cleanly: it
+// stops at once, even while it waits for a broker it cannot reach.
+func TestStoppingAgentThatCannotReachItsBrokerReturns(t *testing.T) {
+	p := newPKI(t)
+	a := &Agent{
+		Broker:      "127.0.0.1:1", // refuses connections
+		Credentials: p.agentCredentials(),
+		Name:        "test-agent",
+		Resolver:    staticResolver(t, "127.0.0.1:1"),
+		Grace:       50 * time.Millisecond,
+		Log:         slog.New(slog.NewTextHandler(t.Output(), nil)),
+	}
+	stop := run(t, a)
+	wait(t, stopAsync(stop), "Run to return")
 }
