@@ -30,12 +30,7 @@ func TestRegisterCarriesResolverClustersAndAgentName(t *testing.T) {
 	a := newAgent(t, p, b, r)
 	a.Name = "us-east-1"
 	registered := make(chan string, 4)
-	a.Registered = func(brokerID string) {
-		select {
-		case registered <- brokerID:
-		default:
-		}
-	}
+	a.Registered = func(brokerID string) { registered <- brokerID }
 	run(t, a)
 
 	s := b.nextSession(t)
@@ -66,12 +61,7 @@ func TestAgentReconnectsAfterBrokerEndsControlStream(t *testing.T) {
 			b := startBroker(t, p)
 			a := newAgent(t, p, b, staticResolver(t, "127.0.0.1:1"))
 			registered := make(chan string, 4)
-			a.Registered = func(brokerID string) {
-				select {
-				case registered <- brokerID:
-				default:
-				}
-			}
+			a.Registered = func(brokerID string) { registered <- brokerID }
 			run(t, a)
 
 			first := b.nextSession(t)
@@ -100,12 +90,7 @@ func TestAgentRetriesRefusedRegistration(t *testing.T) {
 	b.refusals <- status.Error(codes.PermissionDenied, "not yet")
 	a := newAgent(t, p, b, staticResolver(t, "127.0.0.1:1"))
 	registered := make(chan string, 4)
-	a.Registered = func(brokerID string) {
-		select {
-		case registered <- brokerID:
-		default:
-		}
-	}
+	a.Registered = func(brokerID string) { registered <- brokerID }
 	run(t, a)
 
 	s := b.nextSession(t)
@@ -341,7 +326,7 @@ func TestStoppingAgentClosesItsControlStreamCleanly(t *testing.T) {
 	a.Registered = func(brokerID string) {
 		select {
 		case registered <- brokerID:
-		default:
+		default: // told once is enough
 		}
 	}
 	stop := run(t, a)
