@@ -18,11 +18,10 @@ type cpuTimes struct{ self, broker, agent, relay1, relay2 time.Duration }
 func (r *runner) cpu() cpuTimes {
 	var t cpuTimes
 	read := func(pid int, d *time.Duration) {
-		used, err := bench.ProcCPU(pid)
-		if err != nil {
+		var err error
+		if *d, err = bench.ProcCPU(pid); err != nil {
 			r.m.Fatal(err)
 		}
-		*d += used
 	}
 	read(os.Getpid(), &t.self)
 	read(r.main.broker.Cmd.Process.Pid, &t.broker)

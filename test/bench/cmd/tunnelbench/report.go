@@ -18,26 +18,27 @@ type report struct{}
 var none = math.NaN()
 
 // row prints a figure. The ratio is tunneled/direct, or "-" without both.
-func (*report) row(name string, direct, tunneled float64) {
-	ratio := none
-	if !math.IsNaN(direct) && !math.IsNaN(tunneled) && direct != 0 {
-		ratio = tunneled / direct
-	}
-	fmt.Printf("%-44s direct=%-8s tunneled=%-8s ratio=%s\n", name, num(direct), num(tunneled), fixed(ratio, 2))
+func (rep *report) row(name string, direct, tunneled float64) {
+	rep.line(name, "tunneled", direct, tunneled)
 }
 
 // relayRow prints figure name of the relay path (relay.go) against the
 // direct path, as "relay_<name>" with a relay= column in the place of
-// tunneled=; the ratio is relay/direct. A name longer than the column takes
-// from the direct value's padding, so the later columns stay aligned.
-func (*report) relayRow(name string, direct, relay float64) {
+// tunneled=; the ratio is relay/direct.
+func (rep *report) relayRow(name string, direct, relay float64) {
+	rep.line("relay_"+name, "relay", direct, relay)
+}
+
+// line prints one figure of path against the direct path. A name longer
+// than its column takes from the direct value's padding, and the path's
+// label from its value's, so that the later columns stay aligned.
+func (*report) line(name, path string, direct, value float64) {
 	ratio := none
-	if !math.IsNaN(direct) && !math.IsNaN(relay) && direct != 0 {
-		ratio = relay / direct
+	if !math.IsNaN(direct) && !math.IsNaN(value) && direct != 0 {
+		ratio = value / direct
 	}
-	name = "relay_" + name
 	w := max(44, len(name))
-	fmt.Printf("%-*s direct=%-*s relay=%-11s ratio=%s\n", w, name, 44+8-w, num(direct), num(relay), fixed(ratio, 2))
+	fmt.Printf("%-*s direct=%-*s %s=%-*s ratio=%s\n", w, name, 44+8-w, num(direct), path, 16-len(path), num(value), fixed(ratio, 2))
 }
 
 // note prints a comment line: scripts skip lines starting with #.
