@@ -82,7 +82,8 @@ type Server struct {
 	health   *health.Server
 	dial     *dialv1.Service
 	draining chan struct{}
-	stopping chan struct{}
+	stopping context.Context
+	stop     context.CancelFunc
 	Registry *registry.Registry
 }
 
@@ -107,9 +108,9 @@ func New(cfg Config) *Server {
 	s := &Server{
 		cfg:      cfg,
 		draining: make(chan struct{}),
-		stopping: make(chan struct{}),
 		Registry: registry.New(),
 	}
+	s.stopping, s.stop = context.WithCancel(context.Background())
 	s.Registry.Limits = cfg.Limits
 
 	authorizer := &authz.Authorizer{Policy: cfg.Policy, Log: log}
@@ -209,7 +210,7 @@ wait:
 	if n := s.dial.Active(); n > 0 {
 		log.Info("grace period over, ending tunnels", "tunnels", n)
 	}
-	close(s.stopping)
+	s.stop()
 	// Every handler now returns promptly; GracefulStop lets their statuses
 	// reach the peers before the connections close.
 	stopped := make(chan struct{})

@@ -51,12 +51,14 @@ type Server struct {
 	Addr     string
 	Registry *registry.Registry
 	Policy   *policy.Policy
-	// Draining and Stopping close on Drain and Stop.
-	Draining, Stopping chan struct{}
-	Log                *slog.Logger
+	// Draining closes on Drain, Stopping ends on Stop.
+	Draining chan struct{}
+	Stopping context.Context
+	stop     context.CancelFunc
+	Log      *slog.Logger
 
-	t                   *testing.T
-	drainOnce, stopOnce sync.Once
+	t         *testing.T
+	drainOnce sync.Once
 
 	mu    sync.Mutex
 	conns map[string]*grpc.ClientConn
@@ -79,11 +81,12 @@ func Start(t *testing.T, pol policy.File, register func(s *Server, srv *grpc.Ser
 		Registry: registry.New(),
 		Policy:   p,
 		Draining: make(chan struct{}),
-		Stopping: make(chan struct{}),
 		Log:      slog.New(slog.DiscardHandler),
 		t:        t,
 		conns:    map[string]*grpc.ClientConn{},
 	}
+	s.Stopping, s.stop = context.WithCancel(context.Background())
+	t.Cleanup(s.stop)
 	srv := grpc.NewServer(
 		grpc.Creds(identity.ServerCredentials(source(t, ca, BrokerPath), tlsconfig.AuthorizeAny())),
 		tunnelv1.FrameServerOption(),
@@ -112,8 +115,8 @@ func Start(t *testing.T, pol policy.File, register func(s *Server, srv *grpc.Ser
 // Drain closes Draining: the broker begins to shut down.
 func (s *Server) Drain() { s.drainOnce.Do(func() { close(s.Draining) }) }
 
-// Stop closes Stopping: the broker's grace period is over.
-func (s *Server) Stop() { s.stopOnce.Do(func() { close(s.Stopping) }) }
+// Stop ends Stopping: the broker's grace period is over.
+func (s *Server) Stop() { s.stop() }
 
 // Conn is a client connection to the broker as the identity path, expecting
 // the broker's identity. It lasts as long as the broker; each identity has

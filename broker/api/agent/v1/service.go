@@ -4,6 +4,7 @@
 package agent
 
 import (
+	"context"
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
@@ -32,10 +33,11 @@ type Service struct {
 	Policy   *policy.Policy
 	BrokerID string
 	// Draining closes when the broker stops taking dials: agents are told,
-	// with Grace as the time tunnels in flight still have. Stopping closes
+	// with Grace as the time tunnels in flight still have. Stopping ends
 	// when that time is over: control streams end.
-	Draining, Stopping <-chan struct{}
-	Grace              time.Duration
+	Draining <-chan struct{}
+	Stopping context.Context
+	Grace    time.Duration
 	// ProbeEvery is how often each agent is probed over its control
 	// stream; 0 means DefaultProbeEvery.
 	ProbeEvery time.Duration
@@ -111,7 +113,7 @@ func (s *Service) Connect(stream tunnelv1.AgentService_ConnectServer) error {
 			if err := stream.Send(drain); err != nil {
 				return err
 			}
-		case <-s.Stopping:
+		case <-s.Stopping.Done():
 			return status.Error(codes.Unavailable, "the broker is shutting down")
 		case order := <-a.Orders():
 			if err := stream.Send(&tunnelv1.ConnectResponse{Message: &tunnelv1.ConnectResponse_DialOrder{DialOrder: order}}); err != nil {

@@ -39,10 +39,11 @@ type Service struct {
 	IdleTimeout time.Duration
 	// MaxTunnelsPerCaller bounds the tunnels one SPIFFE ID holds; 0: none.
 	MaxTunnelsPerCaller int64
-	// Draining closes when the broker stops taking dials; Stopping when
-	// its grace period for tunnels in flight is over.
-	Draining, Stopping <-chan struct{}
-	Log                *slog.Logger
+	// Draining closes when the broker stops taking dials; Stopping ends
+	// when its grace period for tunnels in flight is over.
+	Draining <-chan struct{}
+	Stopping context.Context
+	Log      *slog.Logger
 
 	active    atomic.Int64
 	perCaller sync.Map // spiffeid.ID -> *atomic.Int64
@@ -119,7 +120,8 @@ func (s *Service) Dial(stream tunnelv1.DialService_DialServer) error {
 		s.active.Add(-1)
 		metrics.Tunnels.Dec()
 	}()
-	callerStatus, agentStatus := splicer{stopping: s.Stopping, idle: s.IdleTimeout}.splice(stream, t.Stream)
+	sp := &splice{caller: stream, agent: t.Stream, idle: s.IdleTimeout}
+	callerStatus, agentStatus := sp.run(t.Start, s.Stopping)
 	t.Finish(agentStatus)
 	if agentStatus != nil {
 		log.Info("tunnel ended", "caller_code", status.Code(callerStatus).String(), "agent_code", status.Code(agentStatus).String(), "error", status.Convert(agentStatus).Message())

@@ -1,15 +1,18 @@
 package dial
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
+	"sync"
 	"sync/atomic"
 	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/kcp-dev/tunnel-broker/broker/internal/abortable"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
@@ -25,78 +28,156 @@ type failure struct {
 	callerStatus, agentStatus error
 }
 
-// splicer holds what a splice watches besides its two streams.
-type splicer struct {
-	// stopping closes when the broker's grace period is over.
-	stopping <-chan struct{}
-	// idle ends a tunnel that carried nothing for this long; 0 for never.
-	idle time.Duration
-}
-
 // splice carries bytes both ways between the caller's Dial stream and the
 // agent's Tunnel stream until both directions are half-closed, or either side
-// fails. It returns the status that ends each RPC (nil for OK).
+// fails.
 //
-// Each direction runs in its own goroutine because a gRPC Recv or Send
-// cannot be interrupted: only the end of its RPC frees it. Each copy uses
-// both streams, so neither RPC's own handler may run one (it could block on
-// its own stream forever); the handlers only wait, and when one side fails
-// both return, which frees whatever the copies are blocked in. That makes
-// four goroutines a tunnel, the least this robustness allows with gRPC's
-// blocking streams.
-func (sp splicer) splice(caller tunnelv1.DialService_DialServer, agent tunnelv1.AgentService_TunnelServer) (callerStatus, agentStatus error) {
-	var active activity
-	active.touch()
-	results := make(chan *failure, 2)
-	go func() { results <- copyUp(caller, agent, &active) }()
-	go func() { results <- copyDown(agent, caller, &active) }()
-	var idle <-chan time.Time
+// Each RPC's handler copies one direction: the Dial handler the caller's
+// bytes up to the agent, the agent's Tunnel handler the agent's bytes down to
+// the caller. That is two goroutines a tunnel, the least two gRPC streams
+// allow. A copy blocked on one stream does not see the other end, so the
+// first failure ends both RPCs with their statuses (package abortable), which
+// frees both copies whatever the peers do. What can end a tunnel from outside (either
+// stream's end, the broker's stop, the idle timer) is watched by callbacks,
+// not goroutines.
+//
+// Ending an RPC ends its stream, and the other direction's copy writes to
+// it: the Dial handler returns only once the down copy is done, and the
+// Tunnel handler only once the splice has finished its tunnel.
+type splice struct {
+	caller   tunnelv1.DialService_DialServer
+	agent    tunnelv1.AgentService_TunnelServer
+	idle     time.Duration // 0: never
+	active   activity
+	downDone chan struct{}
+
+	mu        sync.Mutex
+	settled   bool     // the end is known; later failures change nothing
+	end       *failure // the first failure; nil for a clean end
+	idleTimer *time.Timer
+}
+
+// run splices from the Dial handler until both copies are done; start hands
+// the down copy to the agent's Tunnel handler (registry.Tunnel.Start). It
+// returns the status that ends each RPC (nil for OK).
+func (sp *splice) run(start func(down func()) bool, stopping context.Context) (callerStatus, agentStatus error) {
+	if !abortable.Supported(sp.caller.Context()) || !abortable.Supported(sp.agent.Context()) {
+		err := status.Error(codes.Internal, "this build of the broker cannot end a gRPC stream from outside its handler (package abortable)")
+		return err, err
+	}
+	sp.downDone = make(chan struct{})
+	sp.active.touch()
+	unwatch := sp.watch(stopping)
+	if !start(sp.down) {
+		// The agent's Tunnel RPC ended before it could take its half.
+		sp.fail(&failure{err: context.Cause(sp.agent.Context())})
+		close(sp.downDone)
+	}
+	if f := copyUp(sp.caller, sp.agent, &sp.active); f != nil {
+		sp.fail(f)
+	}
+	<-sp.downDone
+	unwatch()
+	sp.mu.Lock()
+	sp.settled = true
+	end := sp.end
+	sp.mu.Unlock()
+	return end.statuses()
+}
+
+// down is the agent's half, run by its Tunnel handler.
+func (sp *splice) down() {
+	if f := copyDown(sp.agent, sp.caller, &sp.active); f != nil {
+		sp.fail(f)
+	}
+	close(sp.downDone)
+}
+
+// fail ends the splice with f, unless it has ended already: it ends both
+// RPCs with their statuses, which frees both copies.
+func (sp *splice) fail(f *failure) {
+	sp.mu.Lock()
+	first := !sp.settled
+	if first {
+		sp.settled, sp.end = true, f
+	}
+	sp.mu.Unlock()
+	if first {
+		callerStatus, agentStatus := f.statuses()
+		abortable.End(sp.caller.Context(), callerStatus)
+		abortable.End(sp.agent.Context(), agentStatus)
+	}
+}
+
+// watch fails the splice when either stream ends, when stopping ends, or
+// when the tunnel has been idle too long. unwatch undoes it.
+func (sp *splice) watch(stopping context.Context) (unwatch func()) {
+	callerCtx, agentCtx := sp.caller.Context(), sp.agent.Context()
+	// On contexts of the standard library, AfterFunc starts no goroutine
+	// until its context ends.
+	stopCaller := context.AfterFunc(callerCtx, func() {
+		sp.fail(&failure{byCaller: true, err: context.Cause(callerCtx)})
+	})
+	stopAgent := context.AfterFunc(agentCtx, func() {
+		sp.fail(&failure{err: context.Cause(agentCtx)})
+	})
+	stopStopping := context.AfterFunc(stopping, func() {
+		sp.fail(&failure{
+			callerStatus: status.Error(codes.Unavailable, "the broker is shutting down and its grace period is over"),
+			agentStatus:  status.Error(codes.Unavailable, "the broker is shutting down"),
+		})
+	})
 	if sp.idle > 0 {
-		t := time.NewTicker(sp.idle / 4)
-		defer t.Stop()
-		idle = t.C
+		sp.mu.Lock()
+		sp.idleTimer = time.AfterFunc(sp.idle, sp.checkIdle)
+		sp.mu.Unlock()
 	}
-	for pending := 2; pending > 0; {
-		var f *failure
-		// A copy blocked in Send on one stream does not see the other
-		// stream end, so watch both ends here as well.
-		select {
-		case f = <-results:
-			pending--
-		case <-caller.Context().Done():
-			f = &failure{byCaller: true, err: caller.Context().Err()}
-		case <-agent.Context().Done():
-			f = &failure{err: agent.Context().Err()}
-		case <-sp.stopping:
-			f = &failure{
-				callerStatus: status.Error(codes.Unavailable, "the broker is shutting down and its grace period is over"),
-				agentStatus:  status.Error(codes.Unavailable, "the broker is shutting down"),
-			}
-		case <-idle:
-			if active.since() < sp.idle {
-				continue
-			}
-			metrics.LimitsHit.WithLabelValues("idle_timeout").Inc()
-			msg := fmt.Sprintf("tunnel carried nothing for %v", sp.idle)
-			f = &failure{callerStatus: status.Error(codes.DeadlineExceeded, msg), agentStatus: status.Error(codes.DeadlineExceeded, msg)}
+	return func() {
+		stopCaller()
+		stopAgent()
+		stopStopping()
+		sp.mu.Lock()
+		if sp.idleTimer != nil {
+			sp.idleTimer.Stop()
 		}
-		switch {
-		case f == nil:
-			continue
-		case f.callerStatus != nil:
-			return f.callerStatus, f.agentStatus
-		case f.byCaller:
-			if status.Code(f.err) == codes.InvalidArgument {
-				return f.err, status.Errorf(codes.Canceled, "caller broke the protocol: %v", f.err)
-			}
-			return status.Error(codes.Canceled, "caller went away"),
-				status.Errorf(codes.Canceled, "caller went away: %v", f.err)
-		default:
-			return status.Errorf(codes.Unavailable, "tunnel lost on the agent's side: %v", f.err),
-				status.Errorf(codes.Aborted, "tunnel aborted: %v", f.err)
-		}
+		sp.mu.Unlock()
 	}
-	return nil, nil
+}
+
+// checkIdle ends a tunnel that carried nothing for sp.idle, or looks again
+// when it could have.
+func (sp *splice) checkIdle() {
+	quiet := sp.active.since()
+	if quiet < sp.idle {
+		sp.mu.Lock()
+		if !sp.settled {
+			sp.idleTimer.Reset(sp.idle - quiet)
+		}
+		sp.mu.Unlock()
+		return
+	}
+	metrics.LimitsHit.WithLabelValues("idle_timeout").Inc()
+	msg := fmt.Sprintf("tunnel carried nothing for %v", sp.idle)
+	sp.fail(&failure{callerStatus: status.Error(codes.DeadlineExceeded, msg), agentStatus: status.Error(codes.DeadlineExceeded, msg)})
+}
+
+// statuses are the statuses that end the caller's and the agent's RPC.
+func (f *failure) statuses() (callerStatus, agentStatus error) {
+	switch {
+	case f == nil:
+		return nil, nil
+	case f.callerStatus != nil:
+		return f.callerStatus, f.agentStatus
+	case f.byCaller:
+		if status.Code(f.err) == codes.InvalidArgument {
+			return f.err, status.Errorf(codes.Canceled, "caller broke the protocol: %v", f.err)
+		}
+		return status.Error(codes.Canceled, "caller went away"),
+			status.Errorf(codes.Canceled, "caller went away: %v", f.err)
+	default:
+		return status.Errorf(codes.Unavailable, "tunnel lost on the agent's side: %v", f.err),
+			status.Errorf(codes.Aborted, "tunnel aborted: %v", f.err)
+	}
 }
 
 // activity is when a tunnel last carried a frame.

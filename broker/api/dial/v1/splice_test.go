@@ -9,6 +9,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/mem"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
@@ -166,8 +167,20 @@ type leg struct {
 func newLeg(t *testing.T) *leg {
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
-	return &leg{ctx: ctx, cancel: cancel, frames: make(chan []byte, 1), sending: make(chan struct{}, 1)}
+	l := &leg{cancel: cancel, frames: make(chan []byte, 1), sending: make(chan struct{}, 1)}
+	// As in gRPC, writing the status ends the stream.
+	l.ctx = grpc.NewContextWithServerTransportStream(ctx, legTransport{l})
+	return l
 }
+
+// legTransport is the part of a gRPC stream that ends it with a status.
+type legTransport struct{ *leg }
+
+func (legTransport) Method() string                     { return "/leg" }
+func (legTransport) SetHeader(metadata.MD) error        { return nil }
+func (legTransport) SendHeader(metadata.MD) error       { return nil }
+func (legTransport) SetTrailer(metadata.MD) error       { return nil }
+func (l legTransport) WriteStatus(*status.Status) error { l.cancel(); return nil }
 
 func (l *leg) Context() context.Context { return l.ctx }
 
@@ -205,10 +218,15 @@ func (l agentLeg) Send(*tunnelv1.TunnelResponse) error    { return l.SendMsg(nil
 
 type statuses struct{ caller, agent error }
 
-func startSplice(sp splicer, caller *leg, agent *leg) <-chan statuses {
+// startSplice splices caller and agent as the Dial handler does, with the
+// down copy in a goroutine of its own as the agent's Tunnel handler would.
+func startSplice(t *testing.T, caller *leg, agent *leg) <-chan statuses {
+	stopping, stop := context.WithCancel(context.Background())
+	t.Cleanup(stop)
 	done := make(chan statuses, 1)
 	go func() {
-		c, a := sp.splice(caller, agentLeg{agent})
+		sp := &splice{caller: caller, agent: agentLeg{agent}}
+		c, a := sp.run(func(down func()) bool { go down(); return true }, stopping)
 		done <- statuses{c, a}
 	}()
 	return done
@@ -228,7 +246,7 @@ func waitSplice(t *testing.T, done <-chan statuses) statuses {
 func TestSpliceEndsWhenTheCallerGoesAwayWhileSendingToTheAgent(t *testing.T) {
 	caller, agent := newLeg(t), newLeg(t)
 	caller.frames <- []byte("the agent does not read this")
-	done := startSplice(splicer{}, caller, agent)
+	done := startSplice(t, caller, agent)
 	<-agent.sending // blocked in Send to the agent; and receiving from it
 	caller.cancel()
 	got := waitSplice(t, done)
@@ -240,7 +258,7 @@ func TestSpliceEndsWhenTheCallerGoesAwayWhileSendingToTheAgent(t *testing.T) {
 func TestSpliceEndsWhenTheAgentGoesAwayWhileSendingToTheCaller(t *testing.T) {
 	caller, agent := newLeg(t), newLeg(t)
 	agent.frames <- []byte("the caller does not read this")
-	done := startSplice(splicer{}, caller, agent)
+	done := startSplice(t, caller, agent)
 	<-caller.sending
 	agent.cancel()
 	got := waitSplice(t, done)

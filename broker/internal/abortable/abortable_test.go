@@ -1,0 +1,148 @@
+package abortable_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/kcp-dev/tunnel-broker/broker/internal/abortable"
+	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
+	"github.com/kcp-dev/tunnel-broker/broker/policy"
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m)
+}
+
+// handler is a Dial handler that reports its stream's context and what its
+// blocked call returned, then returns OK, which End must make moot.
+type handler struct {
+	tunnelv1.UnimplementedDialServiceServer
+	block   func(tunnelv1.DialService_DialServer) error
+	started chan context.Context
+	freed   chan error
+}
+
+func (h *handler) Dial(stream tunnelv1.DialService_DialServer) error {
+	if _, err := stream.Recv(); err != nil { // the client's opening message
+		return err
+	}
+	h.started <- stream.Context()
+	h.freed <- h.block(stream)
+	return nil
+}
+
+// serve serves h over brokertest's mTLS and opens one Dial stream to it.
+func serve(t *testing.T, block func(tunnelv1.DialService_DialServer) error) (*handler, tunnelv1.DialService_DialClient) {
+	h := &handler{block: block, started: make(chan context.Context, 1), freed: make(chan error, 1)}
+	pol := policy.File{
+		Agents:  []policy.AgentRule{{ID: brokertest.ID("/agent").String(), Clusters: []string{"*"}}},
+		Callers: []policy.CallerRule{{ID: brokertest.ID("/kcp").String()}},
+	}
+	b := brokertest.Start(t, pol, func(_ *brokertest.Server, srv *grpc.Server) {
+		tunnelv1.RegisterDialServiceServer(srv, h)
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	stream, err := tunnelv1.NewDialServiceClient(b.Conn(t, "/kcp")).Dial(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return h, stream
+}
+
+func recvEnd(t *testing.T, stream tunnelv1.DialService_DialClient) error {
+	t.Helper()
+	for {
+		if _, err := stream.Recv(); err != nil {
+			return err
+		}
+	}
+}
+
+func wait[T any](t *testing.T, what string, c <-chan T) T {
+	t.Helper()
+	select {
+	case v := <-c:
+		return v
+	case <-time.After(brokertest.WaitLong):
+		t.Fatalf("%s: timed out", what)
+		var zero T
+		return zero
+	}
+}
+
+func TestEndFreesAHandlerBlockedInRecvAndThePeerGetsTheStatus(t *testing.T) {
+	h, stream := serve(t, func(s tunnelv1.DialService_DialServer) error {
+		_, err := s.Recv()
+		return err
+	})
+	// Open the stream, then stay silent.
+	if err := stream.Send(&tunnelv1.DialRequest{}); err != nil {
+		t.Fatal(err)
+	}
+	ctx := wait(t, "handler start", h.started)
+	if !abortable.Supported(ctx) {
+		t.Fatal("Supported is false inside a handler")
+	}
+	abortable.End(ctx, status.Error(codes.Unavailable, "the other side went away"))
+	if err := wait(t, "blocked Recv", h.freed); err == nil {
+		t.Error("the blocked Recv returned no error after End")
+	}
+	brokertest.CheckStatus(t, "client", recvEnd(t, stream), codes.Unavailable, "the other side went away")
+}
+
+func TestEndFreesAHandlerBlockedInSend(t *testing.T) {
+	h, stream := serve(t, func(s tunnelv1.DialService_DialServer) error {
+		// The client never reads: Send blocks once flow control says so.
+		msg := &tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_Data{Data: make([]byte, 32<<10)}}
+		for {
+			if err := s.Send(msg); err != nil {
+				return err
+			}
+		}
+	})
+	if err := stream.Send(&tunnelv1.DialRequest{}); err != nil {
+		t.Fatal(err)
+	}
+	ctx := wait(t, "handler start", h.started)
+	select {
+	case err := <-h.freed:
+		t.Fatalf("Send returned before End: %v", err)
+	case <-time.After(100 * time.Millisecond): // blocked, or about to be
+	}
+	abortable.End(ctx, status.Error(codes.DeadlineExceeded, "idle"))
+	if err := wait(t, "blocked Send", h.freed); err == nil {
+		t.Error("the blocked Send returned no error after End")
+	}
+	brokertest.CheckStatus(t, "client", recvEnd(t, stream), codes.DeadlineExceeded, "idle")
+}
+
+func TestEndOnAnEndedRPCChangesNothing(t *testing.T) {
+	h, stream := serve(t, func(s tunnelv1.DialService_DialServer) error {
+		_, err := s.Recv()
+		return err
+	})
+	if err := stream.Send(&tunnelv1.DialRequest{}); err != nil {
+		t.Fatal(err)
+	}
+	ctx := wait(t, "handler start", h.started)
+	abortable.End(ctx, status.Error(codes.Aborted, "first"))
+	abortable.End(ctx, status.Error(codes.Internal, "second"))
+	wait(t, "blocked Recv", h.freed)
+	brokertest.CheckStatus(t, "client", recvEnd(t, stream), codes.Aborted, "first")
+}
+
+func TestNotSupportedOutsideAnRPC(t *testing.T) {
+	if abortable.Supported(context.Background()) {
+		t.Error("Supported is true for a context of no RPC")
+	}
+	abortable.End(context.Background(), errors.New("nothing to end")) // and does not panic
+}
