@@ -97,3 +97,64 @@ func TestTunnelsOutliveTheirAgentsRegistration(t *testing.T) {
 	}
 	tun.Finish(nil)
 }
+
+// The splice hands the agent's Tunnel RPC a half to run in its own goroutine.
+
+func TestStartRunsTheHalfInTheTunnelRPCBeforeItsEnd(t *testing.T) {
+	r := New()
+	a := registerAgent(t, r, "a", "root")
+	tun := claimedTunnel(t, r, "root", a)
+
+	ran := make(chan struct{})
+	ended := make(chan error, 1)
+	go func() { ended <- tun.Wait(t.Context()) }()
+	if !tun.Start(func() { close(ran) }) {
+		t.Fatal("Start reported the Tunnel RPC gone while it waited")
+	}
+	<-ran
+	select {
+	case err := <-ended:
+		t.Fatalf("Wait returned %v after its half, before Finish", err)
+	default:
+	}
+	tun.Finish(status.Error(codes.Aborted, "after the half"))
+	checkStatus(t, "Wait", <-ended, codes.Aborted, "after the half")
+}
+
+func TestStartAfterTheTunnelRPCEndedRunsNothing(t *testing.T) {
+	r := New()
+	a := registerAgent(t, r, "a", "root")
+	tun := claimedTunnel(t, r, "root", a)
+	defer tun.Finish(nil)
+
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	if err := tun.Wait(ctx); !errors.Is(err, context.Canceled) {
+		t.Fatalf("Wait with an ended stream context: %v, want context.Canceled", err)
+	}
+	if tun.Start(func() { t.Error("the half ran with no Tunnel RPC to run it") }) {
+		t.Error("Start reported success after the Tunnel RPC ended")
+	}
+}
+
+func TestAStartedHalfRunsEvenIfTheStreamEndsAtOnce(t *testing.T) {
+	// The half frees itself on an ended stream; the Tunnel RPC must not
+	// return while it may still use the stream.
+	r := New()
+	a := registerAgent(t, r, "a", "root")
+	tun := claimedTunnel(t, r, "root", a)
+
+	ran := false
+	// As in the splice, the tunnel is finished only after its half ran.
+	if !tun.Start(func() { ran = true; tun.Finish(nil) }) {
+		t.Fatal("Start failed before Wait")
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	if err := tun.Wait(ctx); err != nil {
+		t.Errorf("Wait: %v, want the Finish's nil", err)
+	}
+	if !ran {
+		t.Error("Wait returned without running the half it was handed")
+	}
+}
