@@ -28,6 +28,8 @@ func (r *runner) dialLatency(ctx context.Context) {
 	for _, p := range paths {
 		r.dialOrFatal(ctx, p, svcDial).Close()
 	}
+	// About a millisecond a dial and path: the profile covers most dials.
+	stop := r.profile(ctx, "dial", time.Duration(r.cfg.dials*len(paths))*time.Millisecond)
 	deadline := time.Now().Add(time.Duration(r.cfg.dials) * 50 * time.Millisecond)
 	for i := 0; i < r.cfg.dials && time.Now().Before(deadline); i++ {
 		for j, p := range paths {
@@ -40,6 +42,7 @@ func (r *runner) dialLatency(ctx context.Context) {
 			c.Close()
 		}
 	}
+	stop()
 	for j, p := range paths {
 		r.logf("%s: %d dials", p.name, len(samples[j]))
 	}
