@@ -31,7 +31,7 @@ import (
 )
 
 // phases, in the order they run.
-var allPhases = []string{"throughput", "latency", "rps", "dial", "isolation", "webhook", "idle"}
+var allPhases = []string{"throughput", "latency", "rps", "dial", "grpc", "isolation", "webhook", "idle"}
 
 type config struct {
 	size         int64         // bytes of each bulk transfer
@@ -54,6 +54,9 @@ func main() {
 		return
 	case "relay":
 		serveRelay()
+		return
+	case "grpc-echo":
+		serveGRPCEcho()
 		return
 	}
 	var (
@@ -139,6 +142,8 @@ func main() {
 			b.roundTripRate(ctx)
 		case "dial":
 			b.dialLatency(ctx)
+		case "grpc":
+			b.grpcFloor(ctx)
 		case "isolation":
 			b.isolation(ctx)
 		case "webhook":

@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -26,7 +27,14 @@ func (rep *report) row(name string, direct, tunneled float64) {
 // direct path, as "relay_<name>" with a relay= column in the place of
 // tunneled=; the ratio is relay/direct.
 func (rep *report) relayRow(name string, direct, relay float64) {
-	rep.line("relay_"+name, "relay", direct, relay)
+	rep.floorRow("relay", name, direct, relay)
+}
+
+// floorRow prints figure name of a reference path (the relay, the gRPC
+// floor) against the direct path, as "<path>_<name>" with a <path>= column
+// in the place of tunneled=; the ratio is path/direct.
+func (rep *report) floorRow(path, name string, direct, value float64) {
+	rep.line(path+"_"+name, path, direct, value)
 }
 
 // line prints one figure of path against the direct path. A name longer
@@ -73,6 +81,9 @@ func (rep *report) header(r *runner) {
 	rep.note("tunnelbench: direct loopback vs kcpplugin -> broker -> syncer-agent, SPIFFE mTLS on both legs")
 	if r.relay != nil {
 		rep.note("relay_* rows: caller -mTLS-> relay 1 -mTLS-> relay 2 -TCP-> target, two child processes copying with io.Copy, one TLS connection per connection; relay= is that path, ratio relay/direct")
+	}
+	if slices.Contains(r.cfg.phases, "grpc") {
+		rep.note("grpc_* rows: one gRPC stream between two processes, a child echoing over SPIFFE mTLS with the broker's transport settings; grpc= is that path, ratio grpc/direct")
 	}
 	rep.note("machine: nproc=%d model=%q mem=%s kernel=%s go=%s", runtime.NumCPU(), cpuModel(), memTotal(), osRelease(), runtime.Version())
 	rep.note("commit: %s", commit())

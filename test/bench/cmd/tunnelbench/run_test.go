@@ -1,0 +1,78 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"testing"
+
+	"github.com/kcp-dev/tunnel-broker/test/harness"
+)
+
+// rowPattern is one figure of the table: name, direct value, path and its
+// value, ratio; "-" where a value does not apply.
+var rowPattern = regexp.MustCompile(`^(\S+) +direct=(\S+) +(tunneled|relay|grpc)=(\S+) +ratio=(\S+)$`)
+
+// TestTinyRunPrintsEveryFigure runs make bench's tool on tiny sizes, every
+// phase with the real binaries, and checks the table a script would read:
+// each line a figure, each phase's figures there with values. It asserts
+// no figure's size: these machines are shared and noisy.
+func TestTinyRunPrintsEveryFigure(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs the broker, agent and children for about 10s")
+	}
+	bin := filepath.Join(t.TempDir(), "tunnelbench")
+	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
+		t.Fatalf("building tunnelbench: %v\n%s", err, out)
+	}
+	cmd := exec.Command(bin, "-size", "8MiB", "-duration", "300ms", "-dials", "30", "-idle", "20",
+		"-conns", "4", "-webhook-conns", "4", "-flood", "64MiB")
+	cmd.Env = append(os.Environ(), "TUNNEL_BIN_DIR="+harness.Binaries(t))
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("tunnelbench: %v\n%s", err, stderr.String())
+	}
+
+	values := map[string]string{} // figure -> its path's value
+	sc := bufio.NewScanner(bytes.NewReader(out))
+	for sc.Scan() {
+		line := sc.Text()
+		if len(line) == 0 || line[0] == '#' {
+			continue
+		}
+		m := rowPattern.FindStringSubmatch(line)
+		if m == nil {
+			t.Errorf("not a figure line: %q", line)
+			continue
+		}
+		values[m[1]] = m[4]
+	}
+	// One figure or more of each phase, each path; the tunnel's figures
+	// must be numbers.
+	for _, name := range []string{
+		"throughput_download_MiBps", "throughput_upload_cpu_s_per_GiB", "relay_throughput_upload_MiBps",
+		"rtt64_p50_us", "rtt64_broker_cpu_us_per_rt", "relay_rtt64_added_p50_us",
+		"rtt64_4conns_per_s", "dial_p99_us", "relay_handshake_p50_us",
+		"grpc_rtt64_p50_us", "grpc_new_stream_rtt64_p99_us",
+		"isolation_slowdown_p50", "webhook_1conn_per_s", "webhook_4conns_p99_us",
+		"idle_20_broker_rss_KiB_per_tunnel", "idle_20_broker_goroutines_per_tunnel",
+	} {
+		v, ok := values[name]
+		if !ok {
+			t.Errorf("no %s row", name)
+			continue
+		}
+		if _, err := strconv.ParseFloat(v, 64); err != nil {
+			t.Errorf("%s: value %q is not a number", name, v)
+		}
+	}
+	if t.Failed() {
+		t.Logf("output:\n%s", out)
+	}
+}
