@@ -47,19 +47,6 @@ func TestOnlyTheFirstFinishCounts(t *testing.T) {
 	}
 }
 
-func TestWaitEndsWhenTheAgentsStreamEnds(t *testing.T) {
-	r := New()
-	a := registerAgent(t, r, "a", "root")
-	tun := claimedTunnel(t, r, "root", a)
-	defer tun.Finish(nil)
-
-	ctx, cancel := context.WithCancel(t.Context())
-	cancel()
-	if err := tun.Wait(ctx); !errors.Is(err, context.Canceled) {
-		t.Errorf("Wait with an ended stream context: %v, want context.Canceled", err)
-	}
-}
-
 func TestTunnelsAreCountedPerAgentUntilFinished(t *testing.T) {
 	r := New()
 	a := registerAgent(t, r, "a", "root")
@@ -121,7 +108,7 @@ func TestStartRunsTheHalfInTheTunnelRPCBeforeItsEnd(t *testing.T) {
 	checkStatus(t, "Wait", <-ended, codes.Aborted, "after the half")
 }
 
-func TestStartAfterTheTunnelRPCEndedRunsNothing(t *testing.T) {
+func TestWaitEndsWhenTheAgentsStreamEndsAndNothingStartsAfter(t *testing.T) {
 	r := New()
 	a := registerAgent(t, r, "a", "root")
 	tun := claimedTunnel(t, r, "root", a)

@@ -39,8 +39,10 @@ func (h *handler) Dial(stream tunnelv1.DialService_DialServer) error {
 	return nil
 }
 
-// serve serves h over brokertest's mTLS and opens one Dial stream to it.
-func serve(t *testing.T, block func(tunnelv1.DialService_DialServer) error) (*handler, tunnelv1.DialService_DialClient) {
+// serve serves a handler that runs block over brokertest's mTLS, opens one
+// Dial stream to it and returns once the handler runs block, with the
+// handler's stream context.
+func serve(t *testing.T, block func(tunnelv1.DialService_DialServer) error) (context.Context, *handler, tunnelv1.DialService_DialClient) {
 	h := &handler{block: block, started: make(chan context.Context, 1), freed: make(chan error, 1)}
 	pol := policy.File{
 		Agents:  []policy.AgentRule{{ID: brokertest.ID("/agent").String(), Clusters: []string{"*"}}},
@@ -55,7 +57,17 @@ func serve(t *testing.T, block func(tunnelv1.DialService_DialServer) error) (*ha
 	if err != nil {
 		t.Fatal(err)
 	}
-	return h, stream
+	// Open the stream; the client sends nothing more.
+	if err := stream.Send(&tunnelv1.DialRequest{}); err != nil {
+		t.Fatal(err)
+	}
+	return wait(t, "handler start", h.started), h, stream
+}
+
+// blockInRecv waits for a message that never comes.
+func blockInRecv(s tunnelv1.DialService_DialServer) error {
+	_, err := s.Recv()
+	return err
 }
 
 func recvEnd(t *testing.T, stream tunnelv1.DialService_DialClient) error {
@@ -80,15 +92,7 @@ func wait[T any](t *testing.T, what string, c <-chan T) T {
 }
 
 func TestEndFreesAHandlerBlockedInRecvAndThePeerGetsTheStatus(t *testing.T) {
-	h, stream := serve(t, func(s tunnelv1.DialService_DialServer) error {
-		_, err := s.Recv()
-		return err
-	})
-	// Open the stream, then stay silent.
-	if err := stream.Send(&tunnelv1.DialRequest{}); err != nil {
-		t.Fatal(err)
-	}
-	ctx := wait(t, "handler start", h.started)
+	ctx, h, stream := serve(t, blockInRecv)
 	if !abortable.Supported(ctx) {
 		t.Fatal("Supported is false inside a handler")
 	}
@@ -100,7 +104,7 @@ func TestEndFreesAHandlerBlockedInRecvAndThePeerGetsTheStatus(t *testing.T) {
 }
 
 func TestEndFreesAHandlerBlockedInSend(t *testing.T) {
-	h, stream := serve(t, func(s tunnelv1.DialService_DialServer) error {
+	ctx, h, stream := serve(t, func(s tunnelv1.DialService_DialServer) error {
 		// The client never reads: Send blocks once flow control says so.
 		msg := &tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_Data{Data: make([]byte, 32<<10)}}
 		for {
@@ -109,10 +113,6 @@ func TestEndFreesAHandlerBlockedInSend(t *testing.T) {
 			}
 		}
 	})
-	if err := stream.Send(&tunnelv1.DialRequest{}); err != nil {
-		t.Fatal(err)
-	}
-	ctx := wait(t, "handler start", h.started)
 	select {
 	case err := <-h.freed:
 		t.Fatalf("Send returned before End: %v", err)
@@ -126,14 +126,7 @@ func TestEndFreesAHandlerBlockedInSend(t *testing.T) {
 }
 
 func TestEndOnAnEndedRPCChangesNothing(t *testing.T) {
-	h, stream := serve(t, func(s tunnelv1.DialService_DialServer) error {
-		_, err := s.Recv()
-		return err
-	})
-	if err := stream.Send(&tunnelv1.DialRequest{}); err != nil {
-		t.Fatal(err)
-	}
-	ctx := wait(t, "handler start", h.started)
+	ctx, h, stream := serve(t, blockInRecv)
 	abortable.End(ctx, status.Error(codes.Aborted, "first"))
 	abortable.End(ctx, status.Error(codes.Internal, "second"))
 	wait(t, "blocked Recv", h.freed)
