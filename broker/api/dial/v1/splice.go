@@ -36,10 +36,10 @@ type failure struct {
 // bytes up to the agent, the agent's Tunnel handler the agent's bytes down to
 // the caller. That is two goroutines a tunnel, the least two gRPC streams
 // allow. A copy blocked on one stream does not see the other end, so the
-// first failure ends both RPCs with their statuses (package abortable), which
-// frees both copies whatever the peers do. What can end a tunnel from outside (either
-// stream's end, the broker's stop, the idle timer) is watched by callbacks,
-// not goroutines.
+// first failure ends both RPCs with their statuses (package abortable),
+// which frees both copies whatever the peers do. What can end a tunnel from
+// outside (either stream's end, the broker's stop, the idle timer) is
+// watched by callbacks, not goroutines.
 //
 // Ending an RPC ends its stream, and the other direction's copy writes to
 // it: the Dial handler returns only once the down copy is done, and the
