@@ -22,9 +22,10 @@ type Tunnel struct {
 	started chan struct{} // closed once half is set
 	gone    bool          // the Tunnel RPC ended before Start
 
-	done chan struct{}
-	once sync.Once
-	err  error
+	done     chan struct{}
+	once     sync.Once
+	released sync.Once
+	err      error
 }
 
 func newTunnel(p *Pending, stream tunnelv1.AgentService_TunnelServer) *Tunnel {
@@ -39,14 +40,20 @@ func newTunnel(p *Pending, stream tunnelv1.AgentService_TunnelServer) *Tunnel {
 	}
 }
 
-// Finish ends the agent's Tunnel RPC with err (nil for a clean end). Only the
-// first call counts.
+// Finish ends the agent's Tunnel RPC with err (nil for a clean end), and
+// Releases the tunnel. Only the first call counts.
 func (t *Tunnel) Finish(err error) {
 	t.once.Do(func() {
 		t.err = err
-		t.Agent.tunnels.Add(-1)
+		t.Release()
 		close(t.done)
 	})
+}
+
+// Release stops counting the tunnel against its agent (Agent.Tunnels) before
+// Finish, once its end is known. Only the first call counts.
+func (t *Tunnel) Release() {
+	t.released.Do(func() { t.Agent.tunnels.Add(-1) })
 }
 
 // Start hands half to the agent's Tunnel RPC, which runs it in its own

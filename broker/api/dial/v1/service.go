@@ -91,7 +91,8 @@ func (s *Service) Dial(stream tunnelv1.DialService_DialServer) error {
 		metrics.Dials.WithLabelValues(codes.ResourceExhausted.String()).Inc()
 		return err
 	}
-	defer held.Add(-1)
+	unhold := sync.OnceFunc(func() { held.Add(-1) })
+	defer unhold()
 
 	start := time.Now()
 	t, err := s.dial(stream.Context(), target)
@@ -116,12 +117,17 @@ func (s *Service) Dial(stream tunnelv1.DialService_DialServer) error {
 
 	s.active.Add(1)
 	metrics.Tunnels.Inc()
-	defer func() {
+	// The tunnel stops counting (against the limits, in the listings)
+	// before its caller can learn that it ended and dial again.
+	uncount := sync.OnceFunc(func() {
+		t.Release()
+		unhold()
 		s.active.Add(-1)
 		metrics.Tunnels.Dec()
-	}()
-	sp := &splice{caller: stream, agent: t.Stream, idle: s.IdleTimeout}
+	})
+	sp := &splice{caller: stream, agent: t.Stream, idle: s.IdleTimeout, ended: uncount}
 	callerStatus, agentStatus := sp.run(t.Start, s.Stopping)
+	uncount()
 	t.Finish(agentStatus)
 	if agentStatus != nil {
 		log.Info("tunnel ended", "caller_code", status.Code(callerStatus).String(), "agent_code", status.Code(agentStatus).String(), "error", status.Convert(agentStatus).Message())

@@ -144,9 +144,12 @@ func TestDialLimitsTunnelsPerCaller(t *testing.T) {
 	other := a.establishAs(t, shardPath, brokertest.Target("team-a"))
 	other.up("other caller")
 
-	// A tunnel that ended no longer counts. (It ends cleanly, so that the
-	// caller sees its status only once the broker's handler has returned.)
+	// A tunnel that ended no longer counts by the time its caller hears,
+	// whether it closed or failed.
 	first.closeBoth()
 	again := a.establish(t, brokertest.Target("root"))
 	again.up("again")
+	again.cancelAgent()
+	brokertest.CheckStatus(t, "caller", again.callerEnd(), codes.Unavailable, "tunnel lost on the agent's side")
+	a.establish(t, brokertest.Target("root")).up("and again")
 }

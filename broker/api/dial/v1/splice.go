@@ -48,6 +48,7 @@ type splice struct {
 	caller   tunnelv1.DialService_DialServer
 	agent    tunnelv1.AgentService_TunnelServer
 	idle     time.Duration // 0: never
+	ended    func()        // if set, called once the end is known, before either peer hears it
 	active   activity
 	downDone chan struct{}
 
@@ -103,6 +104,9 @@ func (sp *splice) fail(f *failure) {
 	}
 	sp.mu.Unlock()
 	if first {
+		if sp.ended != nil {
+			sp.ended()
+		}
 		callerStatus, agentStatus := f.statuses()
 		abortable.End(sp.caller.Context(), callerStatus)
 		abortable.End(sp.agent.Context(), agentStatus)
