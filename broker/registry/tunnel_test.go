@@ -145,3 +145,20 @@ func TestAStartedHalfRunsEvenIfTheStreamEndsAtOnce(t *testing.T) {
 		t.Error("Wait returned without running the half it was handed")
 	}
 }
+
+func TestReleaseUncountsTheTunnelOnceBeforeFinish(t *testing.T) {
+	r := New()
+	a := registerAgent(t, r, "a", "root")
+	tun := claimedTunnel(t, r, "root", a)
+	claimedTunnel(t, r, "root", a) // another, still counted
+
+	tun.Release()
+	tun.Release()
+	if n := a.Tunnels(); n != 1 {
+		t.Errorf("agent carries %d tunnels after one of two was released twice, want 1", n)
+	}
+	tun.Finish(nil)
+	if n := a.Tunnels(); n != 1 {
+		t.Errorf("agent carries %d tunnels after the released one finished, want 1", n)
+	}
+}
