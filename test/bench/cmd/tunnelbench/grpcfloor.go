@@ -49,7 +49,7 @@ func (r *runner) grpcFloor(ctx context.Context) {
 	addr, _ := startChild(r.m, "grpc-echo", grpcCertEnv+"="+f.Cert, grpcKeyEnv+"="+f.Key, grpcBundleEnv+"="+f.Bundle)
 	client := tunnelv1.NewDialServiceClient(r.env.BrokerConn(addr, "/grpc-caller"))
 
-	direct := r.dialOrFatal(ctx, r.paths()[0], svcEcho)
+	direct := r.dialOrFatal(ctx, r.direct(), svcEcho)
 	d, err := roundTrips(direct, r.cfg.duration)
 	direct.Close()
 	if err != nil {
@@ -72,7 +72,7 @@ func (r *runner) grpcFloor(ctx context.Context) {
 	msg, buf := make([]byte, msgSize), make([]byte, msgSize)
 	for range r.cfg.dials {
 		start := time.Now()
-		c := r.dialOrFatal(ctx, r.paths()[0], svcEcho)
+		c := r.dialOrFatal(ctx, r.direct(), svcEcho)
 		if err := bench.RoundTrip(c, msg, buf); err != nil {
 			r.m.Fatalf("direct connect and round trip: %v", err)
 		}
