@@ -101,8 +101,8 @@ func (s *Service) Dial(stream tunnelv1.DialService_DialServer) error {
 	metrics.Dials.WithLabelValues(code.String()).Inc()
 	metrics.DialSeconds.WithLabelValues(code.String()).Observe(took.Seconds())
 	if err != nil {
-		if code == codes.ResourceExhausted {
-			metrics.LimitsHit.WithLabelValues("agent").Inc()
+		if limit, ok := errors.AsType[*registry.LimitError](err); ok {
+			metrics.LimitsHit.WithLabelValues(limit.Limit).Inc()
 		}
 		log.Info("dial failed", "code", code.String(), "error", status.Convert(err).Message(), "took", took)
 		return err
