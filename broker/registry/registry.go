@@ -4,8 +4,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/binary"
-	"errors"
-	"fmt"
 	"maps"
 	"slices"
 	"sync"
@@ -246,14 +244,14 @@ func (r *Registry) Dial(ctx context.Context, target *tunnelv1.Target, timeoutMS 
 	case a.orders <- order:
 	case <-a.gone:
 		if r.forget(p) {
-			return nil, agentGone(a)
+			return nil, agentGone(p)
 		}
-		return r.abandon(p, agentGone(a))
+		return r.abandon(p, agentGone(p))
 	case <-ctx.Done():
 		if r.forget(p) {
-			return nil, contextStatus(ctx, a)
+			return nil, contextStatus(ctx, p)
 		}
-		return r.abandon(p, contextStatus(ctx, a))
+		return r.abandon(p, contextStatus(ctx, p))
 	}
 
 	select {
@@ -261,14 +259,14 @@ func (r *Registry) Dial(ctx context.Context, target *tunnelv1.Target, timeoutMS 
 		return res.tunnel, res.err
 	case <-a.gone:
 		if r.forget(p) {
-			return nil, agentGone(a)
+			return nil, agentGone(p)
 		}
-		return r.abandon(p, agentGone(a))
+		return r.abandon(p, agentGone(p))
 	case <-ctx.Done():
 		if r.forget(p) {
-			return nil, contextStatus(ctx, a)
+			return nil, contextStatus(ctx, p)
 		}
-		return r.abandon(p, contextStatus(ctx, a))
+		return r.abandon(p, contextStatus(ctx, p))
 	}
 }
 
@@ -326,7 +324,7 @@ func (r *Registry) Fail(a *Agent, f *tunnelv1.DialFailure) {
 	}
 	r.mu.Unlock()
 	if ok {
-		p.result <- result{err: agentFailure(a, f)}
+		p.result <- result{err: agentFailure(p, f)}
 	}
 }
 
@@ -341,28 +339,4 @@ type Pending struct {
 type result struct {
 	tunnel *Tunnel
 	err    error
-}
-
-func agentGone(a *Agent) error {
-	return status.Errorf(codes.Unavailable, "agent %s went away", a)
-}
-
-func contextStatus(ctx context.Context, a *Agent) error {
-	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
-		return status.Errorf(codes.DeadlineExceeded, "agent %s did not connect in time", a)
-	}
-	return status.FromContextError(ctx.Err()).Err()
-}
-
-// agentFailure turns an agent's report into the caller's status. Only codes a
-// caller can act on pass through; anything else means the agent failed.
-func agentFailure(a *Agent, f *tunnelv1.DialFailure) error {
-	code := codes.Code(f.GetCode())
-	switch code {
-	case codes.NotFound, codes.Unavailable, codes.DeadlineExceeded, codes.PermissionDenied,
-		codes.ResourceExhausted, codes.InvalidArgument, codes.FailedPrecondition:
-	default:
-		code = codes.Unavailable
-	}
-	return status.Error(code, fmt.Sprintf("agent %s: %s", a, f.GetMessage()))
 }

@@ -104,6 +104,9 @@ func (s *Service) Dial(stream tunnelv1.DialService_DialServer) error {
 		if limit, ok := errors.AsType[*registry.LimitError](err); ok {
 			metrics.LimitsHit.WithLabelValues(limit.Limit).Inc()
 		}
+		if failed, ok := errors.AsType[*registry.DialError](err); ok {
+			log = log.With(failed.LogAttrs()...)
+		}
 		log.Info("dial failed", "code", code.String(), "error", status.Convert(err).Message(), "took", took)
 		return err
 	}
