@@ -13,6 +13,7 @@ import (
 
 	agentv1 "github.com/kcp-dev/tunnel-broker/broker/api/agent/v1"
 	dialv1 "github.com/kcp-dev/tunnel-broker/broker/api/dial/v1"
+	"github.com/kcp-dev/tunnel-broker/broker/internal/abortable"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
@@ -56,6 +57,12 @@ func run() error {
 	}
 	pol, err := policy.Load(*policyFile)
 	if err != nil {
+		return err
+	}
+	// Tunnels end from outside their handlers through a grpc-go method
+	// outside its public API: make sure it works before serving, rather
+	// than fail every Dial.
+	if err := abortable.Check(context.Background()); err != nil {
 		return err
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
