@@ -27,8 +27,9 @@ const (
 const Ellipsis = "…"
 
 var (
-	// A URL of any scheme, SPIFFE IDs included.
-	urlRE = regexp.MustCompile(`[A-Za-z][A-Za-z0-9+.-]*://[^\s"'<>]*`)
+	// A URL of any scheme, SPIFFE IDs included, up to a space, a quote or
+	// a bracket (as in prose: "(via spiffe://example.org/agent)").
+	urlRE = regexp.MustCompile(`[A-Za-z][A-Za-z0-9+.-]*://[^\s"'<>()]*`)
 	// An IPv6 address in brackets, as in a host:port, with its port.
 	bracketedRE = regexp.MustCompile(`\[[0-9A-Za-z:.%_-]*\](?::[0-9]{1,5})?`)
 	// An IPv4 address, maybe with a prefix length or a port. Not bounded

@@ -27,6 +27,7 @@ func TestTextRemovesAddressesAndIdentities(t *testing.T) {
 		{"localhost:9090 refused", "<address> refused"},
 		{`Post "https://10.0.0.1:6443/api/v1?x=1": EOF`, `Post "<url>": EOF`},
 		{"agent spiffe://example.org/ns/kcp-syncer/sa/syncer-us-east-1 failed", "agent <url> failed"},
+		{"refused (via spiffe://example.org/agent)", "refused (via <url>)"},
 	} {
 		if got := redact.Text(tc.in, 256); got != tc.want {
 			t.Errorf("Text(%q)\n got %q\nwant %q", tc.in, got, tc.want)
