@@ -31,7 +31,7 @@ import (
 )
 
 // phases, in the order they run.
-var allPhases = []string{"throughput", "latency", "rps", "dial", "grpc", "isolation", "webhook", "idle"}
+var allPhases = []string{"throughput", "latency", "rps", "dial", "grpc", "isolation", "tenants", "webhook", "idle"}
 
 type config struct {
 	size         int64         // bytes of each bulk transfer
@@ -146,6 +146,8 @@ func main() {
 			b.grpcFloor(ctx)
 		case "isolation":
 			b.isolation(ctx)
+		case "tenants":
+			b.tenants(ctx)
 		case "webhook":
 			b.webhookRate(ctx)
 		case "idle":
