@@ -45,7 +45,7 @@ type KubeOptions struct {
 }
 
 // Kube resolves Services of the physical cluster from shared informers on
-// namespaces, Services and EndpointSlices: a dial makes no API call, and the
+// namespaces, Services, EndpointSlices and Pods: a dial makes no API call, and the
 // agent keeps serving from its caches while the API server is away (the
 // informers reconnect with backoff by themselves).
 type Kube struct {
@@ -53,6 +53,7 @@ type Kube struct {
 	namespaces cache.SharedIndexInformer
 	services   cache.SharedIndexInformer
 	slices     cache.SharedIndexInformer
+	pods       cache.SharedIndexInformer
 	mapper     namespaceMapper
 	picker     *endpointPicker
 	apiServer  []netip.Addr
@@ -82,12 +83,13 @@ func NewKube(client kubernetes.Interface, opts KubeOptions) (*Kube, error) {
 		opts.Log = slog.New(slog.NewTextHandler(io.Discard, nil))
 	}
 
-	factory := informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithTransform(dropManagedFields))
+	factory := informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithTransform(slim))
 	k := &Kube{
 		factory:    factory,
 		namespaces: factory.Core().V1().Namespaces().Informer(),
 		services:   factory.Core().V1().Services().Informer(),
 		slices:     factory.Discovery().V1().EndpointSlices().Informer(),
+		pods:       factory.Core().V1().Pods().Informer(),
 		apiServer:  opts.APIServerAddrs,
 		log:        opts.Log,
 		changed:    make(chan struct{}, 1),
@@ -113,7 +115,7 @@ func NewKube(client kubernetes.Interface, opts KubeOptions) (*Kube, error) {
 		}
 	}
 	for resource, inf := range map[string]cache.SharedIndexInformer{
-		"namespaces": k.namespaces, "services": k.services, "endpointslices": k.slices,
+		"namespaces": k.namespaces, "services": k.services, "endpointslices": k.slices, "pods": k.pods,
 	} {
 		if err := inf.SetWatchErrorHandler(func(_ *cache.Reflector, err error) {
 			if !errors.Is(err, io.EOF) { // a watch the server closed is routine
@@ -126,8 +128,10 @@ func NewKube(client kubernetes.Interface, opts KubeOptions) (*Kube, error) {
 	return k, nil
 }
 
-// dropManagedFields keeps the caches small: the agent never reads them.
-func dropManagedFields(obj any) (any, error) {
+// slim keeps the caches small: it drops the managed fields, which the agent
+// never reads, and all of a Pod but what the agent checks. It leaves what
+// it already slimmed as it is.
+func slim(obj any) (any, error) {
 	switch o := obj.(type) {
 	case *corev1.Namespace:
 		o.ManagedFields = nil
@@ -135,6 +139,8 @@ func dropManagedFields(obj any) (any, error) {
 		o.ManagedFields = nil
 	case *discoveryv1.EndpointSlice:
 		o.ManagedFields = nil
+	case *corev1.Pod:
+		return slimPod(o), nil
 	}
 	return obj, nil
 }
@@ -163,7 +169,7 @@ func (k *Kube) WaitForCacheSync(ctx context.Context) error {
 }
 
 func (k *Kube) synced() bool {
-	return k.namespaces.HasSynced() && k.services.HasSynced() && k.slices.HasSynced()
+	return k.namespaces.HasSynced() && k.services.HasSynced() && k.slices.HasSynced() && k.pods.HasSynced()
 }
 
 // Clusters implements Resolver.
