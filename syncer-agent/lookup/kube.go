@@ -33,10 +33,13 @@ type KubeOptions struct {
 	// PlainCluster selects plain mode: the agent serves this one logical
 	// cluster, whose namespaces have the same names here.
 	PlainCluster string
-	// AllowUnmanagedEndpointSlices trusts EndpointSlices that Kubernetes'
-	// EndpointSlice controller did not write. Off, a tenant who can get a
-	// hand-made EndpointSlice synced cannot aim the agent at any address.
-	AllowUnmanagedEndpointSlices bool
+	// TrustEndpointSlicesIn are the namespaces whose EndpointSlices the
+	// agent takes as written, e.g. those of Services without a selector.
+	// Elsewhere it dials only what the control plane vouches for: addresses
+	// of Pods the Service selects, from slices Kubernetes' EndpointSlice
+	// controller owns (vouch.go), so that nobody who may write an
+	// EndpointSlice can aim the agent at an address of their choosing.
+	TrustEndpointSlicesIn Scope
 	// APIServerAddrs are the API server's addresses as the agent reaches
 	// it. They are refused as targets, as are the addresses of the
 	// default/kubernetes Service.
@@ -56,6 +59,7 @@ type Kube struct {
 	pods       cache.SharedIndexInformer
 	mapper     namespaceMapper
 	picker     *endpointPicker
+	trust      Scope
 	apiServer  []netip.Addr
 	log        *slog.Logger
 
@@ -90,6 +94,7 @@ func NewKube(client kubernetes.Interface, opts KubeOptions) (*Kube, error) {
 		services:   factory.Core().V1().Services().Informer(),
 		slices:     factory.Discovery().V1().EndpointSlices().Informer(),
 		pods:       factory.Core().V1().Pods().Informer(),
+		trust:      opts.TrustEndpointSlicesIn,
 		apiServer:  opts.APIServerAddrs,
 		log:        opts.Log,
 		changed:    make(chan struct{}, 1),
@@ -97,7 +102,7 @@ func NewKube(client kubernetes.Interface, opts KubeOptions) (*Kube, error) {
 	if err := k.slices.AddIndexers(endpointSliceIndexers()); err != nil {
 		return nil, err
 	}
-	k.picker = &endpointPicker{slices: k.slices.GetIndexer(), allowUnmanaged: opts.AllowUnmanagedEndpointSlices}
+	k.picker = &endpointPicker{slices: k.slices.GetIndexer(), pods: k.pods.GetIndexer()}
 	if plain {
 		k.mapper = &plainNamespaces{indexer: k.namespaces.GetIndexer(), cluster: opts.PlainCluster}
 	} else {
@@ -244,7 +249,8 @@ func (k *Kube) Resolve(_ context.Context, t *tunnelv1.Target) ([]string, error) 
 	if err != nil {
 		return nil, err
 	}
-	return k.picker.addresses(svc, sp, k.apiServerAddrs(), what)
+	trusted := k.trust.Contains(t.GetCluster(), t.GetNamespace())
+	return k.picker.addresses(svc, sp, k.apiServerAddrs(), trusted, what)
 }
 
 func (k *Kube) service(namespace, name string) (*corev1.Service, error) {
