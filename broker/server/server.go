@@ -117,7 +117,8 @@ func New(cfg Config) *Server {
 	// The handshake admits any SVID that chains to a trusted bundle; the
 	// policy then decides per RPC, so a refused peer gets PermissionDenied,
 	// not a bare TLS alert.
-	creds := identity.LogRefusedHandshakes(identity.ServerCredentials(cfg.Identity, tlsconfig.AuthorizeAny()), log)
+	creds := identity.ServerCredentials(cfg.Identity, tlsconfig.AuthorizeAny(),
+		identity.ReportRefusals(&identity.Refusals{Log: log, Count: metrics.CountRefusedHandshake}))
 	// One write syscall per gRPC flush, not one per 16 KiB TLS record.
 	creds = coalesce.Writes(creds)
 	opts := []grpc.ServerOption{
