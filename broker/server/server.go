@@ -34,6 +34,13 @@ const (
 	DefaultGrace          = 20 * time.Second
 	DefaultIdleTimeout    = 10 * time.Minute
 	DefaultMaxMessageSize = 1 << 20
+	// DefaultHandshakeTimeout bounds a connection's TLS and HTTP/2
+	// handshakes, like Go's http.Transport TLSHandshakeTimeout (gRPC's own
+	// default is 120 s).
+	DefaultHandshakeTimeout = 10 * time.Second
+	// DefaultMaxHandshakes bounds the TLS handshakes in progress: about
+	// 12 KiB and a file descriptor each.
+	DefaultMaxHandshakes = 1024
 	// DefaultWindowSize is a fixed per-stream window. gRPC's dynamic
 	// windows send a PING with nearly every message of ping-pong traffic
 	// (webhook calls), costing a write and a wakeup per message; a fixed
@@ -72,7 +79,12 @@ type Config struct {
 	// WindowSize is the HTTP/2 flow-control window of each stream; 0 for
 	// DefaultWindowSize, <0 for gRPC's dynamic (BDP-estimated) windows.
 	WindowSize int32
-	Log        *slog.Logger
+	// HandshakeTimeout bounds each connection's handshakes; 0 for
+	// DefaultHandshakeTimeout.
+	HandshakeTimeout time.Duration
+	// MaxHandshakes bounds the TLS handshakes in progress; <= 0: no bound.
+	MaxHandshakes int
+	Log           *slog.Logger
 }
 
 // Server is one broker replica.
@@ -104,6 +116,9 @@ func New(cfg Config) *Server {
 	if cfg.WindowSize == 0 {
 		cfg.WindowSize = DefaultWindowSize
 	}
+	if cfg.HandshakeTimeout <= 0 {
+		cfg.HandshakeTimeout = DefaultHandshakeTimeout
+	}
 	log := cfg.Log
 	s := &Server{
 		cfg:      cfg,
@@ -118,7 +133,8 @@ func New(cfg Config) *Server {
 	// policy then decides per RPC, so a refused peer gets PermissionDenied,
 	// not a bare TLS alert.
 	creds := identity.ServerCredentials(cfg.Identity, tlsconfig.AuthorizeAny(),
-		identity.ReportRefusals(&identity.Refusals{Log: log, Count: metrics.CountRefusedHandshake}))
+		identity.ReportRefusals(&identity.Refusals{Log: log, Count: metrics.CountRefusedHandshake}),
+		identity.MaxConcurrentHandshakes(cfg.MaxHandshakes))
 	// One write syscall per gRPC flush, not one per 16 KiB TLS record.
 	creds = coalesce.Writes(creds)
 	opts := []grpc.ServerOption{
@@ -129,6 +145,7 @@ func New(cfg Config) *Server {
 	opts = append(opts, authorizer.ServerOptions()...)
 	opts = append(opts,
 		grpc.Creds(creds),
+		grpc.ConnectionTimeout(cfg.HandshakeTimeout),
 		grpc.WriteBufferSize(WriteBufferSize),
 		tunnelv1.FrameServerOption(),
 		grpc.MaxRecvMsgSize(cfg.MaxMessageSize),

@@ -28,6 +28,16 @@ func ReportRefusals(r *Refusals) Option {
 	return func(c *spiffeCreds) { c.refusals = r }
 }
 
+// MaxConcurrentHandshakes bounds the server's TLS handshakes in progress;
+// n <= 0 means no bound. See handshakeSlots for what happens past it.
+func MaxConcurrentHandshakes(n int) Option {
+	return func(c *spiffeCreds) {
+		if n > 0 {
+			c.slots = newHandshakeSlots(n)
+		}
+	}
+}
+
 // ServerCredentials is SPIFFE mTLS that admits any peer whose X.509-SVID
 // verifies against the source's bundles and that authorize accepts. Which
 // peer may do what is decided per RPC from PeerID.
@@ -52,6 +62,7 @@ func ClientCredentials(src SVIDSource, authorize tlsconfig.Authorizer, opts ...O
 type spiffeCreds struct {
 	tls      credentials.TransportCredentials
 	refusals *Refusals
+	slots    *handshakeSlots // server only; nil: no bound
 }
 
 func newCreds(cfg *tls.Config, bundles x509bundle.Source, authorize tlsconfig.Authorizer, opts []Option) *spiffeCreds {
@@ -65,9 +76,24 @@ func newCreds(cfg *tls.Config, bundles x509bundle.Source, authorize tlsconfig.Au
 }
 
 func (c *spiffeCreds) ServerHandshake(raw net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	remote := raw.RemoteAddr().String()
+	var s *slot
+	if c.slots != nil {
+		var err error
+		if s, err = c.slots.acquire(raw); err != nil {
+			c.refusals.report(remote, err)
+			return nil, nil, err
+		}
+	}
 	conn, info, err := c.handshake(func() (net.Conn, credentials.AuthInfo, error) { return c.tls.ServerHandshake(raw) })
+	if s != nil {
+		c.slots.release(s)
+		if err != nil && s.evicted.Load() {
+			err = refused(ReasonOverLimit, errEvicted)
+		}
+	}
 	if err != nil {
-		c.refusals.report(raw.RemoteAddr().String(), err)
+		c.refusals.report(remote, err)
 		return nil, nil, err
 	}
 	return conn, info, nil
@@ -115,8 +141,8 @@ func (c *spiffeCreds) handshake(run func() (net.Conn, credentials.AuthInfo, erro
 
 func (c *spiffeCreds) Info() credentials.ProtocolInfo { return c.tls.Info() }
 
-// Clone shares everything but gRPC's TLS credentials: the refusal log is
-// the process's.
+// Clone shares everything but gRPC's TLS credentials: the handshake bound
+// and the refusal log are the process's.
 func (c *spiffeCreds) Clone() credentials.TransportCredentials {
 	clone := *c
 	clone.tls = c.tls.Clone()

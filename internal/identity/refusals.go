@@ -33,6 +33,8 @@ const (
 	ReasonPeerRefused Reason = "refused_by_peer"
 	// ReasonTimeout: the handshake did not finish in time.
 	ReasonTimeout Reason = "timeout"
+	// ReasonOverLimit: too many handshakes at once (MaxConcurrentHandshakes).
+	ReasonOverLimit Reason = "over_limit"
 	// ReasonClosed: the peer closed the connection before the end.
 	ReasonClosed Reason = "closed"
 	// ReasonProtocol: anything else TLS refused: not TLS, no common
@@ -45,7 +47,7 @@ const (
 // Reasons is every Reason, e.g. to set a metric's series to zero.
 var Reasons = []Reason{
 	ReasonNoCertificate, ReasonUntrusted, ReasonExpired, ReasonInvalidID, ReasonUnauthorized,
-	ReasonPeerRefused, ReasonTimeout, ReasonClosed, ReasonProtocol, ReasonInternal,
+	ReasonPeerRefused, ReasonTimeout, ReasonOverLimit, ReasonClosed, ReasonProtocol, ReasonInternal,
 }
 
 // RefusedError is a handshake this package refused, with its reason.

@@ -3,6 +3,8 @@ package e2e
 import (
 	"context"
 	"crypto/tls"
+	"fmt"
+	"net"
 	"net/url"
 	"path/filepath"
 	"strings"
@@ -201,4 +203,88 @@ func TestHardeningASessionTicketDoesNotOutliveItsCA(t *testing.T) {
 	if err == nil {
 		t.Fatal("a session ticket from before admitted its holder after its CA left the bundle")
 	}
+}
+
+// stall opens a connection to addr that never says a word.
+func stall(t *testing.T, addr string) net.Conn {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// closedByPeer reports whether the peer closed c within the wait.
+func closedByPeer(c net.Conn, wait time.Duration) bool {
+	c.SetReadDeadline(time.Now().Add(wait))
+	_, err := c.Read(make([]byte, 1))
+	ne, timedOut := err.(net.Error)
+	return err != nil && !(timedOut && ne.Timeout())
+}
+
+func TestHardeningStalledHandshakesEndAtTheDeadlineAndAreLoggedSparingly(t *testing.T) {
+	env := harness.NewEnv(t)
+	broker, addr := env.StartBrokerProcess("--handshake-timeout", "1s")
+	const n = 40
+	conns := make([]net.Conn, n)
+	for i := range conns {
+		conns[i] = stall(t, addr)
+	}
+	for i, c := range conns {
+		if !closedByPeer(c, 30*time.Second) {
+			t.Fatalf("stalled connection %d still open after 30s", i)
+		}
+	}
+	harness.Eventually(t, 10*time.Second, "every stalled handshake to be counted", func() bool {
+		got, _ := scrape(t, broker, `kcp_tunnel_broker_handshakes_refused_total{reason="timeout"}`)
+		return got == n
+	})
+	// A few lines a second, and one that says how many more there were.
+	var logged, suppressed int
+	harness.Eventually(t, 10*time.Second, "the log to account for every refusal", func() bool {
+		logged = len(broker.Logged("TLS handshake refused", "reason=timeout"))
+		suppressed = 0
+		for _, line := range broker.Logged("more TLS handshakes refused") {
+			var k int
+			if _, err := fmt.Sscanf(line[strings.Index(line, "suppressed=")+len("suppressed="):], "%d", &k); err == nil {
+				suppressed += k
+			}
+		}
+		return logged+suppressed == n
+	})
+	if logged >= n/2 {
+		t.Errorf("%d of %d refusals logged one by one", logged, n)
+	}
+	if err := healthCheck(t, env.BrokerConn(addr, "/kcp")); err != nil {
+		t.Fatalf("a good caller after them: %v", err)
+	}
+}
+
+func TestHardeningStalledHandshakesCannotLockOutCallers(t *testing.T) {
+	env := harness.NewEnv(t)
+	broker, addr := env.StartBrokerProcess("--handshake-timeout", "60s", "--max-concurrent-handshakes", "4")
+	var stalled []net.Conn
+	for range 4 {
+		stalled = append(stalled, stall(t, addr))
+	}
+	// Every slot is held by a handshake that has stalled for over a second.
+	time.Sleep(1500 * time.Millisecond)
+	if err := healthCheck(t, env.BrokerConn(addr, "/kcp")); err != nil {
+		t.Fatalf("a caller while every handshake slot was held: %v", err)
+	}
+	// The oldest gave way to it, and was counted.
+	harness.Eventually(t, 20*time.Second, "a stalled handshake to give way", func() bool {
+		for _, c := range stalled {
+			if closedByPeer(c, 10*time.Millisecond) {
+				return true
+			}
+		}
+		return false
+	})
+	harness.Eventually(t, 10*time.Second, "the dropped handshake to be counted", func() bool {
+		got, _ := scrape(t, broker, `kcp_tunnel_broker_handshakes_refused_total{reason="over_limit"}`)
+		return got >= 1
+	})
 }
