@@ -90,7 +90,10 @@ func run() error {
 		Addresses:    splitList(*brokers),
 		DNS:          *dns,
 		ResolveEvery: *every,
-		Log:          log,
+		// New connections, with the new SVID, each time it rotates: the
+		// brokers end a registration when the SVID it was made with expires.
+		Renew: identity.Rotations(ctx, src, idOpts.Reload),
+		Log:   log,
 		Agent: func(addr string) *agent.Agent {
 			return &agent.Agent{
 				Broker:      addr,
