@@ -41,6 +41,9 @@ const (
 	// DefaultMaxHandshakes bounds the TLS handshakes in progress: about
 	// 12 KiB and a file descriptor each.
 	DefaultMaxHandshakes = 1024
+	// DefaultExpiredPeerGrace is how long RPCs in flight (tunnels) may
+	// still run on a connection whose peer's SVID has expired.
+	DefaultExpiredPeerGrace = 30 * time.Second
 	// DefaultWindowSize is a fixed per-stream window. gRPC's dynamic
 	// windows send a PING with nearly every message of ping-pong traffic
 	// (webhook calls), costing a write and a wakeup per message; a fixed
@@ -84,7 +87,10 @@ type Config struct {
 	HandshakeTimeout time.Duration
 	// MaxHandshakes bounds the TLS handshakes in progress; <= 0: no bound.
 	MaxHandshakes int
-	Log           *slog.Logger
+	// ExpiredPeerGrace is how long a connection whose peer's SVID expired
+	// stays open for its RPCs in flight; 0 for DefaultExpiredPeerGrace.
+	ExpiredPeerGrace time.Duration
+	Log              *slog.Logger
 }
 
 // Server is one broker replica.
@@ -119,6 +125,9 @@ func New(cfg Config) *Server {
 	if cfg.HandshakeTimeout <= 0 {
 		cfg.HandshakeTimeout = DefaultHandshakeTimeout
 	}
+	if cfg.ExpiredPeerGrace <= 0 {
+		cfg.ExpiredPeerGrace = DefaultExpiredPeerGrace
+	}
 	log := cfg.Log
 	s := &Server{
 		cfg:      cfg,
@@ -134,7 +143,8 @@ func New(cfg Config) *Server {
 	// not a bare TLS alert.
 	creds := identity.ServerCredentials(cfg.Identity, tlsconfig.AuthorizeAny(),
 		identity.ReportRefusals(&identity.Refusals{Log: log, Count: metrics.CountRefusedHandshake}),
-		identity.MaxConcurrentHandshakes(cfg.MaxHandshakes))
+		identity.MaxConcurrentHandshakes(cfg.MaxHandshakes),
+		identity.CloseExpiredPeers(cfg.ExpiredPeerGrace))
 	// One write syscall per gRPC flush, not one per 16 KiB TLS record.
 	creds = coalesce.Writes(creds)
 	opts := []grpc.ServerOption{
@@ -142,6 +152,8 @@ func New(cfg Config) *Server {
 		grpc.ChainUnaryInterceptor(metrics.GRPC.UnaryServerInterceptor()),
 		grpc.ChainStreamInterceptor(metrics.GRPC.StreamServerInterceptor()),
 	}
+	// A peer whose SVID has expired is refused before the policy is asked.
+	opts = append(opts, identity.ExpiryInterceptors()...)
 	opts = append(opts, authorizer.ServerOptions()...)
 	opts = append(opts,
 		grpc.Creds(creds),

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"runtime/debug"
+	"time"
 
 	"github.com/spiffe/go-spiffe/v2/bundle/x509bundle"
 	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
@@ -38,6 +39,14 @@ func MaxConcurrentHandshakes(n int) Option {
 	}
 }
 
+// CloseExpiredPeers makes the server close a connection once its peer's
+// SVID has expired: at once if no RPC is in flight, else when the last one
+// ends, at the latest grace after the expiry. Install ExpiryInterceptors
+// too, or RPCs are not counted (and the connection closes at the expiry).
+func CloseExpiredPeers(grace time.Duration) Option {
+	return func(c *spiffeCreds) { c.expiredGrace = &grace }
+}
+
 // ServerCredentials is SPIFFE mTLS that admits any peer whose X.509-SVID
 // verifies against the source's bundles and that authorize accepts. Which
 // peer may do what is decided per RPC from PeerID.
@@ -60,9 +69,10 @@ func ClientCredentials(src SVIDSource, authorize tlsconfig.Authorizer, opts ...O
 // AuthInfo of this package's own: the peer's verified SPIFFE ID, never nil,
 // and when its SVID expires.
 type spiffeCreds struct {
-	tls      credentials.TransportCredentials
-	refusals *Refusals
-	slots    *handshakeSlots // server only; nil: no bound
+	tls          credentials.TransportCredentials
+	refusals     *Refusals
+	slots        *handshakeSlots // server only; nil: no bound
+	expiredGrace *time.Duration  // server only; nil: expiry does not close connections
 }
 
 func newCreds(cfg *tls.Config, bundles x509bundle.Source, authorize tlsconfig.Authorizer, opts []Option) *spiffeCreds {
@@ -95,6 +105,10 @@ func (c *spiffeCreds) ServerHandshake(raw net.Conn) (net.Conn, credentials.AuthI
 	if err != nil {
 		c.refusals.report(remote, err)
 		return nil, nil, err
+	}
+	if c.expiredGrace != nil {
+		info.life = newPeerLife(raw, info.Expires, *c.expiredGrace)
+		conn = &lifeConn{Conn: conn, life: info.life}
 	}
 	return conn, info, nil
 }

@@ -27,6 +27,10 @@ type AuthInfo struct {
 	// Expires is when the peer's identity stops holding: the earliest
 	// NotAfter of the certificate chain it presented.
 	Expires time.Time
+
+	// life, on the server, ends the connection once the peer's SVID has
+	// expired (see CloseExpiredPeers).
+	life *peerLife
 }
 
 // newAuthInfo reads the verified peer of a finished handshake.

@@ -14,10 +14,13 @@ import (
 
 	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/kcp-dev/tunnel-broker/internal/devca"
+	"github.com/kcp-dev/tunnel-broker/internal/identity"
+	"github.com/kcp-dev/tunnel-broker/kcpplugin"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
 	"github.com/kcp-dev/tunnel-broker/test/harness"
 )
@@ -147,6 +150,75 @@ func TestHardeningAgentRefusesABrokerWithAMalformedSPIFFEID(t *testing.T) {
 	if n, _ := scrape(t, agent, `kcp_tunnel_agent_handshakes_refused_total{reason="invalid_id"}`); n < 1 {
 		t.Errorf("the agent counted %v refused handshakes, want at least 1", n)
 	}
+}
+
+func TestHardeningAnExpiredCallerCannotDialOnItsOpenConnection(t *testing.T) {
+	env := harness.NewEnv(t)
+	broker, addr := env.StartBrokerProcess("--expired-peer-grace", "60s")
+	env.StartAgentProcess(addr, "/agent/sync-target-1", echoServices(harness.StartEcho(t)))
+	f, expires := shortSVID(t, env, "/kcp", 4*time.Second)
+	kcp := kcpDialerWith(t, addr, f)
+	// A tunnel in flight keeps the caller's connection open past the expiry.
+	tunnel, err := dialEchoConn(kcp)
+	if err != nil {
+		t.Fatalf("before the expiry: %v", err)
+	}
+	defer tunnel.Close()
+	roundTrip(t, tunnel, "before the expiry")
+
+	time.Sleep(time.Until(expires))
+	harness.Eventually(t, 20*time.Second, "dials to be refused after the caller's SVID expired", func() bool {
+		return dialEcho(kcp) != nil
+	})
+	_, err = dialEchoConn(kcp)
+	checkStatus(t, "a dial on the open connection", err, codes.Unauthenticated,
+		"the X.509-SVID of spiffe://tunnel.test/kcp expired at "+expires.UTC().Format(time.RFC3339))
+	// The tunnel in flight runs on, within the grace period.
+	roundTrip(t, tunnel, "after the expiry")
+
+	// Its last tunnel over, the connection closes, and the expired SVID
+	// cannot open another.
+	tunnel.Close()
+	harness.Eventually(t, 20*time.Second, "the broker to refuse the expired SVID's handshake", func() bool {
+		_ = dialEcho(kcp)
+		n, _ := scrape(t, broker, `kcp_tunnel_broker_handshakes_refused_total{reason="expired"}`)
+		return n >= 1
+	})
+	broker.WaitLogged(t, 1, "TLS handshake refused", "reason=expired")
+}
+
+// kcpDialerWith is a caller with the SVID files f.
+func kcpDialerWith(t *testing.T, addr string, f devca.Files) *kcpplugin.Dialer {
+	t.Helper()
+	src := loadWatched(t, f)
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(identity.ClientCredentials(src, tlsconfig.AuthorizeID(harness.ID("/broker")))))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return kcpplugin.NewDialer(conn)
+}
+
+func TestHardeningAnExpiredAgentIsUnrouted(t *testing.T) {
+	env := harness.NewEnv(t)
+	broker, addr := env.StartBrokerProcess("--expired-peer-grace", "2s")
+	f, expires := shortSVID(t, env, "/agent/sync-target-1", 5*time.Second)
+	agent := env.RunAgentProcess(addr, "sync-target-1", f, echoServices(harness.StartEcho(t)))
+	kcp := brokerDialer(env, addr)
+	harness.Eventually(t, 20*time.Second, "the agent to register", func() bool { return dialEcho(kcp) == nil })
+
+	time.Sleep(time.Until(expires))
+	harness.Eventually(t, 20*time.Second, "the agent to be unrouted once its SVID expired", func() bool {
+		err := dialEcho(kcp)
+		return err != nil && strings.Contains(err.Error(), `no agent serves logical cluster "root"`)
+	})
+	broker.WaitLogged(t, 1, "agent SVID expired, registration ended", "spiffe://tunnel.test/agent/sync-target-1")
+	// It cannot come back with the expired SVID, and stays unrouted.
+	broker.WaitLogged(t, 1, "TLS handshake refused", "reason=expired")
+	if err := dialEcho(kcp); err == nil {
+		t.Fatal("a dial reached the agent whose SVID expired")
+	}
+	alive(t, agent, "agent")
 }
 
 func TestHardeningASessionTicketDoesNotOutliveItsCA(t *testing.T) {
