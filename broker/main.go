@@ -43,6 +43,9 @@ func run() error {
 		maxMsg     = flag.Int("max-message-size", server.DefaultMaxMessageSize, "largest gRPC message accepted, in bytes")
 		window     = flag.Int("window-size", server.DefaultWindowSize, "HTTP/2 flow-control window per stream, in bytes (negative: gRPC's dynamic windows)")
 		probe      = flag.Duration("probe-interval", agentv1.DefaultProbeEvery, "how often each agent is probed over its control stream")
+		handshake  = flag.Duration("handshake-timeout", server.DefaultHandshakeTimeout, "how long a new connection may take to finish its TLS and HTTP/2 handshakes")
+		handshakes = flag.Int("max-concurrent-handshakes", server.DefaultMaxHandshakes, "TLS handshakes in progress at once; past it a stalled one (over 1s) is dropped, else the new connection is closed (0: no limit)")
+		expGrace   = flag.Duration("expired-peer-grace", server.DefaultExpiredPeerGrace, "how long tunnels in flight may still run on a connection whose peer's SVID expired (new RPCs are refused at the expiry)")
 		opsListen  = flag.String("metrics-listen", ":9090", "address for /metrics, /healthz and /readyz (empty: off)")
 		pprof      = flag.String("pprof-listen", "", "address for /debug/pprof (empty: off; keep it on loopback)")
 		jsonLogs   = flag.Bool("log-json", false, "log JSON lines instead of text")
@@ -92,6 +95,9 @@ func run() error {
 		MaxMessageSize:      *maxMsg,
 		ProbeEvery:          *probe,
 		WindowSize:          int32(*window),
+		HandshakeTimeout:    *handshake,
+		MaxHandshakes:       *handshakes,
+		ExpiredPeerGrace:    *expGrace,
 		Log:                 log,
 	})
 	metrics.Registry.MustRegister(metrics.AgentsCollector{PerCluster: srv.Registry.AgentsPerCluster})

@@ -82,15 +82,22 @@ func run() error {
 	if err := resolver.ready(ctx); err != nil {
 		return err
 	}
+	// A broker that fails the handshake is named in the log, a few lines a
+	// second at most, and counted.
+	credentials := identity.ClientCredentials(src, authorize,
+		identity.ReportRefusals(&identity.Refusals{Log: log, Count: agent.CountRefusedHandshake}))
 	fleet := &agent.Fleet{
 		Addresses:    splitList(*brokers),
 		DNS:          *dns,
 		ResolveEvery: *every,
-		Log:          log,
+		// New connections, with the new SVID, each time it rotates: the
+		// brokers end a registration when the SVID it was made with expires.
+		Renew: identity.Rotations(ctx, src, idOpts.Reload),
+		Log:   log,
 		Agent: func(addr string) *agent.Agent {
 			return &agent.Agent{
 				Broker:      addr,
-				Credentials: identity.ClientCredentials(src, authorize),
+				Credentials: credentials,
 				Name:        *name,
 				Resolver:    resolver.forAgent(),
 				Grace:       *grace,

@@ -34,6 +34,16 @@ const (
 	DefaultGrace          = 20 * time.Second
 	DefaultIdleTimeout    = 10 * time.Minute
 	DefaultMaxMessageSize = 1 << 20
+	// DefaultHandshakeTimeout bounds a connection's TLS and HTTP/2
+	// handshakes, like Go's http.Transport TLSHandshakeTimeout (gRPC's own
+	// default is 120 s).
+	DefaultHandshakeTimeout = 10 * time.Second
+	// DefaultMaxHandshakes bounds the TLS handshakes in progress: about
+	// 12 KiB and a file descriptor each.
+	DefaultMaxHandshakes = 1024
+	// DefaultExpiredPeerGrace is how long RPCs in flight (tunnels) may
+	// still run on a connection whose peer's SVID has expired.
+	DefaultExpiredPeerGrace = 30 * time.Second
 	// DefaultWindowSize is a fixed per-stream window. gRPC's dynamic
 	// windows send a PING with nearly every message of ping-pong traffic
 	// (webhook calls), costing a write and a wakeup per message; a fixed
@@ -72,7 +82,15 @@ type Config struct {
 	// WindowSize is the HTTP/2 flow-control window of each stream; 0 for
 	// DefaultWindowSize, <0 for gRPC's dynamic (BDP-estimated) windows.
 	WindowSize int32
-	Log        *slog.Logger
+	// HandshakeTimeout bounds each connection's handshakes; 0 for
+	// DefaultHandshakeTimeout.
+	HandshakeTimeout time.Duration
+	// MaxHandshakes bounds the TLS handshakes in progress; <= 0: no bound.
+	MaxHandshakes int
+	// ExpiredPeerGrace is how long a connection whose peer's SVID expired
+	// stays open for its RPCs in flight; 0 for DefaultExpiredPeerGrace.
+	ExpiredPeerGrace time.Duration
+	Log              *slog.Logger
 }
 
 // Server is one broker replica.
@@ -104,6 +122,12 @@ func New(cfg Config) *Server {
 	if cfg.WindowSize == 0 {
 		cfg.WindowSize = DefaultWindowSize
 	}
+	if cfg.HandshakeTimeout <= 0 {
+		cfg.HandshakeTimeout = DefaultHandshakeTimeout
+	}
+	if cfg.ExpiredPeerGrace <= 0 {
+		cfg.ExpiredPeerGrace = DefaultExpiredPeerGrace
+	}
 	log := cfg.Log
 	s := &Server{
 		cfg:      cfg,
@@ -117,7 +141,10 @@ func New(cfg Config) *Server {
 	// The handshake admits any SVID that chains to a trusted bundle; the
 	// policy then decides per RPC, so a refused peer gets PermissionDenied,
 	// not a bare TLS alert.
-	creds := identity.LogRefusedHandshakes(identity.ServerCredentials(cfg.Identity, tlsconfig.AuthorizeAny()), log)
+	creds := identity.ServerCredentials(cfg.Identity, tlsconfig.AuthorizeAny(),
+		identity.ReportRefusals(&identity.Refusals{Log: log, Count: metrics.CountRefusedHandshake}),
+		identity.MaxConcurrentHandshakes(cfg.MaxHandshakes),
+		identity.CloseExpiredPeers(cfg.ExpiredPeerGrace))
 	// One write syscall per gRPC flush, not one per 16 KiB TLS record.
 	creds = coalesce.Writes(creds)
 	opts := []grpc.ServerOption{
@@ -125,9 +152,12 @@ func New(cfg Config) *Server {
 		grpc.ChainUnaryInterceptor(metrics.GRPC.UnaryServerInterceptor()),
 		grpc.ChainStreamInterceptor(metrics.GRPC.StreamServerInterceptor()),
 	}
+	// A peer whose SVID has expired is refused before the policy is asked.
+	opts = append(opts, identity.ExpiryInterceptors()...)
 	opts = append(opts, authorizer.ServerOptions()...)
 	opts = append(opts,
 		grpc.Creds(creds),
+		grpc.ConnectionTimeout(cfg.HandshakeTimeout),
 		grpc.WriteBufferSize(WriteBufferSize),
 		tunnelv1.FrameServerOption(),
 		grpc.MaxRecvMsgSize(cfg.MaxMessageSize),

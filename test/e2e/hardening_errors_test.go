@@ -7,7 +7,6 @@ import (
 	"regexp"
 	"strings"
 	"testing"
-	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -42,15 +41,15 @@ func TestHardeningDialErrorsTellCallersWhyWithoutAddresses(t *testing.T) {
 	t.Run("a refused target", func(t *testing.T) {
 		_, err := kcp.DialService(t.Context(), "root", "default", "refused", 80)
 		id := checkCallerMessage(t, err, codes.Unavailable, "agent sync-target-1: connecting to Service default/refused port 80: connection refused (tunnel ")
-		waitLogged(t, "the agent's", agent, "tunnel="+id, refused, "connection refused")
-		waitLogged(t, "the broker's", broker, "dial failed", "tunnel="+id, harness.ID("/agent/sync-target-1").String())
+		agent.WaitLogged(t, 1, "tunnel="+id, refused, "connection refused")
+		broker.WaitLogged(t, 1, "dial failed", "tunnel="+id, harness.ID("/agent/sync-target-1").String())
 	})
 
 	t.Run("an agent that says too much", func(t *testing.T) {
 		_, err := kcp.DialService(t.Context(), "loud", "default", "webhook", 443)
 		id := checkCallerMessage(t, err, codes.Unavailable, "agent <address> <url>: dial tcp <address>: connect: connection refused (pod <address>, node <address>, via <url>) padding")
 		// The broker logs what the agent said, bounded, and how long it was.
-		waitLogged(t, "the broker's", broker, "dial failed", "tunnel="+id, harness.ID("/agent/silent").String(),
+		broker.WaitLogged(t, 1, "dial failed", "tunnel="+id, harness.ID("/agent/silent").String(),
 			loudMessage[:200], fmt.Sprintf("agent_message_bytes=%d", len(loudMessage)))
 	})
 }
@@ -123,12 +122,4 @@ func checkCallerMessage(t *testing.T, err error, code codes.Code, prefix string)
 		t.Fatalf("the caller's message %q does not end with a tunnel id", msg)
 	}
 	return m[1]
-}
-
-// waitLogged waits for p to log a line with every one of parts.
-func waitLogged(t *testing.T, whose string, p *harness.Process, parts ...string) {
-	t.Helper()
-	harness.Eventually(t, 20*time.Second, whose+" log line with "+strings.Join(parts, ", "), func() bool {
-		return p.Logged(parts...) != ""
-	})
 }

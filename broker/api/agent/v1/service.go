@@ -101,8 +101,16 @@ func (s *Service) Connect(stream tunnelv1.AgentService_ConnectServer) error {
 	recvErr := make(chan error, 1)
 	go func() { recvErr <- s.receive(stream, a, probes, log) }()
 	draining := s.Draining
+	// A registration lasts as long as the SVID it was made with: the agent
+	// must come back with a current one (on a new connection).
+	svid, _ := identity.Peer(ctx)
+	expiry := time.NewTimer(time.Until(svid.Expires))
+	defer expiry.Stop()
 	for {
 		select {
+		case <-expiry.C:
+			log.Warn("agent SVID expired, registration ended", "expired", svid.Expires)
+			return identity.ExpiredError(svid)
 		case <-tick.C:
 			if err := stream.Send(probes.next()); err != nil {
 				return err
