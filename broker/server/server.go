@@ -46,7 +46,7 @@ const (
 	// SPIFFE ID and in total (package opening). A well-behaved peer sends
 	// its first message with the stream's headers, so its streams wait
 	// microseconds; 32 unfinished messages of the largest size, in 1-byte
-	// frames (about 1 MiB each), hold 32 MiB, and 128 hold 128 MiB.
+	// frames (about 1.3 MiB each), hold about 42 MiB, and 128 about 170 MiB.
 	DefaultMaxOpeningStreamsPerPeer = 32
 	DefaultMaxOpeningStreams        = 128
 	// DefaultMaxConcurrentStreams bounds the streams of one connection,
