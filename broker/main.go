@@ -14,6 +14,7 @@ import (
 
 	agentv1 "github.com/kcp-dev/tunnel-broker/broker/api/agent/v1"
 	dialv1 "github.com/kcp-dev/tunnel-broker/broker/api/dial/v1"
+	"github.com/kcp-dev/tunnel-broker/broker/internal/abortable"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
@@ -37,8 +38,8 @@ func run() error {
 		timeout    = flag.Duration("dial-timeout", dialv1.DefaultTimeout, "how long a dial may wait for its agent")
 		grace      = flag.Duration("grace", server.DefaultGrace, "on SIGTERM, how long tunnels in flight may still run")
 		idle       = flag.Duration("idle-timeout", server.DefaultIdleTimeout, "end tunnels that carry nothing for this long (negative: never)")
-		maxPending = flag.Int64("max-pending-dials-per-agent", 256, "dials one agent may have waiting (0: no limit)")
-		maxAgent   = flag.Int64("max-tunnels-per-agent", 20000, "tunnels one agent may carry, counting its pending dials (0: no limit)")
+		maxPending = flag.Int64("max-pending-dials-per-cluster", 256, "dials one agent may have waiting for one logical cluster; other clusters' dials never count against it (0: no limit)")
+		maxAgent   = flag.Int64("max-tunnels-per-agent", 20000, "tunnels one agent may carry, counting the pending dials of the cluster being dialed (0: no limit)")
 		maxCaller  = flag.Int64("max-tunnels-per-caller", 20000, "tunnels one caller SPIFFE ID may hold (0: no limit)")
 		maxMsg     = flag.Int("max-message-size", server.DefaultMaxMessageSize, "largest gRPC message accepted, in bytes")
 		maxOpenID  = flag.Int64("max-opening-streams-per-peer", server.DefaultMaxOpeningStreamsPerPeer, "streams one peer SPIFFE ID may have open that have not sent their first message (0: no limit)")
@@ -64,6 +65,12 @@ func run() error {
 	if err != nil {
 		return err
 	}
+	// Tunnels end from outside their handlers through a grpc-go method
+	// outside its public API: make sure it works before serving, rather
+	// than fail every Dial.
+	if err := abortable.Check(context.Background()); err != nil {
+		return err
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	src, err := identity.Open(ctx, *idOpts, log)
@@ -86,7 +93,7 @@ func run() error {
 		DialTimeout:                *timeout,
 		Grace:                      *grace,
 		IdleTimeout:                *idle,
-		Limits:                     registry.Limits{MaxPendingPerAgent: *maxPending, MaxTunnelsPerAgent: *maxAgent},
+		Limits:                     registry.Limits{MaxPendingPerCluster: *maxPending, MaxTunnelsPerAgent: *maxAgent},
 		MaxTunnelsPerCaller:        *maxCaller,
 		MaxMessageSize:             *maxMsg,
 		MaxOpeningStreamsPerPeer:   noLimitIfZero(*maxOpenID),

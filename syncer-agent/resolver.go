@@ -21,11 +21,11 @@ import (
 // resolverFlags choose where the agent finds Services: a static file, or the
 // physical cluster's API (syncer or plain mode).
 type resolverFlags struct {
-	services       string
-	kubeconfig     string
-	syncTarget     lookup.SyncTarget
-	plainCluster   string
-	allowUnmanaged bool
+	services      string
+	kubeconfig    string
+	syncTarget    lookup.SyncTarget
+	plainCluster  string
+	trustSlicesIn string
 }
 
 func addResolverFlags(fs *flag.FlagSet) *resolverFlags {
@@ -36,7 +36,7 @@ func addResolverFlags(fs *flag.FlagSet) *resolverFlags {
 	fs.StringVar(&f.syncTarget.Cluster, "sync-target-cluster", "", "syncer mode: logical cluster (or, for old syncers, workspace path) of the sync target")
 	fs.StringVar(&f.syncTarget.UID, "sync-target-uid", "", "syncer mode: UID of the sync target")
 	fs.StringVar(&f.plainCluster, "plain-cluster", "", "plain mode: serve this logical cluster, whose namespaces have the same names in the physical cluster")
-	fs.BoolVar(&f.allowUnmanaged, "allow-unmanaged-endpointslices", false, "trust EndpointSlices not written by Kubernetes' EndpointSlice controller (e.g. for Services without selectors)")
+	fs.StringVar(&f.trustSlicesIn, "trust-endpointslices-in", "", "where the agent dials EndpointSlices as written, e.g. of Services without a selector: CLUSTER or CLUSTER/NAMESPACE, comma-separated, \"*\" for all (default none: it dials only addresses of Pods a Service selects)")
 	return f
 }
 
@@ -54,10 +54,10 @@ type resolver struct {
 
 // newResolver builds the resolver the flags choose and starts it under ctx.
 func (f *resolverFlags) newResolver(ctx context.Context, log *slog.Logger) (*resolver, error) {
-	kube := f.syncTarget != (lookup.SyncTarget{}) || f.plainCluster != "" || f.kubeconfig != "" || f.allowUnmanaged
+	kube := f.syncTarget != (lookup.SyncTarget{}) || f.plainCluster != "" || f.kubeconfig != "" || f.trustSlicesIn != ""
 	switch {
 	case f.services != "" && kube:
-		return nil, errors.New("--services excludes --kubeconfig, --sync-target-*, --plain-cluster and --allow-unmanaged-endpointslices")
+		return nil, errors.New("--services excludes --kubeconfig, --sync-target-*, --plain-cluster and --trust-endpointslices-in")
 	case f.services != "":
 		s, err := lookup.LoadStatic(f.services)
 		if err != nil {
@@ -69,6 +69,13 @@ func (f *resolverFlags) newResolver(ctx context.Context, log *slog.Logger) (*res
 		return nil, errors.New("give --services FILE, or --sync-target-name (with --sync-target-cluster and/or --sync-target-uid), or --plain-cluster")
 	}
 
+	trust, err := lookup.ParseScope(f.trustSlicesIn)
+	if err != nil {
+		return nil, fmt.Errorf("--trust-endpointslices-in: %w", err)
+	}
+	if trust.String() != "" {
+		log.Info("taking EndpointSlices as written, without checking that they name Pods the Service selects", "in", trust.String())
+	}
 	config, err := f.restConfig()
 	if err != nil {
 		return nil, err
@@ -79,11 +86,11 @@ func (f *resolverFlags) newResolver(ctx context.Context, log *slog.Logger) (*res
 		return nil, err
 	}
 	k, err := lookup.NewKube(client, lookup.KubeOptions{
-		SyncTarget:                   f.syncTarget,
-		PlainCluster:                 f.plainCluster,
-		AllowUnmanagedEndpointSlices: f.allowUnmanaged,
-		APIServerAddrs:               apiServerAddrs(ctx, config.Host, log),
-		Log:                          log,
+		SyncTarget:            f.syncTarget,
+		PlainCluster:          f.plainCluster,
+		TrustEndpointSlicesIn: trust,
+		APIServerAddrs:        apiServerAddrs(ctx, config.Host, log),
+		Log:                   log,
 	})
 	if err != nil {
 		return nil, err

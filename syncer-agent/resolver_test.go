@@ -44,6 +44,9 @@ current-context: c
 		{[]string{"--kubeconfig", kubeconfig, "--plain-cluster", "root:org"}, "not a valid logical cluster name"},
 		{[]string{"--kubeconfig", kubeconfig, "--plain-cluster", "root"}, ""},
 		{[]string{"--kubeconfig", kubeconfig, "--sync-target-name", "st", "--sync-target-uid", "u"}, ""},
+		{[]string{"--services", services, "--trust-endpointslices-in", "*"}, "--services excludes"},
+		{[]string{"--kubeconfig", kubeconfig, "--plain-cluster", "root", "--trust-endpointslices-in", "root/Default"}, `--trust-endpointslices-in: "root/Default": namespace`},
+		{[]string{"--kubeconfig", kubeconfig, "--plain-cluster", "root", "--trust-endpointslices-in", "root/default,c2"}, ""},
 	} {
 		name := strings.NewReplacer(services, "FILE", kubeconfig, "KUBECONFIG").Replace(strings.Join(c.args, " "))
 		t.Run(name, func(t *testing.T) {

@@ -29,8 +29,10 @@ type Agent struct {
 	goneOnce sync.Once
 
 	draining atomic.Bool
-	pending  atomic.Int64 // dials ordered and not yet answered
-	tunnels  atomic.Int64 // tunnels open through the agent
+	// pending counts the dials ordered and not yet answered, by logical
+	// cluster; Registry.mu guards it.
+	pending map[string]int64
+	tunnels atomic.Int64 // tunnels open through the agent
 
 	probeMu   sync.Mutex
 	lastProbe time.Time // when the agent last answered a probe
@@ -69,6 +71,7 @@ func NewAgent(sessionID string, id spiffeid.ID, name string, clusters []string) 
 		Name:      name,
 		Clusters:  clusters,
 		Since:     time.Now(),
+		pending:   map[string]int64{},
 		orders:    make(chan *tunnelv1.DialOrder, 64),
 		gone:      make(chan struct{}),
 	}

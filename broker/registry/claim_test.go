@@ -150,14 +150,14 @@ func TestFailureEndsTheDialWithTheAgentsCode(t *testing.T) {
 	} {
 		t.Run(tc.reported.String(), func(t *testing.T) {
 			r := New()
-			// A name other than its SPIFFE ID's path, to show both in the message.
+			// A name other than its SPIFFE ID's path: the caller sees the name.
 			a := newTestAgent(t, "sync-target-1", "/agent/a", "root")
 			r.Register(a)
 			d, o := orderedDial(t, r, "root", a)
 
 			r.Fail(a, &tunnelv1.DialFailure{DialId: o.GetDialId(), Code: int32(tc.reported), Message: "connection refused"})
 			out := d.wait()
-			checkStatus(t, "dial", out.err, tc.want, "agent sync-target-1 (spiffe://example.org/agent/a): connection refused")
+			checkStatus(t, "dial", out.err, tc.want, "agent sync-target-1: connection refused"+inTunnel(o.GetDialId()))
 			if out.tunnel != nil {
 				t.Error("a failed dial returned a tunnel")
 			}

@@ -2,6 +2,7 @@ package registry
 
 import (
 	"context"
+	"errors"
 	"testing"
 
 	"google.golang.org/grpc/codes"
@@ -11,22 +12,55 @@ import (
 
 // What one agent may be asked to carry: Limits.
 
-func TestPendingDialsPerAgentAreBounded(t *testing.T) {
+func TestPendingDialsPerClusterAreBounded(t *testing.T) {
 	r := New()
-	r.Limits = Limits{MaxPendingPerAgent: 2}
+	r.Limits = Limits{MaxPendingPerCluster: 2}
 	a := registerAgent(t, r, "a", "root")
 	for range 2 {
 		orderedDial(t, r, "root", a)
 	}
 
 	_, err := r.Dial(t.Context(), target("root"), 1000)
-	checkStatus(t, "dial past the limit", err, codes.ResourceExhausted, `every agent of logical cluster "root" has 2 dials pending`)
+	checkStatus(t, "dial past the limit", err, codes.ResourceExhausted, `every agent of logical cluster "root" has 2 of its dials pending`)
+	checkLimit(t, err, LimitPendingPerCluster)
 	noOrder(t, a)
+}
+
+// A cluster whose targets hang fills its own queue of pending dials on the
+// agent, and no other cluster's: the agent still takes the others' dials.
+func TestOneClustersPendingDialsDoNotCountAgainstAnothers(t *testing.T) {
+	r := New()
+	r.Limits = Limits{MaxPendingPerCluster: 2}
+	a := registerAgent(t, r, "a", "hanging", "healthy")
+	for range 2 {
+		orderedDial(t, r, "hanging", a)
+	}
+	_, err := r.Dial(t.Context(), target("hanging"), 1000)
+	checkLimit(t, err, LimitPendingPerCluster)
+
+	for range 2 {
+		orderedDial(t, r, "healthy", a)
+	}
+}
+
+// Pending dials count against the tunnel limit for their own cluster only:
+// another cluster's hanging dials leave the agent's tunnels to the rest.
+func TestOtherClustersPendingDialsDoNotCountAgainstTheTunnelLimit(t *testing.T) {
+	r := New()
+	r.Limits = Limits{MaxTunnelsPerAgent: 2}
+	a := registerAgent(t, r, "a", "hanging", "healthy")
+	for range 2 {
+		orderedDial(t, r, "hanging", a)
+	}
+	_, err := r.Dial(t.Context(), target("hanging"), 1000)
+	checkLimit(t, err, LimitTunnelsPerAgent)
+
+	claimedTunnel(t, r, "healthy", a)
 }
 
 func TestAnsweredDialFreesItsPendingPlace(t *testing.T) {
 	r := New()
-	r.Limits = Limits{MaxPendingPerAgent: 1}
+	r.Limits = Limits{MaxPendingPerCluster: 1}
 	a := registerAgent(t, r, "a", "root")
 	d, o := orderedDial(t, r, "root", a)
 	r.Fail(a, &tunnelv1.DialFailure{DialId: o.GetDialId(), Code: int32(codes.NotFound), Message: "no such service"})
@@ -38,7 +72,7 @@ func TestAnsweredDialFreesItsPendingPlace(t *testing.T) {
 
 func TestGivenUpDialFreesItsPendingPlace(t *testing.T) {
 	r := New()
-	r.Limits = Limits{MaxPendingPerAgent: 1}
+	r.Limits = Limits{MaxPendingPerCluster: 1}
 	a := registerAgent(t, r, "a", "root")
 	d, _ := orderedDial(t, r, "root", a)
 	d.cancel()
@@ -56,6 +90,7 @@ func TestTunnelsPerAgentAreBounded(t *testing.T) {
 
 	_, err := r.Dial(t.Context(), target("root"), 1000)
 	checkStatus(t, "dial past the limit", err, codes.ResourceExhausted, `every agent of logical cluster "root" carries 1 tunnels`)
+	checkLimit(t, err, LimitTunnelsPerAgent)
 	noOrder(t, a)
 
 	// A finished tunnel frees its place.
@@ -82,7 +117,7 @@ func TestDialsInFlightCountAgainstTheTunnelLimit(t *testing.T) {
 
 func TestDialGoesToAnotherAgentWhenOneIsAtItsLimit(t *testing.T) {
 	r := New()
-	r.Limits = Limits{MaxPendingPerAgent: 1}
+	r.Limits = Limits{MaxPendingPerCluster: 1}
 	a := registerAgent(t, r, "a", "root")
 	b := registerAgent(t, r, "b", "root")
 	startDial(t, r, target("root"))
@@ -105,10 +140,9 @@ func TestDialGoesToAnotherAgentWhenOneIsAtItsLimit(t *testing.T) {
 }
 
 func TestLimitsCountPerAgent(t *testing.T) {
-	// One agent's dials do not count against another's limit, even for
-	// another cluster.
+	// One agent's dials do not count against another's limit.
 	r := New()
-	r.Limits = Limits{MaxPendingPerAgent: 1}
+	r.Limits = Limits{MaxPendingPerCluster: 1}
 	a := registerAgent(t, r, "a", "root")
 	b := registerAgent(t, r, "b", "other")
 	orderedDial(t, r, "root", a)
@@ -128,5 +162,18 @@ func TestZeroLimitsBoundNothing(t *testing.T) {
 	}
 	if n := a.Tunnels(); n != 3 {
 		t.Errorf("agent carries %d tunnels, want 3", n)
+	}
+}
+
+// checkLimit checks that err is a refusal by limit.
+func checkLimit(t *testing.T, err error, limit string) {
+	t.Helper()
+	var l *LimitError
+	if !errors.As(err, &l) {
+		t.Errorf("got %v, want a refusal by limit %s", err, limit)
+		return
+	}
+	if l.Limit != limit {
+		t.Errorf("refused by limit %s, want %s", l.Limit, limit)
 	}
 }

@@ -195,6 +195,10 @@ func checkClaimRefused(t *testing.T, what string, r *Registry, dialID uint64, ag
 		fmt.Sprintf("no pending dial %d for %s (it timed out or was cancelled)", dialID, agentID))
 }
 
+// inTunnel ends the message of a dial that failed after its order: the
+// tunnel id under which the broker logs it.
+func inTunnel(dialID uint64) string { return fmt.Sprintf(" (tunnel %016x)", dialID) }
+
 // checkStatus checks err's gRPC code and message.
 func checkStatus(t *testing.T, what string, err error, code codes.Code, msg string) {
 	t.Helper()

@@ -4,8 +4,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/binary"
-	"errors"
-	"fmt"
 	"maps"
 	"slices"
 	"sync"
@@ -31,14 +29,42 @@ type Registry struct {
 }
 
 // Limits bound what one agent may be asked to carry; zero means no limit.
+//
+// No logical cluster's dials count against another's: a cluster whose
+// targets hang (the agent's connect never completes) fills its own queue of
+// pending dials on each agent and no other. So an agent has at most
+// MaxPendingPerCluster dials pending for each cluster it serves.
 type Limits struct {
-	// MaxPendingPerAgent bounds dials ordered and not yet answered, so a
-	// stuck agent cannot pile up waiting webhook calls.
-	MaxPendingPerAgent int64
-	// MaxTunnelsPerAgent bounds tunnels open through one agent, counting
-	// its pending dials, which may become tunnels.
+	// MaxPendingPerCluster bounds the dials one agent has been ordered for
+	// one logical cluster and has not yet answered, so that a stuck target
+	// or agent cannot pile up waiting webhook calls.
+	MaxPendingPerCluster int64
+	// MaxTunnelsPerAgent bounds the tunnels open through one agent. A
+	// cluster's own pending dials count against it too, since each may
+	// become a tunnel (otherwise dials that arrive together would all pass
+	// it), but other clusters' pending dials do not: the agent may exceed
+	// it by the dials of other clusters pending at that moment.
 	MaxTunnelsPerAgent int64
 }
+
+// Names of the limits, as LimitError and the limits_hit metric give them.
+const (
+	LimitPendingPerCluster = "pending_dials_per_cluster"
+	LimitTunnelsPerAgent   = "tunnels_per_agent"
+)
+
+// LimitError is a dial refused because every agent of its cluster is at a
+// limit. Its gRPC status is ResourceExhausted.
+type LimitError struct {
+	// Limit is LimitPendingPerCluster or LimitTunnelsPerAgent.
+	Limit  string
+	status *status.Status
+}
+
+func (e *LimitError) Error() string { return e.status.Err().Error() }
+
+// GRPCStatus makes the error its status for grpc-go and package status.
+func (e *LimitError) GRPCStatus() *status.Status { return e.status }
 
 // New returns an empty registry.
 func New() *Registry {
@@ -143,38 +169,57 @@ func (r *Registry) pick(cluster string) (*Agent, error) {
 	}
 	start := r.next[cluster]
 	r.next[cluster] = start + 1
-	var draining, full *Agent
+	var draining *Agent
+	var limit string
 	for i := range agents {
 		a := agents[(start+i)%len(agents)]
-		switch {
-		case r.atLimit(a):
-			full = a
-		case a.Draining():
-			if draining == nil {
-				draining = a
-			}
-		default:
+		if l := r.limitHit(a, cluster); l != "" {
+			limit = l
+			continue
+		}
+		if !a.Draining() {
 			return a, nil
+		}
+		if draining == nil {
+			draining = a
 		}
 	}
 	if draining != nil {
 		return draining, nil
 	}
-	if full.pending.Load() >= r.Limits.MaxPendingPerAgent && r.Limits.MaxPendingPerAgent > 0 {
-		return nil, status.Errorf(codes.ResourceExhausted, "every agent of logical cluster %q has %d dials pending", cluster, r.Limits.MaxPendingPerAgent)
+	if limit == LimitPendingPerCluster {
+		return nil, &LimitError{Limit: limit, status: status.Newf(codes.ResourceExhausted,
+			"every agent of logical cluster %q has %d of its dials pending", cluster, r.Limits.MaxPendingPerCluster)}
 	}
-	return nil, status.Errorf(codes.ResourceExhausted, "every agent of logical cluster %q carries %d tunnels", cluster, r.Limits.MaxTunnelsPerAgent)
+	return nil, &LimitError{Limit: limit, status: status.Newf(codes.ResourceExhausted,
+		"every agent of logical cluster %q carries %d tunnels", cluster, r.Limits.MaxTunnelsPerAgent)}
 }
 
-// atLimit says whether a may take no more dials. Pending dials count against
-// the tunnel limit too, since each may become a tunnel: otherwise dials that
-// arrive together would all pass it. (A dial just claimed counts twice until
-// it returns, so the limit may refuse a moment early, never late.)
-func (r *Registry) atLimit(a *Agent) bool {
+// limitHit names the limit that keeps a from taking another dial for
+// cluster, or is "" if there is none. Only cluster's own pending dials
+// count, against both limits: they may become tunnels, and otherwise dials
+// that arrive together would all pass the tunnel limit. (A dial just
+// claimed counts twice until it returns, so the limit may refuse a moment
+// early, never late.) r.mu is held.
+func (r *Registry) limitHit(a *Agent, cluster string) string {
 	l := r.Limits
-	pending := a.pending.Load()
-	return l.MaxPendingPerAgent > 0 && pending >= l.MaxPendingPerAgent ||
-		l.MaxTunnelsPerAgent > 0 && a.tunnels.Load()+pending >= l.MaxTunnelsPerAgent
+	pending := a.pending[cluster]
+	switch {
+	case l.MaxPendingPerCluster > 0 && pending >= l.MaxPendingPerCluster:
+		return LimitPendingPerCluster
+	case l.MaxTunnelsPerAgent > 0 && a.tunnels.Load()+pending >= l.MaxTunnelsPerAgent:
+		return LimitTunnelsPerAgent
+	}
+	return ""
+}
+
+// unpend ends a dial's place among a's pending dials for cluster.
+func (r *Registry) unpend(a *Agent, cluster string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if a.pending[cluster]--; a.pending[cluster] <= 0 {
+		delete(a.pending, cluster)
+	}
 }
 
 // Dial orders an agent that serves target's cluster to connect, and waits
@@ -190,23 +235,23 @@ func (r *Registry) Dial(ctx context.Context, target *tunnelv1.Target, timeoutMS 
 	r.lastID++
 	p := &Pending{ID: r.lastID, Agent: a, Target: target, result: make(chan result, 1)}
 	r.pending[p.ID] = p
-	a.pending.Add(1)
+	a.pending[target.GetCluster()]++
 	r.mu.Unlock()
-	defer a.pending.Add(-1)
+	defer r.unpend(a, target.GetCluster())
 
 	order := &tunnelv1.DialOrder{DialId: p.ID, Target: target, TimeoutMs: timeoutMS}
 	select {
 	case a.orders <- order:
 	case <-a.gone:
 		if r.forget(p) {
-			return nil, agentGone(a)
+			return nil, agentGone(p)
 		}
-		return r.abandon(p, agentGone(a))
+		return r.abandon(p, agentGone(p))
 	case <-ctx.Done():
 		if r.forget(p) {
-			return nil, contextStatus(ctx, a)
+			return nil, contextStatus(ctx, p)
 		}
-		return r.abandon(p, contextStatus(ctx, a))
+		return r.abandon(p, contextStatus(ctx, p))
 	}
 
 	select {
@@ -214,14 +259,14 @@ func (r *Registry) Dial(ctx context.Context, target *tunnelv1.Target, timeoutMS 
 		return res.tunnel, res.err
 	case <-a.gone:
 		if r.forget(p) {
-			return nil, agentGone(a)
+			return nil, agentGone(p)
 		}
-		return r.abandon(p, agentGone(a))
+		return r.abandon(p, agentGone(p))
 	case <-ctx.Done():
 		if r.forget(p) {
-			return nil, contextStatus(ctx, a)
+			return nil, contextStatus(ctx, p)
 		}
-		return r.abandon(p, contextStatus(ctx, a))
+		return r.abandon(p, contextStatus(ctx, p))
 	}
 }
 
@@ -279,7 +324,7 @@ func (r *Registry) Fail(a *Agent, f *tunnelv1.DialFailure) {
 	}
 	r.mu.Unlock()
 	if ok {
-		p.result <- result{err: agentFailure(a, f)}
+		p.result <- result{err: agentFailure(p, f)}
 	}
 }
 
@@ -294,28 +339,4 @@ type Pending struct {
 type result struct {
 	tunnel *Tunnel
 	err    error
-}
-
-func agentGone(a *Agent) error {
-	return status.Errorf(codes.Unavailable, "agent %s went away", a)
-}
-
-func contextStatus(ctx context.Context, a *Agent) error {
-	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
-		return status.Errorf(codes.DeadlineExceeded, "agent %s did not connect in time", a)
-	}
-	return status.FromContextError(ctx.Err()).Err()
-}
-
-// agentFailure turns an agent's report into the caller's status. Only codes a
-// caller can act on pass through; anything else means the agent failed.
-func agentFailure(a *Agent, f *tunnelv1.DialFailure) error {
-	code := codes.Code(f.GetCode())
-	switch code {
-	case codes.NotFound, codes.Unavailable, codes.DeadlineExceeded, codes.PermissionDenied,
-		codes.ResourceExhausted, codes.InvalidArgument, codes.FailedPrecondition:
-	default:
-		code = codes.Unavailable
-	}
-	return status.Error(code, fmt.Sprintf("agent %s: %s", a, f.GetMessage()))
 }

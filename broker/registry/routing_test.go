@@ -86,7 +86,7 @@ func TestDrainingAgentStillGetsDialsWhenNoOtherServesTheCluster(t *testing.T) {
 
 func TestDrainingAgentGetsDialsWhenTheOthersAreAtTheirLimit(t *testing.T) {
 	r := New()
-	r.Limits = Limits{MaxPendingPerAgent: 1}
+	r.Limits = Limits{MaxPendingPerCluster: 1}
 	draining := registerAgent(t, r, "draining", "root")
 	busy := registerAgent(t, r, "busy", "root")
 	draining.Drain()

@@ -2,7 +2,6 @@ package registry
 
 import (
 	"context"
-	"fmt"
 	"sync"
 
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
@@ -31,7 +30,7 @@ type Tunnel struct {
 func newTunnel(p *Pending, stream tunnelv1.AgentService_TunnelServer) *Tunnel {
 	p.Agent.tunnels.Add(1)
 	return &Tunnel{
-		ID:      fmt.Sprintf("%016x", p.ID),
+		ID:      tunnelID(p.ID),
 		Agent:   p.Agent,
 		Target:  p.Target,
 		Stream:  stream,

@@ -7,6 +7,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -529,6 +530,41 @@ func (tg *target) noConnection(t *testing.T) {
 		c.Close()
 		t.Errorf("the agent connected to %s, which its resolver did not return", tg.addr())
 	}
+}
+
+// capturedLog holds what an agent logs, and shows it in the test's output.
+type capturedLog struct {
+	mu    sync.Mutex
+	lines []string
+}
+
+// captureLog makes a log to the test's output and to the returned log.
+func captureLog(t *testing.T, a *Agent) *capturedLog {
+	c := &capturedLog{}
+	a.Log = slog.New(slog.NewTextHandler(io.MultiWriter(t.Output(), c), nil))
+	return c
+}
+
+func (c *capturedLog) Write(p []byte) (int, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.lines = append(c.lines, string(p))
+	return len(p), nil
+}
+
+// line is the first line logged that holds what; the test fails if there
+// is none.
+func (c *capturedLog) line(t *testing.T, what string) string {
+	t.Helper()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, l := range c.lines {
+		if strings.Contains(l, what) {
+			return l
+		}
+	}
+	t.Fatalf("nothing logged holds %q", what)
+	return ""
 }
 
 // refusedAddr is a loopback address where nothing listens.

@@ -7,43 +7,59 @@ import (
 	"io"
 	"net"
 	"os"
+	"slices"
+	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/kcp-dev/tunnel-broker/internal/redact"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
 // defaultConnectTimeout applies when an order carries no timeout.
 const defaultConnectTimeout = 5 * time.Second
 
+// maxFailureMessage bounds a dial_failure's message, in bytes: the broker
+// shows its callers no more of it (docs/protocol.md §5).
+const maxFailureMessage = 256
+
 // serve answers one dial order: connect to the target, then open the Tunnel
 // stream and pipe; or report why not.
+//
+// What it reports may reach kcp's end users in admission errors: a short
+// reason in words, without addresses. The details stay in the agent's log,
+// under the tunnel id, which the broker's log and the caller's message name
+// too.
 func (a *Agent) serve(ctx context.Context, client tunnelv1.AgentServiceClient, order *tunnelv1.DialOrder, fail func(*tunnelv1.DialFailure)) {
 	t := order.GetTarget()
-	log := a.Log.With("dial", order.GetDialId(), "cluster", t.GetCluster(), "namespace", t.GetNamespace(),
+	log := a.Log.With("tunnel", fmt.Sprintf("%016x", order.GetDialId()), "cluster", t.GetCluster(), "namespace", t.GetNamespace(),
 		"service", t.GetService(), "port", t.GetPort())
+	report := func(code codes.Code, message string) {
+		fail(&tunnelv1.DialFailure{DialId: order.GetDialId(), Code: int32(code), Message: redact.Text(message, maxFailureMessage)})
+	}
 	conn, err := a.connect(ctx, order)
-	dials.WithLabelValues(status.Code(err).String()).Inc()
 	if err != nil {
-		st := status.Convert(err)
-		log.Info("dial failed", "code", st.Code().String(), "error", st.Message())
-		fail(&tunnelv1.DialFailure{DialId: order.GetDialId(), Code: int32(st.Code()), Message: st.Message()})
+		dials.WithLabelValues(err.code.String()).Inc()
+		log.Info("dial failed", "code", err.code.String(), "error", err.detail)
+		report(err.code, err.message)
 		return
 	}
+	dials.WithLabelValues(codes.OK.String()).Inc()
 	defer conn.Close()
 
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	stream, err := client.Tunnel(ctx, tunnelv1.FrameCallOption())
-	if err == nil {
-		err = stream.Send(&tunnelv1.TunnelRequest{Frame: &tunnelv1.TunnelRequest_Open{Open: &tunnelv1.TunnelOpen{DialId: order.GetDialId()}}})
+	stream, tunnelErr := client.Tunnel(ctx, tunnelv1.FrameCallOption())
+	if tunnelErr == nil {
+		tunnelErr = stream.Send(&tunnelv1.TunnelRequest{Frame: &tunnelv1.TunnelRequest_Open{Open: &tunnelv1.TunnelOpen{DialId: order.GetDialId()}}})
 	}
-	if err != nil {
-		log.Info("could not open tunnel", "error", err)
-		fail(&tunnelv1.DialFailure{DialId: order.GetDialId(), Code: int32(codes.Unavailable), Message: "agent could not open a tunnel: " + err.Error()})
+	if tunnelErr != nil {
+		log.Info("could not open tunnel", "error", tunnelErr)
+		report(codes.Unavailable, "the agent could not open a tunnel to the broker")
 		return
 	}
 	log.Debug("tunnel open", "target", conn.RemoteAddr().String())
@@ -55,17 +71,26 @@ func (a *Agent) serve(ctx context.Context, client tunnelv1.AgentServiceClient, o
 		// once) may end before the broker read the open, and the dial
 		// would wait there for its timeout. Fail it; the broker ignores a
 		// failure for a dial it already claimed.
-		fail(&tunnelv1.DialFailure{DialId: order.GetDialId(), Code: int32(codes.Unavailable), Message: "tunnel failed before it was established: " + err.Error()})
+		report(codes.Unavailable, "the tunnel failed as it opened: "+reason(err))
 	}
+}
+
+// dialError is why the agent could not connect: a code and message for the
+// broker and the caller, and the detail for the agent's log.
+type dialError struct {
+	code    codes.Code
+	message string
+	detail  error
 }
 
 // connect dials the addresses the resolver returns, in order, until one
 // accepts. It dials nothing else.
-func (a *Agent) connect(ctx context.Context, order *tunnelv1.DialOrder) (*net.TCPConn, error) {
+func (a *Agent) connect(ctx context.Context, order *tunnelv1.DialOrder) (*net.TCPConn, *dialError) {
 	t := order.GetTarget()
 	if err := t.Validate(); err != nil {
-		return nil, status.Error(codes.InvalidArgument, err.Error())
+		return nil, &dialError{codes.InvalidArgument, err.Error(), err}
 	}
+	svc := fmt.Sprintf("Service %s/%s port %d", t.GetNamespace(), t.GetService(), t.GetPort())
 	timeout := time.Duration(order.GetTimeoutMs()) * time.Millisecond
 	if timeout <= 0 {
 		timeout = defaultConnectTimeout
@@ -74,10 +99,14 @@ func (a *Agent) connect(ctx context.Context, order *tunnelv1.DialOrder) (*net.TC
 	defer cancel()
 	addrs, err := a.Resolver.Resolve(ctx, t)
 	if err != nil {
-		return nil, err
+		// The resolver speaks of Services and namespaces; what else it
+		// says (a refused endpoint's address) is redacted by report.
+		st := status.Convert(err)
+		return nil, &dialError{st.Code(), st.Message(), err}
 	}
 	if len(addrs) == 0 {
-		return nil, status.Errorf(codes.Unavailable, "service %s/%s has no endpoints", t.GetNamespace(), t.GetService())
+		msg := svc + " has no endpoints"
+		return nil, &dialError{codes.Unavailable, msg, errors.New(msg)}
 	}
 	var errs []error
 	var d net.Dialer
@@ -91,14 +120,47 @@ func (a *Agent) connect(ctx context.Context, order *tunnelv1.DialOrder) (*net.TC
 			break
 		}
 	}
+	detail := errors.Join(errs...)
 	// The poller's deadline for a connect is ctx's, and may fire before
 	// ctx's own timer does: an i/o timeout is the same timeout.
-	if ctx.Err() != nil || errors.Is(errors.Join(errs...), os.ErrDeadlineExceeded) {
-		return nil, status.Errorf(codes.DeadlineExceeded, "connecting to %s/%s:%d timed out after %v",
-			t.GetNamespace(), t.GetService(), t.GetPort(), timeout)
+	if ctx.Err() != nil || errors.Is(detail, os.ErrDeadlineExceeded) {
+		return nil, &dialError{codes.DeadlineExceeded, fmt.Sprintf("connecting to %s timed out after %v", svc, timeout), detail}
 	}
-	return nil, status.Errorf(codes.Unavailable, "connecting to %s/%s:%d: %v",
-		t.GetNamespace(), t.GetService(), t.GetPort(), errors.Join(errs...))
+	var reasons []string
+	for _, err := range errs {
+		if r := reason(err); !slices.Contains(reasons, r) {
+			reasons = append(reasons, r)
+		}
+	}
+	if len(addrs) > 1 {
+		svc = fmt.Sprintf("%s (%d endpoints)", svc, len(addrs))
+	}
+	return nil, &dialError{codes.Unavailable, fmt.Sprintf("connecting to %s: %s", svc, strings.Join(reasons, ", ")), detail}
+}
+
+// reason says in words why a connection failed, without the addresses
+// that Go's errors name.
+func reason(err error) string {
+	var errno syscall.Errno
+	var dns *net.DNSError
+	switch {
+	case errors.As(err, &errno):
+		return errno.Error() // "connection refused", "no route to host"
+	case errors.As(err, &dns) && dns.IsNotFound:
+		return "no such host"
+	case errors.As(err, &dns):
+		return "the name did not resolve"
+	case errors.Is(err, os.ErrDeadlineExceeded), errors.Is(err, context.DeadlineExceeded):
+		return "timed out"
+	case errors.Is(err, context.Canceled):
+		return "cancelled"
+	case errors.Is(err, io.EOF):
+		return "the target closed the connection"
+	}
+	if st, ok := status.FromError(err); ok {
+		return "the broker's stream ended (" + st.Code().String() + ")"
+	}
+	return "the connection failed"
 }
 
 // copyBufferSize is the largest data frame the agent sends.

@@ -223,8 +223,10 @@ func TestRefusedTargetIsReportedUnavailable(t *testing.T) {
 	if codes.Code(f.GetCode()) != codes.Unavailable {
 		t.Errorf("code %v, want Unavailable", codes.Code(f.GetCode()))
 	}
-	if want := "default/webhook:443"; !strings.Contains(f.GetMessage(), want) {
-		t.Errorf("message %q does not name %s", f.GetMessage(), want)
+	// What failed and why, in words: no address (the caller may be a
+	// kcp end user).
+	if got, want := f.GetMessage(), "connecting to Service default/webhook port 443: connection refused"; got != want {
+		t.Errorf("message %q, want %q", got, want)
 	}
 	b.noTunnel(t)
 }
@@ -360,14 +362,16 @@ func TestAgentDialsOnlyWhatTheResolverReturns(t *testing.T) {
 	}
 }
 
-func TestEveryAddressRefusedIsUnavailableNamingThemAll(t *testing.T) {
+func TestEveryAddressRefusedIsUnavailableAndLoggedWithItsAddress(t *testing.T) {
 	p := newPKI(t)
 	b := startBroker(t, p)
 	first, second := refusedAddr(t), refusedAddr(t)
 	r := &funcResolver{clusters: []string{testCluster}, resolve: func(context.Context, *tunnelv1.Target) ([]string, error) {
 		return []string{first, second}, nil
 	}}
-	run(t, newAgent(t, p, b, r))
+	a := newAgent(t, p, b, r)
+	logged := captureLog(t, a)
+	run(t, a)
 	s := b.nextSession(t)
 
 	s.order(t, dialOrder(13))
@@ -375,12 +379,37 @@ func TestEveryAddressRefusedIsUnavailableNamingThemAll(t *testing.T) {
 	if codes.Code(f.GetCode()) != codes.Unavailable {
 		t.Errorf("code %v, want Unavailable", codes.Code(f.GetCode()))
 	}
+	if got, want := f.GetMessage(), "connecting to Service default/webhook port 443 (2 endpoints): connection refused"; got != want {
+		t.Errorf("message %q, want %q", got, want)
+	}
+	// Both were tried, and the agent's log says so under the tunnel id.
+	line := logged.line(t, "tunnel=000000000000000d")
 	for _, addr := range []string{first, second} {
-		if !strings.Contains(f.GetMessage(), addr) {
-			t.Errorf("message %q does not name %s: was it tried?", f.GetMessage(), addr)
+		if !strings.Contains(line, addr) {
+			t.Errorf("the agent's log %q does not name %s: was it tried?", line, addr)
 		}
 	}
 	b.noTunnel(t)
+}
+
+// The resolver's messages speak of Services and namespaces, but may name a
+// refused endpoint's address: the agent sends none.
+func TestAResolversAddressesAreNotSent(t *testing.T) {
+	p := newPKI(t)
+	b := startBroker(t, p)
+	said := "service default/webhook port 443 of logical cluster root: refusing its endpoints: 127.0.0.1:8443 is a loopback address; [::1]:8443 is a loopback address"
+	r := &funcResolver{clusters: []string{testCluster}, resolve: func(context.Context, *tunnelv1.Target) ([]string, error) {
+		return nil, status.Error(codes.PermissionDenied, said)
+	}}
+	run(t, newAgent(t, p, b, r))
+	s := b.nextSession(t)
+
+	s.order(t, dialOrder(16))
+	f := s.failure(t)
+	want := "service default/webhook port 443 of logical cluster root: refusing its endpoints: <address> is a loopback address; <address> is a loopback address"
+	if codes.Code(f.GetCode()) != codes.PermissionDenied || f.GetMessage() != want {
+		t.Errorf("dial_failure{%v, %q}, want {PermissionDenied, %q}", codes.Code(f.GetCode()), f.GetMessage(), want)
+	}
 }
 
 func TestResolvingPastTheOrderTimeoutIsDeadlineExceeded(t *testing.T) {
@@ -403,7 +432,7 @@ func TestResolvingPastTheOrderTimeoutIsDeadlineExceeded(t *testing.T) {
 	if f.GetDialId() != 14 || codes.Code(f.GetCode()) != codes.DeadlineExceeded {
 		t.Errorf("dial_failure{%d, %v, %q}, want {14, DeadlineExceeded}", f.GetDialId(), codes.Code(f.GetCode()), f.GetMessage())
 	}
-	if want := "default/webhook:443"; !strings.Contains(f.GetMessage(), want) {
+	if want := "Service default/webhook port 443 timed out"; !strings.Contains(f.GetMessage(), want) {
 		t.Errorf("message %q does not name %s", f.GetMessage(), want)
 	}
 	tg.noConnection(t)

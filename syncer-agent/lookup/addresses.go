@@ -3,6 +3,8 @@ package lookup
 import (
 	"fmt"
 	"net/netip"
+	"slices"
+	"strings"
 )
 
 // refusedAddress says why the agent must not connect to ip, or "" if it may.
@@ -31,10 +33,37 @@ func refusedAddress(ip netip.Addr, apiServer map[netip.Addr]bool) string {
 	return ""
 }
 
-// refusedError is a refused endpoint, kept to explain a PermissionDenied.
-type refusedError struct {
-	addr   string
-	reason string
+// refusals collect why endpoints were refused, to explain a
+// PermissionDenied. Whoever writes a Service's EndpointSlices decides how
+// many there are: a dial formats a bounded number of reasons, and the
+// explanation names a few distinct ones.
+type refusals struct {
+	reasons []string
+	more    int // refusals past maxKept, counted only
 }
 
-func (r refusedError) String() string { return fmt.Sprintf("%s is %s", r.addr, r.reason) }
+const (
+	// maxKept bounds the reasons a dial formats.
+	maxKept = 64
+	// maxReasons bounds a refusal's message (it travels in a gRPC status).
+	maxReasons = 5
+)
+
+func (r *refusals) add(format string, args ...any) {
+	if len(r.reasons) == maxKept {
+		r.more++
+		return
+	}
+	r.reasons = append(r.reasons, fmt.Sprintf(format, args...))
+}
+
+func (r *refusals) empty() bool { return len(r.reasons) == 0 }
+
+// String lists distinct reasons, sorted, at most maxReasons of them.
+func (r *refusals) String() string {
+	reasons := slices.Compact(slices.Sorted(slices.Values(r.reasons))) // a Pod may be in two slices
+	if more := len(reasons) - maxReasons + r.more; more > 0 {
+		return fmt.Sprintf("%s; and %d more", strings.Join(reasons[:min(maxReasons, len(reasons))], "; "), more)
+	}
+	return strings.Join(reasons, "; ")
+}

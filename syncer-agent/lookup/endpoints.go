@@ -2,15 +2,14 @@ package lookup
 
 import (
 	"net/netip"
-	"slices"
 	"sort"
-	"strings"
 	"sync/atomic"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/client-go/tools/cache"
 )
 
@@ -47,8 +46,8 @@ func servicePort(svc *corev1.Service, port uint32, what string) (corev1.ServiceP
 
 // endpointPicker chooses endpoints from the Services' EndpointSlices.
 type endpointPicker struct {
-	slices         cache.Indexer
-	allowUnmanaged bool
+	slices cache.Indexer
+	pods   cache.Indexer // of *cachedPod
 	// next rotates the first endpoint from dial to dial, to spread load.
 	next atomic.Uint64
 }
@@ -60,22 +59,32 @@ type endpointPicker struct {
 // port's name, per pod, and writes the result under the Service port's name;
 // so the slice's port with that name is the targetPort, in either form, and
 // Services without a selector, whose slices someone else writes, work alike.
-func (p *endpointPicker) addresses(svc *corev1.Service, sp corev1.ServicePort, apiServer map[netip.Addr]bool, what string) ([]string, error) {
+//
+// Unless trusted (the operator trusts the dial's namespace's EndpointSlices
+// as written), an endpoint is taken only if the control plane vouches for
+// it (vouch.go): a Service without a selector has none.
+func (p *endpointPicker) addresses(svc *corev1.Service, sp corev1.ServicePort, apiServer map[netip.Addr]bool, trusted bool, what string) ([]string, error) {
+	if !trusted && len(svc.Spec.Selector) == 0 {
+		return nil, status.Errorf(codes.PermissionDenied,
+			"%s: the Service has no selector, so nothing vouches for its endpoints: the agent dials only Pods a Service selects (%s)", what, trustHint)
+	}
+	selector := labels.Set(svc.Spec.Selector).AsSelectorPreValidated()
 	objs, err := p.slices.ByIndex(byService, svc.Namespace+"/"+svc.Name)
 	if err != nil {
 		return nil, status.Errorf(codes.Internal, "endpointslice index: %v", err)
 	}
 	var (
-		ready     = map[string]bool{}
-		refused   []refusedError
-		untrusted []string
-		unready   int
+		ready   = map[string]bool{}
+		refused refusals
+		unready int
 	)
 	for _, obj := range objs {
 		slice := obj.(*discoveryv1.EndpointSlice)
-		if !p.allowUnmanaged && slice.Labels[discoveryv1.LabelManagedBy] != EndpointSliceController {
-			untrusted = append(untrusted, slice.Name)
-			continue
+		if !trusted {
+			if why := unvouchedSlice(slice, svc); why != "" {
+				refused.add("%s", why)
+				continue
+			}
 		}
 		port, ok := slicePort(slice, sp.Name)
 		if !ok {
@@ -86,47 +95,61 @@ func (p *endpointPicker) addresses(svc *corev1.Service, sp corev1.ServicePort, a
 				unready++
 				continue
 			}
+			var pod *cachedPod
+			if !trusted {
+				var why string
+				if pod, why = podOf(p.pods, ep.TargetRef, svc, selector); why != "" {
+					refused.add("%s of EndpointSlice %s %s", firstAddress(ep), slice.Name, why)
+					continue
+				}
+			}
 			for _, a := range ep.Addresses {
 				if slice.AddressType != discoveryv1.AddressTypeIPv4 && slice.AddressType != discoveryv1.AddressTypeIPv6 {
-					refused = append(refused, refusedError{a, "not an IP address (address type " + string(slice.AddressType) + ")"})
+					refused.add("%s is not an IP address (address type %s)", a, slice.AddressType)
 					continue
 				}
 				ip, err := netip.ParseAddr(a)
 				if err != nil {
-					refused = append(refused, refusedError{a, "not an IP address"})
+					refused.add("%s is not an IP address", a)
 					continue
 				}
 				addr := netip.AddrPortFrom(ip.Unmap(), port).String()
 				if why := refusedAddress(ip, apiServer); why != "" {
-					refused = append(refused, refusedError{addr, why})
+					refused.add("%s is %s", addr, why)
+					continue
+				}
+				if pod != nil && !pod.has(ip) {
+					refused.add("%s of EndpointSlice %s is not an address of Pod %s", a, slice.Name, pod.Name)
 					continue
 				}
 				ready[addr] = true
 			}
 		}
 	}
-	if len(ready) > 0 {
+	switch {
+	case len(ready) > 0:
 		return p.rotate(ready), nil
-	}
-	if len(refused) > 0 {
-		var reasons []string
-		for _, r := range refused {
-			if !slices.Contains(reasons, r.String()) { // a pod may be in two slices
-				reasons = append(reasons, r.String())
-			}
-		}
-		return nil, status.Errorf(codes.PermissionDenied, "%s: refusing its endpoints: %s", what, strings.Join(reasons, "; "))
-	}
-	if len(untrusted) > 0 {
-		sort.Strings(untrusted)
-		return nil, status.Errorf(codes.PermissionDenied,
-			"%s: its only EndpointSlices (%s) are not managed by %s, and the agent does not trust others (see --allow-unmanaged-endpointslices)",
-			what, strings.Join(untrusted, ", "), EndpointSliceController)
-	}
-	if unready > 0 {
+	case !refused.empty() && trusted:
+		return nil, status.Errorf(codes.PermissionDenied, "%s: refusing its endpoints: %s", what, &refused)
+	case !refused.empty():
+		return nil, status.Errorf(codes.PermissionDenied, "%s: refusing its endpoints: %s; the agent dials only Pods the Service selects, as Kubernetes' EndpointSlice controller lists them (%s)",
+			what, &refused, trustHint)
+	case unready > 0:
 		return nil, status.Errorf(codes.Unavailable, "%s: none of its %d endpoints is ready", what, unready)
 	}
 	return nil, status.Errorf(codes.Unavailable, "%s: the Service has no endpoints", what)
+}
+
+// trustHint tells an operator how to let the agent take a namespace's
+// EndpointSlices as written.
+const trustHint = "see the agent's --trust-endpointslices-in"
+
+// firstAddress names an endpoint in messages.
+func firstAddress(ep discoveryv1.Endpoint) string {
+	if len(ep.Addresses) == 0 {
+		return "an endpoint without addresses"
+	}
+	return ep.Addresses[0]
 }
 
 // slicePort is the port number that slice gives the Service port named name.

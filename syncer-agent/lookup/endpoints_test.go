@@ -14,11 +14,12 @@ import (
 )
 
 // resolveWebhook resolves c1/default/webhook:443 against a namespace kcp-a
-// mapped to it and the given Service and slices.
+// mapped to it, the given Service and slices, and the Pods the slices name
+// (podsOf).
 func resolveWebhook(t *testing.T, opts KubeOptions, svc *corev1.Service, slices ...*discoveryv1.EndpointSlice) (*Kube, []string, error) {
 	t.Helper()
 	opts.SyncTarget = ownTarget
-	objs := []runtime.Object{syncedNamespace("kcp-a", "c1", "default"), svc}
+	objs := append([]runtime.Object{syncedNamespace("kcp-a", "c1", "default"), svc}, podsOf(svc, slices...)...)
 	for _, s := range slices {
 		objs = append(objs, s)
 	}
@@ -79,7 +80,8 @@ func TestKubeUnreadyEndpoints(t *testing.T) {
 	notReady := discoveryv1.Endpoint{Addresses: []string{"10.1.0.1"}, Conditions: discoveryv1.EndpointConditions{Ready: &no, Serving: &no}}
 	notServing := discoveryv1.Endpoint{Addresses: []string{"10.1.0.2"}, Conditions: discoveryv1.EndpointConditions{Ready: &yes, Serving: &no}}
 	terminating := discoveryv1.Endpoint{Addresses: []string{"10.1.0.3"}, Conditions: discoveryv1.EndpointConditions{Ready: &no, Serving: &yes, Terminating: &yes}}
-	unset := discoveryv1.Endpoint{Addresses: []string{"10.1.0.4"}} // nil conditions mean ready
+	unset := ready("10.1.0.4")
+	unset.Conditions = discoveryv1.EndpointConditions{} // nil conditions mean ready
 
 	_, _, err := resolveWebhook(t, KubeOptions{}, webhookService(intstr.FromInt32(8443)), webhookSlice("s1", 8443, notReady, notServing, terminating))
 	if status.Code(err) != codes.Unavailable {
@@ -128,29 +130,6 @@ func TestKubeSeveralEndpointsSpreadLoad(t *testing.T) {
 			t.Fatalf("dials started at %v twice before all were used (%v)", addrs[0], starts)
 		}
 		starts[addrs[0]] = true
-	}
-}
-
-// Selector-less Services have EndpointSlices written by someone other than
-// the EndpointSlice controller: trusted only when the operator says so.
-func TestKubeManualEndpointSlices(t *testing.T) {
-	svc := webhookService(intstr.FromInt32(8443))
-	svc.Spec.Selector = nil
-	manual := webhookSlice("manual", 8443, ready("10.1.0.1"))
-	manual.Labels[discoveryv1.LabelManagedBy] = "staff"
-	unlabelled := webhookSlice("unlabelled", 8443, ready("10.1.0.2"))
-	delete(unlabelled.Labels, discoveryv1.LabelManagedBy)
-
-	_, _, err := resolveWebhook(t, KubeOptions{}, svc, manual, unlabelled)
-	if status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), "--allow-unmanaged-endpointslices") {
-		t.Fatalf("got %v, want PermissionDenied naming the flag", err)
-	}
-	t.Log(err)
-
-	_, addrs, err := resolveWebhook(t, KubeOptions{AllowUnmanagedEndpointSlices: true}, svc, manual, unlabelled)
-	slices.Sort(addrs)
-	if err != nil || !slices.Equal(addrs, []string{"10.1.0.1:8443", "10.1.0.2:8443"}) {
-		t.Fatalf("got %v, %v", addrs, err)
 	}
 }
 

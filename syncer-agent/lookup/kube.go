@@ -33,10 +33,13 @@ type KubeOptions struct {
 	// PlainCluster selects plain mode: the agent serves this one logical
 	// cluster, whose namespaces have the same names here.
 	PlainCluster string
-	// AllowUnmanagedEndpointSlices trusts EndpointSlices that Kubernetes'
-	// EndpointSlice controller did not write. Off, a tenant who can get a
-	// hand-made EndpointSlice synced cannot aim the agent at any address.
-	AllowUnmanagedEndpointSlices bool
+	// TrustEndpointSlicesIn are the namespaces whose EndpointSlices the
+	// agent takes as written, e.g. those of Services without a selector.
+	// Elsewhere it dials only what the control plane vouches for: addresses
+	// of Pods the Service selects, from slices Kubernetes' EndpointSlice
+	// controller owns (vouch.go), so that nobody who may write an
+	// EndpointSlice can aim the agent at an address of their choosing.
+	TrustEndpointSlicesIn Scope
 	// APIServerAddrs are the API server's addresses as the agent reaches
 	// it. They are refused as targets, as are the addresses of the
 	// default/kubernetes Service.
@@ -45,7 +48,7 @@ type KubeOptions struct {
 }
 
 // Kube resolves Services of the physical cluster from shared informers on
-// namespaces, Services and EndpointSlices: a dial makes no API call, and the
+// namespaces, Services, EndpointSlices and Pods: a dial makes no API call, and the
 // agent keeps serving from its caches while the API server is away (the
 // informers reconnect with backoff by themselves).
 type Kube struct {
@@ -53,8 +56,10 @@ type Kube struct {
 	namespaces cache.SharedIndexInformer
 	services   cache.SharedIndexInformer
 	slices     cache.SharedIndexInformer
+	pods       cache.SharedIndexInformer
 	mapper     namespaceMapper
 	picker     *endpointPicker
+	trust      Scope
 	apiServer  []netip.Addr
 	log        *slog.Logger
 
@@ -82,12 +87,14 @@ func NewKube(client kubernetes.Interface, opts KubeOptions) (*Kube, error) {
 		opts.Log = slog.New(slog.NewTextHandler(io.Discard, nil))
 	}
 
-	factory := informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithTransform(dropManagedFields))
+	factory := informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithTransform(slim))
 	k := &Kube{
 		factory:    factory,
 		namespaces: factory.Core().V1().Namespaces().Informer(),
 		services:   factory.Core().V1().Services().Informer(),
 		slices:     factory.Discovery().V1().EndpointSlices().Informer(),
+		pods:       factory.Core().V1().Pods().Informer(),
+		trust:      opts.TrustEndpointSlicesIn,
 		apiServer:  opts.APIServerAddrs,
 		log:        opts.Log,
 		changed:    make(chan struct{}, 1),
@@ -95,7 +102,7 @@ func NewKube(client kubernetes.Interface, opts KubeOptions) (*Kube, error) {
 	if err := k.slices.AddIndexers(endpointSliceIndexers()); err != nil {
 		return nil, err
 	}
-	k.picker = &endpointPicker{slices: k.slices.GetIndexer(), allowUnmanaged: opts.AllowUnmanagedEndpointSlices}
+	k.picker = &endpointPicker{slices: k.slices.GetIndexer(), pods: k.pods.GetIndexer()}
 	if plain {
 		k.mapper = &plainNamespaces{indexer: k.namespaces.GetIndexer(), cluster: opts.PlainCluster}
 	} else {
@@ -113,7 +120,7 @@ func NewKube(client kubernetes.Interface, opts KubeOptions) (*Kube, error) {
 		}
 	}
 	for resource, inf := range map[string]cache.SharedIndexInformer{
-		"namespaces": k.namespaces, "services": k.services, "endpointslices": k.slices,
+		"namespaces": k.namespaces, "services": k.services, "endpointslices": k.slices, "pods": k.pods,
 	} {
 		if err := inf.SetWatchErrorHandler(func(_ *cache.Reflector, err error) {
 			if !errors.Is(err, io.EOF) { // a watch the server closed is routine
@@ -126,8 +133,10 @@ func NewKube(client kubernetes.Interface, opts KubeOptions) (*Kube, error) {
 	return k, nil
 }
 
-// dropManagedFields keeps the caches small: the agent never reads them.
-func dropManagedFields(obj any) (any, error) {
+// slim keeps the caches small: it drops the managed fields, which the agent
+// never reads, and all of a Pod but what the agent checks. It leaves what
+// it already slimmed as it is.
+func slim(obj any) (any, error) {
 	switch o := obj.(type) {
 	case *corev1.Namespace:
 		o.ManagedFields = nil
@@ -135,6 +144,8 @@ func dropManagedFields(obj any) (any, error) {
 		o.ManagedFields = nil
 	case *discoveryv1.EndpointSlice:
 		o.ManagedFields = nil
+	case *corev1.Pod:
+		return slimPod(o), nil
 	}
 	return obj, nil
 }
@@ -163,7 +174,7 @@ func (k *Kube) WaitForCacheSync(ctx context.Context) error {
 }
 
 func (k *Kube) synced() bool {
-	return k.namespaces.HasSynced() && k.services.HasSynced() && k.slices.HasSynced()
+	return k.namespaces.HasSynced() && k.services.HasSynced() && k.slices.HasSynced() && k.pods.HasSynced()
 }
 
 // Clusters implements Resolver.
@@ -238,7 +249,8 @@ func (k *Kube) Resolve(_ context.Context, t *tunnelv1.Target) ([]string, error) 
 	if err != nil {
 		return nil, err
 	}
-	return k.picker.addresses(svc, sp, k.apiServerAddrs(), what)
+	trusted := k.trust.Contains(t.GetCluster(), t.GetNamespace())
+	return k.picker.addresses(svc, sp, k.apiServerAddrs(), trusted, what)
 }
 
 func (k *Kube) service(namespace, name string) (*corev1.Service, error) {

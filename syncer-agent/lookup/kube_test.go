@@ -15,6 +15,7 @@ import (
 	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/kubernetes/fake"
 
@@ -41,10 +42,11 @@ func syncedNamespace(name, cluster, upstream string) *corev1.Namespace {
 	return namespace(name, map[string]string{NamespaceLocatorAnnotation: locator(ownTarget, cluster, upstream)})
 }
 
-// service has one TCP port, port -> targetPort, named name.
+// service has one TCP port, port -> targetPort, named name, and selects
+// the Pods labelled app=name.
 func service(ns, name, portName string, port int32, targetPort intstr.IntOrString) *corev1.Service {
 	return &corev1.Service{
-		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, UID: serviceUID(ns, name)},
 		Spec: corev1.ServiceSpec{
 			Selector: map[string]string{"app": name},
 			Ports:    []corev1.ServicePort{{Name: portName, Port: port, TargetPort: targetPort, Protocol: corev1.ProtocolTCP}},
@@ -52,25 +54,87 @@ func service(ns, name, portName string, port int32, targetPort intstr.IntOrStrin
 	}
 }
 
+// serviceUID is the UID of the test Service ns/name.
+func serviceUID(ns, name string) types.UID { return types.UID("uid-of-" + ns + "-" + name) }
+
 // endpointSlice is a slice of the Service svc as the EndpointSlice
-// controller writes it: one port named portName, the given endpoints.
+// controller writes it: managed by it, controlled by the Service, one port
+// named portName, the given endpoints, whose Pods are of namespace ns.
 func endpointSlice(ns, svc, name, portName string, port int32, endpoints ...discoveryv1.Endpoint) *discoveryv1.EndpointSlice {
 	tcp := corev1.ProtocolTCP
+	eps := make([]discoveryv1.Endpoint, len(endpoints))
+	for i, ep := range endpoints {
+		if ep.TargetRef != nil && ep.TargetRef.Namespace == "" {
+			ref := *ep.TargetRef
+			ref.Namespace = ns
+			ep.TargetRef = &ref
+		}
+		eps[i] = ep
+	}
 	return &discoveryv1.EndpointSlice{
-		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, Labels: map[string]string{
-			discoveryv1.LabelServiceName: svc,
-			discoveryv1.LabelManagedBy:   EndpointSliceController,
-		}},
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name,
+			Labels: map[string]string{
+				discoveryv1.LabelServiceName: svc,
+				discoveryv1.LabelManagedBy:   EndpointSliceController,
+			},
+			OwnerReferences: []metav1.OwnerReference{*metav1.NewControllerRef(
+				&corev1.Service{ObjectMeta: metav1.ObjectMeta{Name: svc, UID: serviceUID(ns, svc)}},
+				corev1.SchemeGroupVersion.WithKind("Service"))},
+		},
 		AddressType: discoveryv1.AddressTypeIPv4,
 		Ports:       []discoveryv1.EndpointPort{{Name: &portName, Port: &port, Protocol: &tcp}},
-		Endpoints:   endpoints,
+		Endpoints:   eps,
 	}
 }
 
-// ready is a ready, serving endpoint at ip.
+// ready is a ready, serving endpoint at ips, of the Pod podName(ips[0]).
 func ready(ips ...string) discoveryv1.Endpoint {
 	t := true
-	return discoveryv1.Endpoint{Addresses: ips, Conditions: discoveryv1.EndpointConditions{Ready: &t, Serving: &t}}
+	return discoveryv1.Endpoint{Addresses: ips, Conditions: discoveryv1.EndpointConditions{Ready: &t, Serving: &t},
+		TargetRef: &corev1.ObjectReference{Kind: "Pod", Name: podName(ips[0])}}
+}
+
+// podName names the test Pod at ip.
+func podName(ip string) string {
+	return "pod-" + strings.Map(func(r rune) rune {
+		if ('a' <= r && r <= 'z') || ('0' <= r && r <= '9') {
+			return r
+		}
+		return '-'
+	}, strings.ToLower(ip))
+}
+
+// pod is a running Pod podName(ips[0]) of namespace ns at ips, labelled
+// app=app, as its kubelet reports it.
+func pod(ns, app string, ips ...string) *corev1.Pod {
+	p := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: podName(ips[0]), Labels: map[string]string{"app": app}},
+		Status:     corev1.PodStatus{Phase: corev1.PodRunning, PodIP: ips[0]},
+	}
+	for _, ip := range ips {
+		p.Status.PodIPs = append(p.Status.PodIPs, corev1.PodIP{IP: ip})
+	}
+	return p
+}
+
+// podsOf are the Pods that the slices' endpoints name, selected by svc and
+// at the endpoints' addresses: the world as the EndpointSlice controller
+// saw it when it wrote them.
+func podsOf(svc *corev1.Service, slices ...*discoveryv1.EndpointSlice) []runtime.Object {
+	var pods []runtime.Object
+	seen := map[string]bool{}
+	for _, s := range slices {
+		for _, ep := range s.Endpoints {
+			if ep.TargetRef == nil || seen[ep.TargetRef.Name] {
+				continue
+			}
+			seen[ep.TargetRef.Name] = true
+			p := pod(svc.Namespace, "", ep.Addresses...)
+			p.Name, p.Labels = ep.TargetRef.Name, svc.Spec.Selector
+			pods = append(pods, p)
+		}
+	}
+	return pods
 }
 
 // startKube runs a Kube resolver over a fake clientset holding objs, synced.
@@ -114,6 +178,15 @@ func wantCode(t *testing.T, r Resolver, tg *tunnelv1.Target, want codes.Code) st
 		t.Fatalf("Resolve(%s) = %v, %v; want code %v", tg.Key(), addrs, err, want)
 	}
 	return status.Convert(err).Message()
+}
+
+func mustParseScope(t *testing.T, list string) Scope {
+	t.Helper()
+	s, err := ParseScope(list)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
 }
 
 // eventually polls cond; the deadline only bounds a broken test.
@@ -205,6 +278,9 @@ func TestKubeFollowsChanges(t *testing.T) {
 		_, err := k.Resolve(ctx, tg)
 		return status.Code(err) == codes.Unavailable
 	})
+	if _, err := client.CoreV1().Pods("kcp-a").Create(ctx, pod("kcp-a", "webhook", "10.1.0.1"), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
 	if _, err := client.DiscoveryV1().EndpointSlices("kcp-a").Create(ctx,
 		endpointSlice("kcp-a", "webhook", "webhook-1", "https", 8443, ready("10.1.0.1")), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
@@ -233,18 +309,22 @@ func TestKubeRefusesAPIServerAddresses(t *testing.T) {
 	apiSlice := endpointSlice("default", "kubernetes", "kubernetes", "https", 6443, ready("10.0.0.7"))
 	delete(apiSlice.Labels, discoveryv1.LabelManagedBy) // the API server writes it itself
 	objs := []runtime.Object{syncedNamespace("kcp-a", "c1", "default"), kubernetes, apiSlice}
+	// Even a Pod that claims one of them as its own (who may write Pods'
+	// status is trusted like a kubelet, but not that far).
 	for i, ip := range []string{"10.96.0.1", "10.0.0.7", "192.0.2.200"} {
 		name := fmt.Sprintf("svc%d", i)
 		objs = append(objs, service("kcp-a", name, "https", 443, intstr.FromInt32(443)),
-			endpointSlice("kcp-a", name, name, "https", 443, ready(ip)))
+			endpointSlice("kcp-a", name, name, "https", 443, ready(ip)), pod("kcp-a", name, ip))
 	}
 	k, _ := startKube(t, KubeOptions{SyncTarget: ownTarget, APIServerAddrs: []netip.Addr{netip.MustParseAddr("192.0.2.200")}}, objs...)
 	for i := range 3 {
-		t.Log(wantCode(t, k, target("c1", "default", fmt.Sprintf("svc%d", i), 443), codes.PermissionDenied))
+		if msg := wantCode(t, k, target("c1", "default", fmt.Sprintf("svc%d", i), 443), codes.PermissionDenied); !strings.Contains(msg, "API server") {
+			t.Errorf("refused for another reason: %s", msg)
+		}
 	}
 	// Nor is default/kubernetes itself, in plain mode where it can be
-	// named, even with its unmanaged slice trusted.
-	plain, _ := startKube(t, KubeOptions{PlainCluster: "root", AllowUnmanagedEndpointSlices: true},
+	// named, even with its slices trusted as written.
+	plain, _ := startKube(t, KubeOptions{PlainCluster: "root", TrustEndpointSlicesIn: mustParseScope(t, "*")},
 		namespace("default", nil), kubernetes, apiSlice)
 	msg := wantCode(t, plain, target("root", "default", "kubernetes", 443), codes.PermissionDenied)
 	if !strings.Contains(msg, "API server") {

@@ -15,11 +15,13 @@ import (
 )
 
 // withWebhook is a namespace plus a Service "webhook" (443 -> 8443) whose one
-// endpoint is ip, so that a successful dial shows which namespace it used.
+// endpoint is a Pod at ip, so that a successful dial shows which namespace
+// it used.
 func withWebhook(ns *corev1.Namespace, ip string) []runtime.Object {
 	return []runtime.Object{ns,
 		service(ns.Name, "webhook", "https", 443, intstr.FromInt32(8443)),
 		endpointSlice(ns.Name, "webhook", "webhook-abc", "https", 8443, ready(ip)),
+		pod(ns.Name, "webhook", ip),
 	}
 }
 

@@ -275,7 +275,7 @@ func checkAgent(t *testing.T, objs []object, d *appsv1.Deployment) {
 			}
 		}
 	}
-	for _, res := range []string{"namespaces", "services", "endpointslices"} {
+	for _, res := range []string{"namespaces", "services", "endpointslices", "pods"} {
 		if !slices.ContainsFunc(granted, func(g []string) bool { return g[0] == res && g[1] == "get,list,watch" }) {
 			t.Errorf("ServiceAccount %s/%s may not get, list and watch %s (granted: %v)", d.Namespace, sa, res, granted)
 		}

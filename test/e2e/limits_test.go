@@ -64,17 +64,17 @@ func TestFailoverLimits(t *testing.T) {
 		})
 	})
 
-	t.Run("pending dials per agent", func(t *testing.T) {
-		env, b, kcp := start(t, func(c *server.Config) { c.Limits = registry.Limits{MaxPendingPerAgent: 1} })
+	t.Run("pending dials per cluster", func(t *testing.T) {
+		env, b, kcp := start(t, func(c *server.Config) { c.Limits = registry.Limits{MaxPendingPerCluster: 1} })
 		orders := startSilentAgent(t, env, b.Addr, "silent-cluster")
-		before := hits("agent")
+		before := hits(registry.LimitPendingPerCluster)
 		pending := make(chan error, 1)
 		go func() { pending <- dialEchoCtxCluster(context.Background(), kcp, "silent-cluster") }()
 		<-orders // the first dial waits on the agent now
 		err := dialEchoCtxCluster(context.Background(), kcp, "silent-cluster")
-		checkStatus(t, "second dial", err, codes.ResourceExhausted, "1 dials pending")
+		checkStatus(t, "second dial", err, codes.ResourceExhausted, "1 of its dials pending")
 		checkStatus(t, "first dial", <-pending, codes.DeadlineExceeded, "did not connect in time")
-		if hits("agent") <= before {
+		if hits(registry.LimitPendingPerCluster) <= before {
 			t.Error("the pending-dial limit was not counted")
 		}
 	})

@@ -12,6 +12,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"strings"
 	"sync"
 	"time"
 
@@ -70,6 +71,43 @@ type Process struct {
 
 	metricsOnce sync.Once
 	metrics     chan string // receives the /metrics endpoint's address once
+
+	logMu sync.Mutex
+	log   []string // the last maxLogLines lines the process logged
+}
+
+// maxLogLines bounds the log lines a Process keeps.
+const maxLogLines = 10000
+
+// Logged is the first line the process logged (of the last 10000) that
+// holds every one of parts, or "" if none does yet.
+func (p *Process) Logged(parts ...string) string {
+	p.logMu.Lock()
+	defer p.logMu.Unlock()
+	for _, line := range p.log {
+		if containsAll(line, parts) {
+			return line
+		}
+	}
+	return ""
+}
+
+func containsAll(s string, parts []string) bool {
+	for _, part := range parts {
+		if !strings.Contains(s, part) {
+			return false
+		}
+	}
+	return true
+}
+
+func (p *Process) keepLog(line string) {
+	p.logMu.Lock()
+	defer p.logMu.Unlock()
+	if len(p.log) == maxLogLines {
+		p.log = append(p.log[:0], p.log[1:]...)
+	}
+	p.log = append(p.log, line)
 }
 
 // MetricsAddr is the address of the process's /metrics, /healthz and /readyz.
@@ -144,6 +182,7 @@ func start(t T, name string, args []string, lines chan<- string) *Process {
 			if os.Getenv("TUNNEL_TEST_LOG") != "" {
 				fmt.Fprintf(os.Stderr, "%s: %s\n", name, s.Text())
 			}
+			p.keepLog(s.Text())
 			if m := metricsRE.FindStringSubmatch(s.Text()); m != nil {
 				p.metricsOnce.Do(func() { p.metrics <- m[1] })
 			}

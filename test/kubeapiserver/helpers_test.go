@@ -245,11 +245,39 @@ type endpoint struct {
 	ready bool
 }
 
-// setEndpoints creates or replaces the EndpointSlice name of Service svc,
-// as the EndpointSlice controller writes it (managedBy ==
-// lookup.EndpointSliceController), or as someone else does.
+// mustSetEndpoints creates or replaces the EndpointSlice name of Service
+// svc as the EndpointSlice controller writes it, after the Pods it lists:
+// for each endpoint, a running Pod at its address that the Service
+// selects; then a slice managed by the controller and controlled by the
+// Service, whose endpoints name those Pods.
+func (w *world) mustSetEndpoints(ns, svc, name string, port int32, eps ...endpoint) {
+	w.t.Helper()
+	service, err := w.admin.CoreV1().Services(ns).Get(context.Background(), svc, metav1.GetOptions{})
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	slice := newSlice(svc, name, lookup.EndpointSliceController, port, eps...)
+	slice.OwnerReferences = []metav1.OwnerReference{*metav1.NewControllerRef(service, corev1.SchemeGroupVersion.WithKind("Service"))}
+	for i, ep := range eps {
+		pod := w.pod(ns, service.Spec.Selector, ep.ip, false)
+		slice.Endpoints[i].TargetRef = &corev1.ObjectReference{Kind: "Pod", Namespace: ns, Name: pod.Name, UID: pod.UID}
+	}
+	if err := w.writeSlice(ns, slice); err != nil {
+		w.t.Fatal(err)
+	}
+}
+
+// setEndpoints creates or replaces the EndpointSlice name of Service svc as
+// anyone who may write EndpointSlices can: labelled managed by managedBy,
+// owned by nothing, its endpoints naming no Pod.
 func (w *world) setEndpoints(ns, svc, name, managedBy string, port int32, eps ...endpoint) error {
 	w.t.Helper()
+	return w.writeSlice(ns, newSlice(svc, name, managedBy, port, eps...))
+}
+
+// newSlice is an IPv4 EndpointSlice of Service svc with one port named
+// "https" and the given endpoints.
+func newSlice(svc, name, managedBy string, port int32, eps ...endpoint) *discoveryv1.EndpointSlice {
 	portName, tcp := "https", corev1.ProtocolTCP
 	slice := &discoveryv1.EndpointSlice{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{
@@ -266,12 +294,17 @@ func (w *world) setEndpoints(ns, svc, name, managedBy string, port int32, eps ..
 			Conditions: discoveryv1.EndpointConditions{Ready: &ready, Serving: &ready},
 		})
 	}
+	return slice
+}
+
+// writeSlice creates slice in namespace ns, or replaces the one of its name.
+func (w *world) writeSlice(ns string, slice *discoveryv1.EndpointSlice) error {
 	ctx := context.Background()
 	slices := w.admin.DiscoveryV1().EndpointSlices(ns)
 	_, err := slices.Create(ctx, slice, metav1.CreateOptions{})
 	if apierrors.IsAlreadyExists(err) {
 		var old *discoveryv1.EndpointSlice
-		if old, err = slices.Get(ctx, name, metav1.GetOptions{}); err == nil {
+		if old, err = slices.Get(ctx, slice.Name, metav1.GetOptions{}); err == nil {
 			slice.ResourceVersion = old.ResourceVersion
 			_, err = slices.Update(ctx, slice, metav1.UpdateOptions{})
 		}
@@ -279,12 +312,55 @@ func (w *world) setEndpoints(ns, svc, name, managedBy string, port int32, eps ..
 	return err
 }
 
-// mustSetEndpoints is setEndpoints for slices the API server must accept.
-func (w *world) mustSetEndpoints(ns, svc, name string, port int32, eps ...endpoint) {
+// pod creates the Pod "pod-<ip>" of namespace ns with the given labels, or
+// adds them to it, and writes its status as its kubelet would: running at
+// ip, which is its node's address if hostNetwork. No kubelet runs here, so
+// nothing else ever changes it.
+func (w *world) pod(ns string, labels map[string]string, ip string, hostNetwork bool) *corev1.Pod {
 	w.t.Helper()
-	if err := w.setEndpoints(ns, svc, name, lookup.EndpointSliceController, port, eps...); err != nil {
+	ctx := context.Background()
+	pods := w.admin.CoreV1().Pods(ns)
+	name := "pod-" + strings.ReplaceAll(ip, ".", "-")
+	// Admission gives a Pod the namespace's default ServiceAccount, which
+	// nothing creates here but this.
+	if _, err := w.admin.CoreV1().ServiceAccounts(ns).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "default"}},
+		metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		w.t.Fatal(err)
 	}
+	p, err := pods.Get(ctx, name, metav1.GetOptions{})
+	switch {
+	case apierrors.IsNotFound(err):
+		p, err = pods.Create(ctx, &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels},
+			Spec: corev1.PodSpec{
+				HostNetwork:                  hostNetwork,
+				AutomountServiceAccountToken: new(false),
+				Containers:                   []corev1.Container{{Name: "server", Image: "example.com/server"}},
+			},
+		}, metav1.CreateOptions{})
+	case err == nil && p.Spec.HostNetwork == hostNetwork:
+		if p.Labels == nil {
+			p.Labels = map[string]string{}
+		}
+		for k, v := range labels {
+			p.Labels[k] = v
+		}
+		p, err = pods.Update(ctx, p, metav1.UpdateOptions{})
+	case err == nil:
+		w.t.Fatalf("Pod %s/%s exists, with hostNetwork %v", ns, name, p.Spec.HostNetwork)
+	}
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	p.Status = corev1.PodStatus{Phase: corev1.PodRunning, PodIP: ip, PodIPs: []corev1.PodIP{{IP: ip}}}
+	if hostNetwork {
+		p.Status.HostIP, p.Status.HostIPs = ip, []corev1.HostIP{{IP: ip}}
+	}
+	p, err = pods.UpdateStatus(ctx, p, metav1.UpdateOptions{})
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	return p
 }
 
 func ready(ips ...string) []endpoint {

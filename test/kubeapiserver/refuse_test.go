@@ -80,24 +80,6 @@ func TestKubeAPIServerRefusesTargets(t *testing.T) {
 	w.wantRefusal("c1", foreign, "secret", 443, codes.NotFound)
 }
 
-// The operator may trust hand-made EndpointSlices, e.g. for Services
-// without a selector.
-func TestKubeAPIServerAllowsUnmanagedEndpointSlicesWhenAsked(t *testing.T) {
-	w := newWorld(t)
-	ns := w.syncedNamespace(w.syncTarget, lookup.NamespaceLocatorAnnotation, "c1", "default")
-	live := startServer(t, webhookPort)
-	svc := w.service(ns, "manual", intstr.FromInt32(webhookPort))
-	svc.Spec.Selector = nil
-	if _, err := w.admin.CoreV1().Services(ns).Update(context.Background(), svc, metav1.UpdateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if err := w.setEndpoints(ns, "manual", "manual", "staff", webhookPort, ready(live.ip)...); err != nil {
-		t.Fatal(err)
-	}
-	w.startAgent(lookup.KubeOptions{AllowUnmanagedEndpointSlices: true})
-	w.mustReach("c1", "default", "manual", 443, live)
-}
-
 // The API server itself refuses loopback, link-local and unspecified
 // endpoint addresses, managed or not; the agent's refusal of those is
 // proven by the lookup package's unit tests.

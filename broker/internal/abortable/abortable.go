@@ -12,8 +12,10 @@
 // grpc-go writes a status through the stream it keeps in the handler's
 // context (grpc.ServerTransportStreamFromContext); its WriteStatus is the
 // call that ends every RPC, the same that Recv makes when it fails. It is not
-// part of the ServerTransportStream interface, so Supported says whether the
-// grpc-go in use still has it, and the broker refuses to splice if not.
+// part of the ServerTransportStream interface, so a grpc-go upgrade may drop
+// it: the broker runs Check at start, and does not start if End cannot end
+// an RPC; Supported says whether a given RPC can be ended, and the broker
+// refuses to splice one that cannot. This package's tests gate an upgrade.
 package abortable
 
 import (

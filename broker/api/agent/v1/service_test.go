@@ -109,7 +109,7 @@ func TestDialFailuresReachTheDialerWithTheAgentsCode(t *testing.T) {
 			order := a.order(t, brokertest.Target("root"))
 			a.fail(t, order.GetDialId(), tc.reported, "no service default/webhook")
 			brokertest.CheckStatus(t, "Dial", dialStatus(t, stream), tc.want,
-				"agent a (spiffe://example.org/agent-a): no service default/webhook")
+				"agent a: no service default/webhook")
 		})
 	}
 }
@@ -167,7 +167,7 @@ func TestAgentEndingItsControlStream(t *testing.T) {
 		stream := b.startDial(t, brokertest.Target("root"))
 		a.order(t, brokertest.Target("root"))
 		a.cancel()
-		brokertest.CheckStatus(t, "Dial", dialStatus(t, stream), codes.Unavailable, "agent a (spiffe://example.org/agent-a) went away")
+		brokertest.CheckStatus(t, "Dial", dialStatus(t, stream), codes.Unavailable, "agent a went away")
 	})
 	t.Run("tunnels established go on", func(t *testing.T) {
 		a := b.connectAgent(t, agentA, "a", "root")
@@ -247,7 +247,7 @@ func TestTunnelForADialThatTimedOutIsNotFound(t *testing.T) {
 	a := b.connectAgent(t, agentA, "a", "root")
 	stream := b.startDial(t, brokertest.Target("root"))
 	order := a.order(t, brokertest.Target("root"))
-	brokertest.CheckStatus(t, "Dial", dialStatus(t, stream), codes.DeadlineExceeded, "agent a (spiffe://example.org/agent-a) did not connect in time")
+	brokertest.CheckStatus(t, "Dial", dialStatus(t, stream), codes.DeadlineExceeded, "agent a did not connect in time")
 	brokertest.CheckStatus(t, "Tunnel", tunnelStatus(t, b.open(t, agentA, order.GetDialId())),
 		codes.NotFound, fmt.Sprintf("no pending dial %d", order.GetDialId()))
 }
@@ -326,7 +326,7 @@ func TestDrainingAgentIsUsedOnlyWhenNoOtherServesTheCluster(t *testing.T) {
 			t.Fatal("the other agent got no dial order")
 		}
 		other.fail(t, order.GetDialId(), codes.Unavailable, "refused")
-		brokertest.CheckStatus(t, "Dial", dialStatus(t, stream), codes.Unavailable, "agent b (spiffe://example.org/agent-b): refused")
+		brokertest.CheckStatus(t, "Dial", dialStatus(t, stream), codes.Unavailable, "agent b: refused")
 	}
 
 	// Alone, the draining agent still gets dials.

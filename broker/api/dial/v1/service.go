@@ -93,8 +93,11 @@ func (s *Service) Dial(stream tunnelv1.DialService_DialServer) error {
 	metrics.Dials.WithLabelValues(code.String()).Inc()
 	metrics.DialSeconds.WithLabelValues(code.String()).Observe(took.Seconds())
 	if err != nil {
-		if code == codes.ResourceExhausted {
-			metrics.LimitsHit.WithLabelValues("agent").Inc()
+		if limit, ok := errors.AsType[*registry.LimitError](err); ok {
+			metrics.LimitsHit.WithLabelValues(limit.Limit).Inc()
+		}
+		if failed, ok := errors.AsType[*registry.DialError](err); ok {
+			log = log.With(failed.LogAttrs()...)
 		}
 		log.Info("dial failed", "code", code.String(), "error", status.Convert(err).Message(), "took", took)
 		return err

@@ -31,7 +31,7 @@ import (
 )
 
 // phases, in the order they run.
-var allPhases = []string{"throughput", "latency", "rps", "dial", "grpc", "isolation", "webhook", "idle", "hostile"}
+var allPhases = []string{"throughput", "latency", "rps", "dial", "grpc", "isolation", "tenants", "webhook", "idle", "hostile"}
 
 type config struct {
 	size         int64         // bytes of each bulk transfer
@@ -159,6 +159,8 @@ func main() {
 			b.grpcFloor(ctx)
 		case "isolation":
 			b.isolation(ctx)
+		case "tenants":
+			b.tenants(ctx)
 		case "webhook":
 			b.webhookRate(ctx)
 		case "idle":

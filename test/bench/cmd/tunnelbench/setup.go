@@ -35,6 +35,7 @@ const (
 	svcIsoEcho  = "iso-echo" // isolation: connection B
 	svcIsoBulk  = "iso-bulk" // isolation: connection A, the stalled reader
 	svcIdle     = "idle"     // idle tunnels
+	svcTenant   = "tenant"   // tenants: the healthy tenant's dials
 	svcWebhook  = "webhook"  // the TLS admission webhook
 	portPlain   = 80
 	portWebhook = 443
@@ -53,6 +54,7 @@ type runner struct {
 	addrs   map[string]string // service -> target address
 	webhook *webhookServer
 	relay   *relay // nil unless the relay path runs
+	hanging string // the hanging tenant's address: connects to it never complete
 
 	// pprof is whether the binaries have --pprof-listen.
 	pprof bool
@@ -81,6 +83,7 @@ func newBench(cfg config) *runner {
 	}{
 		{svcEcho, bench.StartEcho}, {svcBulk, bench.StartBulk}, {svcDial, bench.StartEcho},
 		{svcIsoEcho, bench.StartEcho}, {svcIsoBulk, bench.StartBulk}, {svcIdle, bench.StartEcho},
+		{svcTenant, bench.StartEcho},
 	} {
 		t, err := s.start()
 		if err != nil {
@@ -92,6 +95,7 @@ func newBench(cfg config) *runner {
 	}
 	r.webhook = startWebhookProcess(r.m)
 	r.addrs[svcWebhook] = r.webhook.Addr
+	r.hanging = harness.StartUnanswered(r.m)
 
 	bin := harness.Binaries(r.m)
 	r.pprof = hasFlag(filepath.Join(bin, "broker"), "pprof-listen") && hasFlag(filepath.Join(bin, "syncer-agent"), "pprof-listen")
@@ -109,9 +113,12 @@ func hasFlag(bin, name string) bool {
 }
 
 // services is the agent's static table: every target as a Service of the
-// bench namespace.
+// bench namespace, and the hanging tenant's Service in a cluster of its own.
 func (r *runner) services() lookup.StaticFile {
-	var f lookup.StaticFile
+	f := lookup.StaticFile{Services: []lookup.StaticService{{
+		Cluster: hangingCluster, Namespace: namespace, Name: svcHanging,
+		Ports: map[string]string{fmt.Sprint(portPlain): r.hanging},
+	}}}
 	for name, addr := range r.addrs {
 		port := portPlain
 		if name == svcWebhook {

@@ -1,0 +1,110 @@
+package registry
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/kcp-dev/tunnel-broker/internal/redact"
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+)
+
+// What a failed dial shows its caller, and what the broker logs.
+//
+// kcp shows a dial's error to its end users, in admission errors, and an
+// agent's message comes from a peer the broker cannot trust. So the caller
+// sees a short message in words: the agent by its name, never its SPIFFE
+// ID, what it said with every address and URL taken out (package redact),
+// and the tunnel id, under which the broker's log holds the rest.
+const (
+	// MaxAgentMessage bounds, in bytes, the part of an agent's
+	// DialFailure.message that its caller sees.
+	MaxAgentMessage = 256
+	// MaxLoggedAgentMessage bounds, in bytes, what the broker logs of it.
+	MaxLoggedAgentMessage = 8 << 10
+	// maxAgentName bounds the agent's name in a caller's message.
+	maxAgentName = 64
+)
+
+// DialError is a dial that failed after the broker ordered it. Its gRPC
+// status is what the caller sees; LogAttrs is what the broker logs.
+type DialError struct {
+	TunnelID string
+	Agent    *Agent
+	// AgentMessage is the agent's DialFailure.message, cut to
+	// MaxLoggedAgentMessage bytes, and AgentMessageBytes its whole
+	// length; both are zero unless the agent reported the failure.
+	AgentMessage      string
+	AgentMessageBytes int
+	status            *status.Status
+}
+
+func (e *DialError) Error() string { return e.status.Err().Error() }
+
+// GRPCStatus makes the error its status for grpc-go and package status.
+func (e *DialError) GRPCStatus() *status.Status { return e.status }
+
+// LogAttrs are the tunnel id, the agent's name and SPIFFE ID, and what the
+// agent said, as slog attributes.
+func (e *DialError) LogAttrs() []any {
+	attrs := []any{"tunnel", e.TunnelID, "agent", e.Agent.String()}
+	if e.AgentMessageBytes > 0 {
+		attrs = append(attrs, "agent_message", e.AgentMessage, "agent_message_bytes", e.AgentMessageBytes)
+	}
+	return attrs
+}
+
+// dialError is p's failure with code, and message for its caller.
+func dialError(p *Pending, code codes.Code, message string) *DialError {
+	id := tunnelID(p.ID)
+	return &DialError{TunnelID: id, Agent: p.Agent, status: status.Newf(code, "%s (tunnel %s)", message, id)}
+}
+
+// tunnelID names a dial, and the tunnel it becomes, in messages and logs.
+func tunnelID(dialID uint64) string { return fmt.Sprintf("%016x", dialID) }
+
+// callerName names a to callers: by the name it registered with, redacted,
+// never by its SPIFFE ID.
+func callerName(a *Agent) string {
+	if name := redact.Text(a.Name, maxAgentName); name != "" {
+		return "agent " + name
+	}
+	return "the agent"
+}
+
+func agentGone(p *Pending) error {
+	return dialError(p, codes.Unavailable, callerName(p.Agent)+" went away")
+}
+
+func contextStatus(ctx context.Context, p *Pending) error {
+	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		return dialError(p, codes.DeadlineExceeded, callerName(p.Agent)+" did not connect in time")
+	}
+	e := dialError(p, codes.Canceled, "")
+	e.status = status.FromContextError(ctx.Err())
+	return e
+}
+
+// agentFailure turns an agent's report into the caller's status. Only codes a
+// caller can act on pass through; anything else means the agent failed.
+func agentFailure(p *Pending, f *tunnelv1.DialFailure) error {
+	code := codes.Code(f.GetCode())
+	switch code {
+	case codes.NotFound, codes.Unavailable, codes.DeadlineExceeded, codes.PermissionDenied,
+		codes.ResourceExhausted, codes.InvalidArgument, codes.FailedPrecondition:
+	default:
+		code = codes.Unavailable
+	}
+	said := redact.Text(f.GetMessage(), MaxAgentMessage)
+	if said == "" {
+		said = "no reason given"
+	}
+	e := dialError(p, code, callerName(p.Agent)+": "+said)
+	e.AgentMessageBytes = len(f.GetMessage())
+	e.AgentMessage = strings.ToValidUTF8(f.GetMessage()[:min(len(f.GetMessage()), MaxLoggedAgentMessage)], "")
+	return e
+}
