@@ -19,6 +19,7 @@ import (
 
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	"github.com/kcp-dev/tunnel-broker/internal/ops"
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/agent"
 )
 
@@ -38,7 +39,7 @@ func run() error {
 		metricsL = flag.String("metrics-listen", ":9091", "address for /metrics, /healthz and /readyz (empty: off)")
 		pprofL   = flag.String("pprof-listen", "", "address for /debug/pprof (empty: off; keep it on loopback)")
 		brokerID = flag.String("broker-spiffe-id", "", "SPIFFE ID the broker must present (default: any ID in the agent's trust domain)")
-		name     = flag.String("name", "", "name shown in the broker's logs, e.g. the sync target")
+		name     = flag.String("name", "", "name shown in the broker's logs and metrics, e.g. the sync target: a DNS-1123 label")
 		jsonLogs = flag.Bool("log-json", false, "log JSON lines instead of text")
 		verbose  = flag.Bool("v", false, "log every tunnel, not only failures")
 		idOpts   = identity.AddFlags(flag.CommandLine)
@@ -50,6 +51,9 @@ func run() error {
 
 	if *brokers == "" && *dns == "" {
 		return fmt.Errorf("--broker or --broker-dns is required")
+	}
+	if err := tunnelv1.ValidateAgentName(*name); err != nil {
+		return fmt.Errorf("--name: %w", err)
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
