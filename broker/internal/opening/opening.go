@@ -14,18 +14,23 @@
 // streams hold is at most Total x that, and for one peer PerID x that, each
 // for at most Timeout.
 //
-// A streaming RPC counts from its handler's start, before its first Recv,
-// until that Recv returns; the handler's first Recv is ended with
-// DeadlineExceeded once Timeout passes. gRPC reads a unary RPC's request
-// before any interceptor runs, so a unary RPC counts from the moment its
-// stream opens (gRPC's tap), and the whole call is bounded by Timeout: the
-// broker's unary RPCs (health, ListAgents) answer at once.
+// A streaming RPC counts once it has waited Patience for its first message,
+// until that message arrives; the stream is ended with DeadlineExceeded once
+// Timeout passes. A well-behaved peer sends the first message with the
+// stream's headers, but in a burst of new streams gRPC reads many headers
+// before their messages, so that counting from the handler's start would
+// refuse a burst of ordinary dials. What streams younger than Patience hold
+// is bounded by what the broker can read in that time. gRPC reads a unary
+// RPC's request before any interceptor runs, so a unary RPC counts from the
+// moment its stream opens (gRPC's tap), and the whole call is bounded by
+// Timeout: the broker's unary RPCs (health, ListAgents) answer at once.
 package opening
 
 import (
 	"context"
 	"fmt"
 	"log/slog"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -41,11 +46,19 @@ import (
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 )
 
+// DefaultPatience is far longer than a burst of ordinary streams waits for
+// gRPC to read their first messages, and short enough that what streams
+// hold before they count stays small.
+const DefaultPatience = time.Second
+
 // Guard enforces the bounds on one gRPC server. Install ServerOptions when
 // building the server, and call Methods once its services are registered.
 type Guard struct {
 	// Timeout is how long a stream may take to send its first message.
 	Timeout time.Duration
+	// Patience is how long a stream may wait for its first message before
+	// it counts against Quota; 0 means DefaultPatience.
+	Patience time.Duration
 	// Quota bounds the streams waiting for their first message, per peer
 	// SPIFFE ID and in total.
 	Quota quota.Quota
@@ -119,29 +132,22 @@ func (g *Guard) unaryArrived(ctx context.Context, req any, _ *grpc.UnaryServerIn
 }
 
 func (g *Guard) stream(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
-	ctx := ss.Context()
-	id, _ := identity.PeerID(ctx)
-	release, err := g.take(id)
-	if err != nil {
-		return err
-	}
-	defer release()
+	id, _ := identity.PeerID(ss.Context())
 	what := g.First[info.FullMethod]
 	if what == "" {
 		what = "request"
 	}
-	w := &firstMessage{ServerStream: ss, release: release, late: status.Error(codes.DeadlineExceeded,
-		fmt.Sprintf("no %s within %v: the first message of this stream must be its %s", what, g.Timeout, what))}
-	timer := time.AfterFunc(g.Timeout, func() {
-		if !w.state.CompareAndSwap(waiting, expired) {
-			return
-		}
-		release()
-		metrics.LimitsHit.WithLabelValues("first_message_timeout").Inc()
-		g.Log.Info("stream ended: no first message in time", "peer", id.String(), "method", info.FullMethod, "timeout", g.Timeout)
-		abortable.End(ctx, w.late)
-	})
-	defer timer.Stop()
+	w := &firstMessage{ServerStream: ss, guard: g, peer: id, method: info.FullMethod,
+		late: status.Error(codes.DeadlineExceeded,
+			fmt.Sprintf("no %s within %v: the first message of this stream must be its %s", what, g.Timeout, what))}
+	patience := g.Patience
+	if patience <= 0 {
+		patience = DefaultPatience
+	}
+	w.mu.Lock()
+	w.timer = time.AfterFunc(min(patience, g.Timeout), w.count)
+	w.mu.Unlock()
+	defer w.done()
 	return handler(srv, w)
 }
 
@@ -164,27 +170,102 @@ func (g *Guard) take(id spiffeid.ID) (release func(), err error) {
 const (
 	waiting int32 = iota
 	arrived
-	expired
+	ended // by the guard, with a status
 )
 
-// firstMessage is a server stream whose first RecvMsg ends the wait.
+// firstMessage is a server stream whose first RecvMsg ends the wait. Its
+// timer counts it against the quota once it has waited the guard's
+// patience, then ends it at the guard's timeout.
 type firstMessage struct {
 	grpc.ServerStream
-	release func()
-	late    error // the status of a stream whose first message is late
-	state   atomic.Int32
+	guard  *Guard
+	peer   spiffeid.ID
+	method string
+	late   error // the status of a stream whose first message is late
+
+	state atomic.Int32 // read without mu once the first message arrived
+
+	mu      sync.Mutex
+	timer   *time.Timer
+	release func() // set while the stream counts against the quota
+	status  error  // what the guard ended the stream with
 }
 
 func (w *firstMessage) RecvMsg(m any) error {
-	err := w.ServerStream.RecvMsg(m)
 	if w.state.Load() == arrived {
-		return err
+		return w.ServerStream.RecvMsg(m)
 	}
-	if !w.state.CompareAndSwap(waiting, arrived) {
-		// The deadline passed first: the stream has been ended with its
-		// status, whatever this Recv got.
-		return w.late
+	err := w.ServerStream.RecvMsg(m)
+	w.mu.Lock()
+	if w.state.Load() == ended {
+		// The guard ended the stream first, whatever this Recv got.
+		defer w.mu.Unlock()
+		return w.status
 	}
-	w.release()
+	w.state.Store(arrived)
+	w.timer.Stop()
+	release := w.release
+	w.release = nil
+	w.mu.Unlock()
+	if release != nil {
+		release()
+	}
 	return err
+}
+
+// count runs once the stream has waited the guard's patience: it counts the
+// stream against the quota, or ends it if a limit is reached, and sets the
+// timer for the rest of the timeout.
+func (w *firstMessage) count() {
+	g := w.guard
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.state.Load() != waiting {
+		return
+	}
+	release, err := g.take(w.peer)
+	if err != nil {
+		w.end(err)
+		return
+	}
+	w.release = release
+	patience := g.Patience
+	if patience <= 0 {
+		patience = DefaultPatience
+	}
+	w.timer = time.AfterFunc(max(g.Timeout-patience, 0), w.expire)
+}
+
+// expire ends a stream whose first message did not come within the timeout.
+func (w *firstMessage) expire() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.state.Load() != waiting {
+		return
+	}
+	metrics.LimitsHit.WithLabelValues("first_message_timeout").Inc()
+	w.guard.Log.Info("stream ended: no first message in time", "peer", w.peer.String(), "method", w.method, "timeout", w.guard.Timeout)
+	w.end(w.late)
+}
+
+// end ends the stream with err and stops counting it; w.mu is held.
+func (w *firstMessage) end(err error) {
+	w.state.Store(ended)
+	w.status = err
+	if w.release != nil {
+		w.release()
+		w.release = nil
+	}
+	abortable.End(w.ServerStream.Context(), err)
+}
+
+// done runs when the handler returns: the stream no longer counts.
+func (w *firstMessage) done() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.timer.Stop()
+	if w.release != nil {
+		w.release()
+		w.release = nil
+	}
 }

@@ -42,6 +42,10 @@ var testPolicy = policy.File{
 func startBroker(t *testing.T, g *Guard) *brokertest.Server {
 	t.Helper()
 	g.Log = slog.New(slog.DiscardHandler)
+	if g.Patience == 0 {
+		// Count silent streams at once, so that the tests need not wait.
+		g.Patience = time.Millisecond
+	}
 	g.First = map[string]string{
 		tunnelv1.DialService_Dial_FullMethodName:     "target",
 		tunnelv1.AgentService_Tunnel_FullMethodName:  "open",
@@ -175,4 +179,32 @@ func TestAUnaryCallCountsUntilItsRequestArrives(t *testing.T) {
 		}
 	}
 	eventually(t, "the calls to stop counting", func() bool { return g.Quota.TotalHeld() == 0 })
+}
+
+func TestABurstOfStreamsWhoseFirstMessagesComeWithThemIsNotRefused(t *testing.T) {
+	// The default patience, and room for two streams waiting: a burst of
+	// dials that send their targets at once must all be heard, however
+	// many headers gRPC reads before their messages.
+	g := &Guard{Timeout: brokertest.WaitLong, Patience: DefaultPatience, Quota: quota.Quota{PerID: 2, Total: 2}}
+	b := startBroker(t, g)
+	const burst = 2000
+	client := tunnelv1.NewDialServiceClient(b.Conn(t, kcpPath))
+	ctx, _ := brokertest.StreamContext(t)
+	errs := make(chan error, burst)
+	for range burst {
+		go func() {
+			stream, err := client.Dial(ctx)
+			if err == nil {
+				err = stream.Send(&tunnelv1.DialRequest{Frame: &tunnelv1.DialRequest_Target{Target: brokertest.Target("nowhere")}})
+			}
+			if err == nil {
+				_, err = stream.Recv()
+			}
+			errs <- err
+		}()
+	}
+	for range burst {
+		// No agent serves the cluster: every dial that was heard says so.
+		brokertest.CheckStatus(t, "a dial of the burst", <-errs, codes.Unavailable, "no agent serves")
+	}
 }
