@@ -52,6 +52,7 @@ func run() error {
 		handshake  = flag.Duration("handshake-timeout", server.DefaultHandshakeTimeout, "how long a new connection may take to finish its TLS and HTTP/2 handshakes")
 		handshakes = flag.Int("max-concurrent-handshakes", server.DefaultMaxHandshakes, "TLS handshakes in progress at once; past it a stalled one (over 1s) is dropped, else the new connection is closed (0: no limit)")
 		expGrace   = flag.Duration("expired-peer-grace", server.DefaultExpiredPeerGrace, "how long tunnels in flight may still run on a connection whose peer's SVID expired (new RPCs are refused at the expiry)")
+		connAge    = flag.Duration("max-connection-age", server.DefaultMaxConnectionAge, "how long a client may start RPCs on one connection before it is asked to reconnect (with its current SVID); keep it under half the SVID lifetime (negative: never)")
 		opsListen  = flag.String("metrics-listen", ":9090", "address for /metrics, /healthz and /readyz (empty: off)")
 		pprof      = flag.String("pprof-listen", "", "address for /debug/pprof (empty: off; keep it on loopback)")
 		jsonLogs   = flag.Bool("log-json", false, "log JSON lines instead of text")
@@ -109,6 +110,7 @@ func run() error {
 		HandshakeTimeout:           *handshake,
 		MaxHandshakes:              *handshakes,
 		ExpiredPeerGrace:           *expGrace,
+		MaxConnectionAge:           *connAge,
 		Log:                        log,
 	})
 	metrics.Registry.MustRegister(metrics.AgentsCollector{PerCluster: srv.Registry.AgentsPerCluster})

@@ -68,6 +68,15 @@ const (
 	// DefaultExpiredPeerGrace is how long RPCs in flight (tunnels) may
 	// still run on a connection whose peer's SVID has expired.
 	DefaultExpiredPeerGrace = 30 * time.Second
+	// DefaultMaxConnectionAge is how long a client may start RPCs on one
+	// connection before the broker asks it (HTTP/2 GOAWAY) to start new
+	// ones on a new connection. A connection keeps the SVID of its
+	// handshake, and RPCs of an expired one are refused; clients that
+	// reconnect every 10 minutes (gRPC adds a random tenth either way)
+	// present an SVID that SPIRE rotated at half its life, long before it
+	// expires, as long as SVIDs live more than 2 x 11 minutes. RPCs in
+	// flight, tunnels and control streams, run on.
+	DefaultMaxConnectionAge = 10 * time.Minute
 	// DefaultWindowSize is a fixed per-stream window. gRPC's dynamic
 	// windows send a PING with nearly every message of ping-pong traffic
 	// (webhook calls), costing a write and a wakeup per message; a fixed
@@ -128,6 +137,9 @@ type Config struct {
 	// ExpiredPeerGrace is how long a connection whose peer's SVID expired
 	// stays open for its RPCs in flight; 0 for DefaultExpiredPeerGrace.
 	ExpiredPeerGrace time.Duration
+	// MaxConnectionAge is how long a connection takes new RPCs; 0 for
+	// DefaultMaxConnectionAge, <0 for ever.
+	MaxConnectionAge time.Duration
 	Log              *slog.Logger
 }
 
@@ -165,6 +177,9 @@ func New(cfg Config) *Server {
 	}
 	if cfg.ExpiredPeerGrace <= 0 {
 		cfg.ExpiredPeerGrace = DefaultExpiredPeerGrace
+	}
+	if cfg.MaxConnectionAge == 0 {
+		cfg.MaxConnectionAge = DefaultMaxConnectionAge
 	}
 	if cfg.DialTimeout <= 0 {
 		cfg.DialTimeout = dialv1.DefaultTimeout
@@ -227,7 +242,10 @@ func New(cfg Config) *Server {
 		// Agents ping to notice a dead broker quickly; allow it.
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}),
 		// And the broker pings quiet peers, so a vanished agent is dropped in seconds.
-		grpc.KeepaliveParams(keepalive.ServerParameters{Time: 10 * time.Second, Timeout: 5 * time.Second}),
+		// Clients move to a new connection, with their current SVID, every
+		// MaxConnectionAge; RPCs in flight are not cut short.
+		grpc.KeepaliveParams(keepalive.ServerParameters{Time: 10 * time.Second, Timeout: 5 * time.Second,
+			MaxConnectionAge: max(cfg.MaxConnectionAge, 0)}),
 	)
 	if cfg.WindowSize > 0 {
 		opts = append(opts, grpc.InitialWindowSize(cfg.WindowSize), grpc.InitialConnWindowSize(16*cfg.WindowSize))

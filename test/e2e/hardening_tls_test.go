@@ -187,6 +187,43 @@ func TestHardeningAnExpiredCallerCannotDialOnItsOpenConnection(t *testing.T) {
 	broker.WaitLogged(t, 1, "TLS handshake refused", "reason=expired")
 }
 
+// TestHardeningARotatedCallerKeepsDialingPastItsOldSVIDsExpiry: the broker
+// asks every client to move to a new connection every --max-connection-age,
+// so a caller whose SVID rotated (SPIRE rotates at half an SVID's life)
+// dials over a connection with its new SVID before the old one expires, and
+// no dial is refused for an expired SVID.
+func TestHardeningARotatedCallerKeepsDialingPastItsOldSVIDsExpiry(t *testing.T) {
+	env := harness.NewEnv(t)
+	_, addr := env.StartBrokerProcess("--max-connection-age", "1s")
+	env.StartAgentProcess(addr, "/agent/sync-target-1", echoServices(harness.StartEcho(t)))
+	const lifetime = 10 * time.Second
+	f, expires := shortSVID(t, env, "/kcp", lifetime)
+	kcp := kcpDialerWith(t, addr, f)
+	harness.Eventually(t, 20*time.Second, "a first dial", func() bool { return dialEcho(kcp) == nil })
+	// A tunnel in flight, as kcp's webhook client keeps idle connections,
+	// keeps the first connection open past the expiry.
+	held, err := dialEchoConn(kcp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Close()
+
+	time.Sleep(time.Until(expires.Add(-lifetime / 2)))
+	if _, err := env.CA.WriteSVID(filepath.Dir(f.Cert), devca.Leaf{SPIFFEID: "/kcp", NotAfter: time.Now().Add(time.Hour)}); err != nil {
+		t.Fatal(err)
+	}
+	dials := 0
+	for time.Now().Before(expires.Add(3 * time.Second)) {
+		if err := dialEcho(kcp); err != nil {
+			t.Fatalf("dial %d, %v after the first SVID expired: %v", dials, time.Since(expires).Round(time.Millisecond), err)
+		}
+		dials++
+		time.Sleep(20 * time.Millisecond)
+	}
+	roundTrip(t, held, "the tunnel held across the expiry")
+	t.Logf("%d dials across the expiry, none refused", dials)
+}
+
 // kcpDialerWith is a caller with the SVID files f.
 func kcpDialerWith(t *testing.T, addr string, f devca.Files) *kcpplugin.Dialer {
 	t.Helper()
