@@ -20,6 +20,7 @@ import (
 	agentv1 "github.com/kcp-dev/tunnel-broker/broker/api/agent/v1"
 	dialv1 "github.com/kcp-dev/tunnel-broker/broker/api/dial/v1"
 	"github.com/kcp-dev/tunnel-broker/broker/authz"
+	"github.com/kcp-dev/tunnel-broker/broker/internal/fragments"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/opening"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/quota"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
@@ -210,6 +211,9 @@ func New(cfg Config) *Server {
 		identity.CloseExpiredPeers(cfg.ExpiredPeerGrace))
 	// One write syscall per gRPC flush, not one per 16 KiB TLS record.
 	creds = coalesce.Writes(creds)
+	// A peer that sends its data in tiny or padded DATA frames would make
+	// gRPC hold some 40 times what it sends; its connection is closed.
+	creds = fragments.Refuse(creds, fragments.Report{Log: log, Count: metrics.ClosedFragmented.Inc})
 	opts := []grpc.ServerOption{
 		// RPC metrics first, so that refused RPCs are counted too.
 		grpc.ChainUnaryInterceptor(metrics.GRPC.UnaryServerInterceptor()),
