@@ -46,8 +46,10 @@ const (
 	// the streams that have not sent their first message yet, per peer
 	// SPIFFE ID and in total (package opening). A well-behaved peer sends
 	// its first message with the stream's headers, so its streams wait
-	// microseconds; 32 unfinished messages of the largest size, in 1-byte
-	// frames (about 1.3 MiB each), hold about 42 MiB, and 128 about 170 MiB.
+	// microseconds; 32 unfinished messages of the largest size, in 8-byte
+	// frames (about 0.4 MiB each; smaller or padded frames close the
+	// connection, package fragments), hold about 13 MiB, and 128 about
+	// 52 MiB.
 	DefaultMaxOpeningStreamsPerPeer = 32
 	DefaultMaxOpeningStreams        = 128
 	// DefaultMaxConcurrentStreams bounds the streams of one connection,
