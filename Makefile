@@ -6,6 +6,16 @@ MODULES := ./... ./kcpplugin/... ./proto/... ./test/...
 export TUNNEL_BIN_DIR := $(BIN)
 export GRPCURL        := $(BIN)/grpcurl
 
+# The version of this tree (VERSION: the next release with -dev on main, the
+# release itself on a release commit) and the commit it is built from, with
+# -dirty for uncommitted changes, stamped into every binary (--version, the
+# build_info metric) and image. A plain go build reports what the toolchain
+# recorded instead (internal/version).
+VERSION ?= $(shell cat VERSION)
+COMMIT  ?= $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)$(shell git diff --quiet HEAD -- 2>/dev/null || echo -dirty)
+STAMP   := -X github.com/kcp-dev/tunnel-broker/internal/version.version=$(VERSION) \
+           -X github.com/kcp-dev/tunnel-broker/internal/version.commit=$(COMMIT)
+
 .PHONY: all build tools demo test unit lint generate check-generated clean
 
 # Heavier test tools (kube-apiserver, etcd, SPIRE) have makefiles of their own.
@@ -15,7 +25,7 @@ all: build
 
 ## build: the broker, syncer-agent and tunnelctl binaries, into bin/
 build:
-	$(GO) build -o $(BIN)/ ./broker ./syncer-agent ./broker/cmd/tunnelctl
+	$(GO) build -ldflags "$(STAMP)" -o $(BIN)/ ./broker ./syncer-agent ./broker/cmd/tunnelctl
 
 ## tools: grpcurl, for tests and for people, into bin/
 tools:
