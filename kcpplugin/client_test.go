@@ -7,6 +7,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
@@ -72,17 +73,20 @@ func TestNewClientSpreadsDialsOverEveryReplica(t *testing.T) {
 	}
 	dialer := newTestClient(t, "replicas:///broker", certs, grpc.WithResolvers(replicas(addrs...)))
 
-	for range 10 {
+	// Round robin picks among the replicas it has connected to, so the
+	// first dials may all reach the one that was ready first; pick_first,
+	// gRPC's default, would send every dial to one replica.
+	deadline := time.Now().Add(waitLong)
+	for dials[0].Load() == 0 || dials[1].Load() == 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("dials per replica: %d and %d, want both used", dials[0].Load(), dials[1].Load())
+		}
 		c := dial(t, dialer)
 		closeWrite(t, c)
 		if _, err := io.ReadAll(c); err != nil {
 			t.Fatal(err)
 		}
 		_ = c.Close()
-	}
-	// pick_first, gRPC's default, would send all ten to one replica.
-	if dials[0].Load() == 0 || dials[1].Load() == 0 {
-		t.Fatalf("dials per replica: %d and %d, want both used", dials[0].Load(), dials[1].Load())
 	}
 }
 
