@@ -16,7 +16,7 @@ COMMIT  ?= $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)$(s
 STAMP   := -X github.com/kcp-dev/tunnel-broker/internal/version.version=$(VERSION) \
            -X github.com/kcp-dev/tunnel-broker/internal/version.commit=$(COMMIT)
 
-.PHONY: all build tools demo test unit lint generate check-generated clean
+.PHONY: all build tools demo test unit lint generate check-generated release-check clean
 
 # Heavier test tools (kube-apiserver, etcd, SPIRE) have makefiles of their own.
 -include test/tools/*.mk
@@ -38,6 +38,13 @@ demo: build
 ## test: everything CI checks
 test: lint check-generated build tools
 	$(GO) test -race -count=1 $(MODULES)
+
+## release-check: the modules served at $(VERSION) by a local module proxy; a
+## kcp-shaped module outside the repository go gets kcpplugin from it, on the
+## oldest and the newest k8s.io/apiserver kcpplugin supports, and calls a
+## webhook through the tunnel (make test runs it too, with ./test/...)
+release-check: build
+	cd test && RELEASE_VERSION=$(VERSION) $(GO) test -count=1 -run Release ./release/
 
 ## unit: the fast tests only (no binaries)
 unit:
