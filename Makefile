@@ -16,7 +16,7 @@ COMMIT  ?= $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)$(s
 STAMP   := -X github.com/kcp-dev/tunnel-broker/internal/version.version=$(VERSION) \
            -X github.com/kcp-dev/tunnel-broker/internal/version.commit=$(COMMIT)
 
-.PHONY: all build tools demo test unit lint generate check-generated release-check clean
+.PHONY: all build tools demo test unit lint generate check-generated release-check images clean
 
 # Heavier test tools (kube-apiserver, etcd, SPIRE) have makefiles of their own.
 -include test/tools/*.mk
@@ -45,6 +45,18 @@ test: lint check-generated build tools
 ## webhook through the tunnel (make test runs it too, with ./test/...)
 release-check: build
 	cd test && RELEASE_VERSION=$(VERSION) $(GO) test -count=1 -run Release ./release/
+
+## images: OCI images of the broker and the syncer-agent, kcp-dev/tunnel-broker:$(VERSION)
+## and kcp-dev/tunnel-syncer-agent:$(VERSION), without a container engine: static
+## binaries on an empty base, as user 65532, into $(IMAGES)/oci (an OCI layout)
+## and $(IMAGES)/<binary>.tar (OCI archives, for skopeo, podman load or crane push)
+IMAGES     ?= $(BIN)/images
+IMAGE_ARCH ?= $(shell $(GO) env GOARCH)
+images:
+	CGO_ENABLED=0 GOOS=linux GOARCH=$(IMAGE_ARCH) $(GO) build -trimpath -ldflags "-s -w $(STAMP)" \
+	  -o $(IMAGES)/linux_$(IMAGE_ARCH)/ ./broker ./syncer-agent
+	$(GO) run ./internal/release/cmd/images --bin $(IMAGES)/linux_$(IMAGE_ARCH) --out $(IMAGES) \
+	  --version $(VERSION) --revision $(COMMIT) --arch $(IMAGE_ARCH)
 
 ## unit: the fast tests only (no binaries)
 unit:
