@@ -62,9 +62,16 @@ images:
 unit:
 	$(GO) test -count=1 ./... ./kcpplugin/... ./proto/...
 
-## lint: buf lint, go vet and gofmt
+# buf breaking compares proto/ with the last release, the newest proto/v*
+# tag reachable from HEAD; before the first release, with the commit this
+# branch left main at (on main itself: HEAD, so uncommitted changes count).
+PROTO_BASELINE ?= $(shell git describe --tags --abbrev=0 --match 'proto/v*' 2>/dev/null || \
+                    git merge-base HEAD main 2>/dev/null || git rev-parse HEAD)
+
+## lint: buf lint, buf breaking (docs/compatibility.md), go vet and gofmt
 lint:
 	$(GO) tool buf lint
+	$(GO) tool buf breaking --against '.git#ref=$(PROTO_BASELINE)'
 	$(GO) vet $(MODULES)
 	@out=$$(gofmt -l $$(git ls-files '*.go' | grep -v '\.pb\.go$$')); \
 	  if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
