@@ -16,7 +16,7 @@ COMMIT  ?= $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)$(s
 STAMP   := -X github.com/kcp-dev/tunnel-broker/internal/version.version=$(VERSION) \
            -X github.com/kcp-dev/tunnel-broker/internal/version.commit=$(COMMIT)
 
-.PHONY: all build tools demo test unit lint generate check-generated release-check images clean
+.PHONY: all build tools demo test unit lint generate check-generated release-check images release clean
 
 # Heavier test tools (kube-apiserver, etcd, SPIRE) have makefiles of their own.
 -include test/tools/*.mk
@@ -57,6 +57,15 @@ images:
 	  -o $(IMAGES)/linux_$(IMAGE_ARCH)/ ./broker ./syncer-agent
 	$(GO) run ./internal/release/cmd/images --bin $(IMAGES)/linux_$(IMAGE_ARCH) --out $(IMAGES) \
 	  --version $(VERSION) --revision $(COMMIT) --arch $(IMAGE_ARCH)
+
+## release: make release VERSION=vX.Y.Z stamps the version, runs make test on
+## it (RELEASE_CHECKS= to choose other targets), commits and tags proto/vX.Y.Z,
+## kcpplugin/vX.Y.Z and vX.Y.Z, builds the images, opens the next -dev
+## version, and prints what to push; it pushes nothing
+RELEASE_CHECKS ?= test
+release:
+	@test "$(origin VERSION)" = "command line" || { echo "usage: make release VERSION=vX.Y.Z"; exit 2; }
+	$(GO) run ./internal/release/cmd/release -version $(VERSION) -checks "$(RELEASE_CHECKS)"
 
 ## unit: the fast tests only (no binaries)
 unit:

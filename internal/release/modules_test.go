@@ -85,3 +85,21 @@ func TestStampTagsRewritesOnlyTheTunnelsImages(t *testing.T) {
 		t.Errorf("got:\n%s\nwant:\n%s", got, want)
 	}
 }
+
+func TestStampChangelogNamesTheReleaseAndOpensTheNext(t *testing.T) {
+	in := "# Changelog\n\nIntro.\n\n## Unreleased\n\n- A change.\n\n## v0.1.0 (2026-01-01)\n\n- First.\n"
+	got, err := StampChangelog(in, "v0.2.0", "2026-12-01")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := "# Changelog\n\nIntro.\n\n## Unreleased\n\n## v0.2.0 (2026-12-01)\n\n- A change.\n\n## v0.1.0 (2026-01-01)\n\n- First.\n"
+	if got != want {
+		t.Errorf("got:\n%s\nwant:\n%s", got, want)
+	}
+	if _, err := StampChangelog(got, "v0.3.0", "2026-12-02"); err == nil {
+		t.Error("a release with an empty Unreleased section was accepted")
+	}
+	if _, err := StampChangelog("# Changelog\n", "v0.3.0", "2026-12-02"); err == nil {
+		t.Error("a changelog without an Unreleased section was accepted")
+	}
+}
