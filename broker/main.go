@@ -6,6 +6,7 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"math"
 	"net"
 	"os"
 	"os/signal"
@@ -42,8 +43,17 @@ func run() error {
 		maxAgent   = flag.Int64("max-tunnels-per-agent", 20000, "tunnels one agent may carry, counting the pending dials of the cluster being dialed (0: no limit)")
 		maxCaller  = flag.Int64("max-tunnels-per-caller", 20000, "tunnels one caller SPIFFE ID may hold (0: no limit)")
 		maxMsg     = flag.Int("max-message-size", server.DefaultMaxMessageSize, "largest gRPC message accepted, in bytes")
+		maxOpenID  = flag.Int64("max-opening-streams-per-peer", server.DefaultMaxOpeningStreamsPerPeer, "streams one peer SPIFFE ID may have open that have not sent their first message (0: no limit)")
+		maxOpen    = flag.Int64("max-opening-streams", server.DefaultMaxOpeningStreams, "streams all peers together may have open that have not sent their first message (0: no limit)")
+		maxStreams = flag.Uint("max-concurrent-streams", server.DefaultMaxConcurrentStreams, "streams one connection may have open (HTTP/2 MAX_CONCURRENT_STREAMS)")
+		maxRegs    = flag.Int64("max-registrations-per-agent", agentv1.DefaultMaxRegistrations, "control streams (registrations) one agent SPIFFE ID may hold (0: no limit)")
+		maxCl      = flag.Int("max-clusters-per-registration", agentv1.DefaultMaxClusters, "logical clusters one registration may serve (0: no limit)")
 		window     = flag.Int("window-size", server.DefaultWindowSize, "HTTP/2 flow-control window per stream, in bytes (negative: gRPC's dynamic windows)")
 		probe      = flag.Duration("probe-interval", agentv1.DefaultProbeEvery, "how often each agent is probed over its control stream")
+		handshake  = flag.Duration("handshake-timeout", server.DefaultHandshakeTimeout, "how long a new connection may take to finish its TLS and HTTP/2 handshakes")
+		handshakes = flag.Int("max-concurrent-handshakes", server.DefaultMaxHandshakes, "TLS handshakes in progress at once; past it a stalled one (over 1s) is dropped, else the new connection is closed (0: no limit)")
+		expGrace   = flag.Duration("expired-peer-grace", server.DefaultExpiredPeerGrace, "how long tunnels in flight may still run on a connection whose peer's SVID expired (new RPCs are refused at the expiry)")
+		connAge    = flag.Duration("max-connection-age", server.DefaultMaxConnectionAge, "how long a client may start RPCs on one connection before it is asked to reconnect (with its current SVID); keep it under half the SVID lifetime (negative: never)")
 		opsListen  = flag.String("metrics-listen", ":9090", "address for /metrics, /healthz and /readyz (empty: off)")
 		pprof      = flag.String("pprof-listen", "", "address for /debug/pprof (empty: off; keep it on loopback)")
 		jsonLogs   = flag.Bool("log-json", false, "log JSON lines instead of text")
@@ -87,18 +97,27 @@ func run() error {
 		return err
 	}
 	srv := server.New(server.Config{
-		ID:                  *id,
-		Identity:            src,
-		Policy:              pol,
-		DialTimeout:         *timeout,
-		Grace:               *grace,
-		IdleTimeout:         *idle,
-		Limits:              registry.Limits{MaxPendingPerCluster: *maxPending, MaxTunnelsPerAgent: *maxAgent},
-		MaxTunnelsPerCaller: *maxCaller,
-		MaxMessageSize:      *maxMsg,
-		ProbeEvery:          *probe,
-		WindowSize:          int32(*window),
-		Log:                 log,
+		ID:                         *id,
+		Identity:                   src,
+		Policy:                     pol,
+		DialTimeout:                *timeout,
+		Grace:                      *grace,
+		IdleTimeout:                *idle,
+		Limits:                     registry.Limits{MaxPendingPerCluster: *maxPending, MaxTunnelsPerAgent: *maxAgent},
+		MaxTunnelsPerCaller:        *maxCaller,
+		MaxMessageSize:             *maxMsg,
+		MaxOpeningStreamsPerPeer:   noLimitIfZero(*maxOpenID),
+		MaxOpeningStreams:          noLimitIfZero(*maxOpen),
+		MaxConcurrentStreams:       uint32(min(*maxStreams, math.MaxUint32)),
+		MaxRegistrationsPerAgent:   noLimitIfZero(*maxRegs),
+		MaxClustersPerRegistration: int(noLimitIfZero(int64(*maxCl))),
+		ProbeEvery:                 *probe,
+		WindowSize:                 int32(*window),
+		HandshakeTimeout:           *handshake,
+		MaxHandshakes:              *handshakes,
+		ExpiredPeerGrace:           *expGrace,
+		MaxConnectionAge:           *connAge,
+		Log:                        log,
 	})
 	metrics.Registry.MustRegister(metrics.AgentsCollector{PerCluster: srv.Registry.AgentsPerCluster},
 		version.Collector("kcp_tunnel_broker"))
@@ -107,6 +126,15 @@ func run() error {
 	}
 	log.Info("broker serving", "address", l.Addr().String(), "id", self.String(), "replica", *id, "version", version.Get().String())
 	return srv.Serve(ctx, l)
+}
+
+// noLimitIfZero turns a flag's 0 (no limit) into the Config's (negative;
+// there 0 means the default).
+func noLimitIfZero(v int64) int64 {
+	if v == 0 {
+		return -1
+	}
+	return v
 }
 
 func hostname() string {

@@ -20,6 +20,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	"github.com/kcp-dev/tunnel-broker/internal/ops"
 	"github.com/kcp-dev/tunnel-broker/internal/version"
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/agent"
 )
 
@@ -39,7 +40,7 @@ func run() error {
 		metricsL = flag.String("metrics-listen", ":9091", "address for /metrics, /healthz and /readyz (empty: off)")
 		pprofL   = flag.String("pprof-listen", "", "address for /debug/pprof (empty: off; keep it on loopback)")
 		brokerID = flag.String("broker-spiffe-id", "", "SPIFFE ID the broker must present (default: any ID in the agent's trust domain)")
-		name     = flag.String("name", "", "name shown in the broker's logs, e.g. the sync target")
+		name     = flag.String("name", "", "name shown in the broker's logs and metrics, e.g. the sync target: a DNS-1123 label")
 		jsonLogs = flag.Bool("log-json", false, "log JSON lines instead of text")
 		verbose  = flag.Bool("v", false, "log every tunnel, not only failures")
 		idOpts   = identity.AddFlags(flag.CommandLine)
@@ -56,6 +57,9 @@ func run() error {
 
 	if *brokers == "" && *dns == "" {
 		return fmt.Errorf("--broker or --broker-dns is required")
+	}
+	if err := tunnelv1.ValidateAgentName(*name); err != nil {
+		return fmt.Errorf("--name: %w", err)
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -88,15 +92,22 @@ func run() error {
 	if err := resolver.ready(ctx); err != nil {
 		return err
 	}
+	// A broker that fails the handshake is named in the log, a few lines a
+	// second at most, and counted.
+	credentials := identity.ClientCredentials(src, authorize,
+		identity.ReportRefusals(&identity.Refusals{Log: log, Count: agent.CountRefusedHandshake}))
 	fleet := &agent.Fleet{
 		Addresses:    splitList(*brokers),
 		DNS:          *dns,
 		ResolveEvery: *every,
-		Log:          log,
+		// New connections, with the new SVID, each time it rotates: the
+		// brokers end a registration when the SVID it was made with expires.
+		Renew: identity.Rotations(ctx, src, idOpts.Reload),
+		Log:   log,
 		Agent: func(addr string) *agent.Agent {
 			return &agent.Agent{
 				Broker:      addr,
-				Credentials: identity.ClientCredentials(src, authorize),
+				Credentials: credentials,
 				Name:        *name,
 				Resolver:    resolver.forAgent(),
 				Grace:       *grace,

@@ -5,6 +5,8 @@ package metrics
 import (
 	grpcprom "github.com/grpc-ecosystem/go-grpc-middleware/providers/prometheus"
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kcp-dev/tunnel-broker/internal/identity"
 )
 
 // Registry holds every broker metric; the metrics endpoint serves it.
@@ -80,9 +82,23 @@ var (
 		Namespace: ns, Name: "agent_reachable",
 		Help: "1 while the agent answers probes on this replica, 0 after it missed one or disconnected.",
 	}, []string{"agent", "spiffe_id"})
+
+	// HandshakesRefused counts TLS handshakes that failed, by reason.
+	HandshakesRefused = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: ns, Name: "handshakes_refused_total",
+		Help: "TLS handshakes refused or failed, by reason (untrusted, expired, invalid_id, timeout, over_limit, ...).",
+	}, []string{"reason"})
 )
+
+// CountRefusedHandshake counts one failed TLS handshake.
+func CountRefusedHandshake(reason identity.Reason) {
+	HandshakesRefused.WithLabelValues(string(reason)).Inc()
+}
 
 func init() {
 	Registry.MustRegister(GRPC, Denied, Dials, DialSeconds, Tunnels, Bytes, LimitsHit,
-		Registrations, ProbeRTT, ProbeSuccess, Reachable)
+		Registrations, ProbeRTT, ProbeSuccess, Reachable, HandshakesRefused)
+	for _, r := range identity.Reasons {
+		HandshakesRefused.WithLabelValues(string(r))
+	}
 }

@@ -20,6 +20,8 @@ import (
 	agentv1 "github.com/kcp-dev/tunnel-broker/broker/api/agent/v1"
 	dialv1 "github.com/kcp-dev/tunnel-broker/broker/api/dial/v1"
 	"github.com/kcp-dev/tunnel-broker/broker/authz"
+	"github.com/kcp-dev/tunnel-broker/broker/internal/opening"
+	"github.com/kcp-dev/tunnel-broker/broker/internal/quota"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
@@ -31,9 +33,50 @@ import (
 
 // Defaults for Config's zero values.
 const (
-	DefaultGrace          = 20 * time.Second
-	DefaultIdleTimeout    = 10 * time.Minute
-	DefaultMaxMessageSize = 1 << 20
+	DefaultGrace       = 20 * time.Second
+	DefaultIdleTimeout = 10 * time.Minute
+	// DefaultMaxMessageSize fits the largest message any sender of the
+	// protocol makes: a data frame of 32 KiB - 16 bytes and its 4 bytes of
+	// tag and length (kcpplugin, the agent), or a Register of at most
+	// agent.ClustersPerRegister clusters. It bounds what an unfinished
+	// message can make gRPC hold (package opening).
+	DefaultMaxMessageSize = 32 << 10
+	// DefaultMaxOpeningStreamsPerPeer and DefaultMaxOpeningStreams bound
+	// the streams that have not sent their first message yet, per peer
+	// SPIFFE ID and in total (package opening). A well-behaved peer sends
+	// its first message with the stream's headers, so its streams wait
+	// microseconds; 32 unfinished messages of the largest size, in 1-byte
+	// frames (about 1.3 MiB each), hold about 42 MiB, and 128 about 170 MiB.
+	DefaultMaxOpeningStreamsPerPeer = 32
+	DefaultMaxOpeningStreams        = 128
+	// DefaultMaxConcurrentStreams bounds the streams of one connection,
+	// above --max-tunnels-per-caller (20000) so that kcp holds every
+	// tunnel it may on one connection; a gRPC client queues the streams
+	// past it.
+	DefaultMaxConcurrentStreams = 25000
+	// MaxHeaderListSize bounds the headers of a stream, which gRPC keeps
+	// for the stream's life; what gRPC will make its default. A tunnel's
+	// headers take a few hundred bytes.
+	MaxHeaderListSize = 8 << 10
+	// DefaultHandshakeTimeout bounds a connection's TLS and HTTP/2
+	// handshakes, like Go's http.Transport TLSHandshakeTimeout (gRPC's own
+	// default is 120 s).
+	DefaultHandshakeTimeout = 10 * time.Second
+	// DefaultMaxHandshakes bounds the TLS handshakes in progress: about
+	// 12 KiB and a file descriptor each.
+	DefaultMaxHandshakes = 1024
+	// DefaultExpiredPeerGrace is how long RPCs in flight (tunnels) may
+	// still run on a connection whose peer's SVID has expired.
+	DefaultExpiredPeerGrace = 30 * time.Second
+	// DefaultMaxConnectionAge is how long a client may start RPCs on one
+	// connection before the broker asks it (HTTP/2 GOAWAY) to start new
+	// ones on a new connection. A connection keeps the SVID of its
+	// handshake, and RPCs of an expired one are refused; clients that
+	// reconnect every 10 minutes (gRPC adds a random tenth either way)
+	// present an SVID that SPIRE rotated at half its life, long before it
+	// expires, as long as SVIDs live more than 2 x 11 minutes. RPCs in
+	// flight, tunnels and control streams, run on.
+	DefaultMaxConnectionAge = 10 * time.Minute
 	// DefaultWindowSize is a fixed per-stream window. gRPC's dynamic
 	// windows send a PING with nearly every message of ping-pong traffic
 	// (webhook calls), costing a write and a wakeup per message; a fixed
@@ -65,14 +108,39 @@ type Config struct {
 	// Limits bound each agent; MaxTunnelsPerCaller each caller identity.
 	Limits              registry.Limits
 	MaxTunnelsPerCaller int64
-	// MaxMessageSize bounds a received message (data frames are far smaller).
+	// MaxMessageSize bounds a received message; 0 for
+	// DefaultMaxMessageSize.
 	MaxMessageSize int
+	// MaxOpeningStreamsPerPeer and MaxOpeningStreams bound the streams
+	// that have not sent their first message yet, per peer SPIFFE ID and
+	// in total; 0 for the defaults, <0 for no limit. Each must send it
+	// within DialTimeout.
+	MaxOpeningStreamsPerPeer, MaxOpeningStreams int64
+	// MaxConcurrentStreams bounds the streams of one connection; 0 for
+	// DefaultMaxConcurrentStreams.
+	MaxConcurrentStreams uint32
+	// MaxRegistrationsPerAgent bounds the control streams of one agent
+	// SPIFFE ID, and MaxClustersPerRegistration the clusters one
+	// registration may serve; 0 for the defaults, <0 for no limit.
+	MaxRegistrationsPerAgent   int64
+	MaxClustersPerRegistration int
 	// ProbeEvery is how often agents are probed; 0 for the default.
 	ProbeEvery time.Duration
 	// WindowSize is the HTTP/2 flow-control window of each stream; 0 for
 	// DefaultWindowSize, <0 for gRPC's dynamic (BDP-estimated) windows.
 	WindowSize int32
-	Log        *slog.Logger
+	// HandshakeTimeout bounds each connection's handshakes; 0 for
+	// DefaultHandshakeTimeout.
+	HandshakeTimeout time.Duration
+	// MaxHandshakes bounds the TLS handshakes in progress; <= 0: no bound.
+	MaxHandshakes int
+	// ExpiredPeerGrace is how long a connection whose peer's SVID expired
+	// stays open for its RPCs in flight; 0 for DefaultExpiredPeerGrace.
+	ExpiredPeerGrace time.Duration
+	// MaxConnectionAge is how long a connection takes new RPCs; 0 for
+	// DefaultMaxConnectionAge, <0 for ever.
+	MaxConnectionAge time.Duration
+	Log              *slog.Logger
 }
 
 // Server is one broker replica.
@@ -104,6 +172,25 @@ func New(cfg Config) *Server {
 	if cfg.WindowSize == 0 {
 		cfg.WindowSize = DefaultWindowSize
 	}
+	if cfg.HandshakeTimeout <= 0 {
+		cfg.HandshakeTimeout = DefaultHandshakeTimeout
+	}
+	if cfg.ExpiredPeerGrace <= 0 {
+		cfg.ExpiredPeerGrace = DefaultExpiredPeerGrace
+	}
+	if cfg.MaxConnectionAge == 0 {
+		cfg.MaxConnectionAge = DefaultMaxConnectionAge
+	}
+	if cfg.DialTimeout <= 0 {
+		cfg.DialTimeout = dialv1.DefaultTimeout
+	}
+	if cfg.MaxConcurrentStreams == 0 {
+		cfg.MaxConcurrentStreams = DefaultMaxConcurrentStreams
+	}
+	cfg.MaxOpeningStreamsPerPeer = orDefault(cfg.MaxOpeningStreamsPerPeer, DefaultMaxOpeningStreamsPerPeer)
+	cfg.MaxOpeningStreams = orDefault(cfg.MaxOpeningStreams, DefaultMaxOpeningStreams)
+	cfg.MaxRegistrationsPerAgent = orDefault(cfg.MaxRegistrationsPerAgent, agentv1.DefaultMaxRegistrations)
+	cfg.MaxClustersPerRegistration = int(orDefault(int64(cfg.MaxClustersPerRegistration), agentv1.DefaultMaxClusters))
 	log := cfg.Log
 	s := &Server{
 		cfg:      cfg,
@@ -117,7 +204,10 @@ func New(cfg Config) *Server {
 	// The handshake admits any SVID that chains to a trusted bundle; the
 	// policy then decides per RPC, so a refused peer gets PermissionDenied,
 	// not a bare TLS alert.
-	creds := identity.LogRefusedHandshakes(identity.ServerCredentials(cfg.Identity, tlsconfig.AuthorizeAny()), log)
+	creds := identity.ServerCredentials(cfg.Identity, tlsconfig.AuthorizeAny(),
+		identity.ReportRefusals(&identity.Refusals{Log: log, Count: metrics.CountRefusedHandshake}),
+		identity.MaxConcurrentHandshakes(cfg.MaxHandshakes),
+		identity.CloseExpiredPeers(cfg.ExpiredPeerGrace))
 	// One write syscall per gRPC flush, not one per 16 KiB TLS record.
 	creds = coalesce.Writes(creds)
 	opts := []grpc.ServerOption{
@@ -125,16 +215,37 @@ func New(cfg Config) *Server {
 		grpc.ChainUnaryInterceptor(metrics.GRPC.UnaryServerInterceptor()),
 		grpc.ChainStreamInterceptor(metrics.GRPC.StreamServerInterceptor()),
 	}
+	// A peer whose SVID has expired is refused before the policy is asked.
+	opts = append(opts, identity.ExpiryInterceptors()...)
 	opts = append(opts, authorizer.ServerOptions()...)
+	// Every stream must send its first message within the dial timeout,
+	// and only so many may be waiting for theirs.
+	guard := &opening.Guard{
+		Timeout: cfg.DialTimeout,
+		Quota:   quota.Quota{PerID: cfg.MaxOpeningStreamsPerPeer, Total: cfg.MaxOpeningStreams},
+		First: map[string]string{
+			tunnelv1.DialService_Dial_FullMethodName:     "target",
+			tunnelv1.AgentService_Tunnel_FullMethodName:  "open",
+			tunnelv1.AgentService_Connect_FullMethodName: "register",
+		},
+		Log: log,
+	}
+	opts = append(opts, guard.ServerOptions()...)
 	opts = append(opts,
+		grpc.MaxConcurrentStreams(cfg.MaxConcurrentStreams),
+		grpc.MaxHeaderListSize(MaxHeaderListSize),
 		grpc.Creds(creds),
+		grpc.ConnectionTimeout(cfg.HandshakeTimeout),
 		grpc.WriteBufferSize(WriteBufferSize),
 		tunnelv1.FrameServerOption(),
 		grpc.MaxRecvMsgSize(cfg.MaxMessageSize),
 		// Agents ping to notice a dead broker quickly; allow it.
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}),
 		// And the broker pings quiet peers, so a vanished agent is dropped in seconds.
-		grpc.KeepaliveParams(keepalive.ServerParameters{Time: 10 * time.Second, Timeout: 5 * time.Second}),
+		// Clients move to a new connection, with their current SVID, every
+		// MaxConnectionAge; RPCs in flight are not cut short.
+		grpc.KeepaliveParams(keepalive.ServerParameters{Time: 10 * time.Second, Timeout: 5 * time.Second,
+			MaxConnectionAge: max(cfg.MaxConnectionAge, 0)}),
 	)
 	if cfg.WindowSize > 0 {
 		opts = append(opts, grpc.InitialWindowSize(cfg.WindowSize), grpc.InitialConnWindowSize(16*cfg.WindowSize))
@@ -154,15 +265,29 @@ func New(cfg Config) *Server {
 	(&agentv1.Service{
 		Registry: s.Registry, Policy: cfg.Policy, BrokerID: cfg.ID,
 		Draining: s.draining, Stopping: s.stopping, Grace: cfg.Grace,
-		ProbeEvery: cfg.ProbeEvery,
-		Log:        log.With("service", "agent"),
+		ProbeEvery: cfg.ProbeEvery, Timeout: cfg.DialTimeout,
+		Registrations: quota.Quota{PerID: cfg.MaxRegistrationsPerAgent},
+		MaxClusters:   cfg.MaxClustersPerRegistration,
+		Log:           log.With("service", "agent"),
 	}).Register(s.grpc)
 	(&adminv1.Service{Registry: s.Registry, BrokerID: cfg.ID}).Register(s.grpc)
 	s.health = health.NewServer()
 	healthpb.RegisterHealthServer(s.grpc, s.health)
 	reflection.Register(s.grpc)
 	metrics.GRPC.InitializeMetrics(s.grpc)
+	guard.Methods(s.grpc)
 	return s
+}
+
+// orDefault is v, or def for 0; a negative v means no limit (0).
+func orDefault(v, def int64) int64 {
+	switch {
+	case v == 0:
+		return def
+	case v < 0:
+		return 0
+	}
+	return v
 }
 
 // Ready reports whether the replica takes dials: it serves and does not drain.

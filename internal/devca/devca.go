@@ -61,7 +61,11 @@ func New(name, trustDomain string) (*CA, error) {
 // Leaf describes a certificate to issue.
 type Leaf struct {
 	// SPIFFEID, for SVIDs: a path in the CA's trust domain, e.g. "/broker".
-	SPIFFEID   string
+	SPIFFEID string
+	// URIs are URI SANs taken as they are, for tests of malformed
+	// identities (a SPIFFE ID without a path, an ID too long, several
+	// URIs); they come after SPIFFEID's, if any.
+	URIs       []*url.URL
 	CommonName string
 	DNSNames   []string
 	IPs        []net.IP
@@ -103,6 +107,7 @@ func (ca *CA) Issue(l Leaf) (*Issued, error) {
 		}
 		tmpl.URIs = []*url.URL{{Scheme: "spiffe", Host: ca.TrustDomain, Path: l.SPIFFEID}}
 	}
+	tmpl.URIs = append(tmpl.URIs, l.URIs...)
 	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.Cert, key.Public(), ca.Key)
 	if err != nil {
 		return nil, err

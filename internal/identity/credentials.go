@@ -2,10 +2,13 @@ package identity
 
 import (
 	"context"
+	"crypto/tls"
+	"fmt"
+	"net"
+	"runtime/debug"
+	"time"
 
 	"github.com/spiffe/go-spiffe/v2/bundle/x509bundle"
-	"github.com/spiffe/go-spiffe/v2/spiffegrpc/grpccredentials"
-	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
 	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
 	"google.golang.org/grpc/credentials"
@@ -18,18 +21,149 @@ type SVIDSource interface {
 	x509bundle.Source
 }
 
-// ServerCredentials is mTLS that accepts any peer the authorizer accepts.
-// Which peer may do what is decided per RPC from PeerID.
-func ServerCredentials(src SVIDSource, authorize tlsconfig.Authorizer) credentials.TransportCredentials {
-	return grpccredentials.MTLSServerCredentials(src, src, authorize)
+// Option tunes the transport credentials.
+type Option func(*spiffeCreds)
+
+// ReportRefusals counts and logs failed handshakes (see Refusals).
+func ReportRefusals(r *Refusals) Option {
+	return func(c *spiffeCreds) { c.refusals = r }
 }
 
-// ClientCredentials is mTLS to a server whose SPIFFE ID the authorizer accepts.
-func ClientCredentials(src SVIDSource, authorize tlsconfig.Authorizer) credentials.TransportCredentials {
-	return grpccredentials.MTLSClientCredentials(src, src, authorize)
+// MaxConcurrentHandshakes bounds the server's TLS handshakes in progress;
+// n <= 0 means no bound. See handshakeSlots for what happens past it.
+func MaxConcurrentHandshakes(n int) Option {
+	return func(c *spiffeCreds) {
+		if n > 0 {
+			c.slots = newHandshakeSlots(n)
+		}
+	}
 }
 
-// PeerID is the SPIFFE ID of the peer of an RPC.
-func PeerID(ctx context.Context) (spiffeid.ID, bool) {
-	return grpccredentials.PeerIDFromContext(ctx)
+// CloseExpiredPeers makes the server close a connection once its peer's
+// SVID has expired: at once if no RPC is in flight, else when the last one
+// ends, at the latest grace after the expiry. Install ExpiryInterceptors
+// too, or RPCs are not counted (and the connection closes at the expiry).
+func CloseExpiredPeers(grace time.Duration) Option {
+	return func(c *spiffeCreds) { c.expiredGrace = &grace }
+}
+
+// ServerCredentials is SPIFFE mTLS that admits any peer whose X.509-SVID
+// verifies against the source's bundles and that authorize accepts. Which
+// peer may do what is decided per RPC from PeerID.
+func ServerCredentials(src SVIDSource, authorize tlsconfig.Authorizer, opts ...Option) credentials.TransportCredentials {
+	cfg := tlsconfig.MTLSServerConfig(src, src, authorize)
+	// Ask for a certificate without crypto/tls requiring one, so that
+	// verifyPeer refuses a peer without one and says so precisely.
+	cfg.ClientAuth = tls.RequestClientCert
+	return newCreds(cfg, src, authorize, opts)
+}
+
+// ClientCredentials is SPIFFE mTLS to a server whose X.509-SVID verifies
+// against the source's bundles and whose SPIFFE ID authorize accepts.
+func ClientCredentials(src SVIDSource, authorize tlsconfig.Authorizer, opts ...Option) credentials.TransportCredentials {
+	return newCreds(tlsconfig.MTLSClientConfig(src, src, authorize), src, authorize, opts)
+}
+
+// spiffeCreds are gRPC's TLS credentials (credentials.NewTLS) over a
+// go-spiffe tls.Config, with the peer verified in VerifyConnection and an
+// AuthInfo of this package's own: the peer's verified SPIFFE ID, never nil,
+// and when its SVID expires.
+type spiffeCreds struct {
+	tls          credentials.TransportCredentials
+	refusals     *Refusals
+	slots        *handshakeSlots // server only; nil: no bound
+	expiredGrace *time.Duration  // server only; nil: expiry does not close connections
+}
+
+func newCreds(cfg *tls.Config, bundles x509bundle.Source, authorize tlsconfig.Authorizer, opts []Option) *spiffeCreds {
+	cfg.VerifyPeerCertificate = nil
+	cfg.VerifyConnection = verifyPeer(bundles, authorize)
+	c := &spiffeCreds{tls: credentials.NewTLS(cfg)}
+	for _, o := range opts {
+		o(c)
+	}
+	return c
+}
+
+func (c *spiffeCreds) ServerHandshake(raw net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	remote := raw.RemoteAddr().String()
+	var s *slot
+	if c.slots != nil {
+		var err error
+		if s, err = c.slots.acquire(raw); err != nil {
+			c.refusals.report(remote, err)
+			return nil, nil, err
+		}
+	}
+	conn, info, err := c.handshake(func() (net.Conn, credentials.AuthInfo, error) { return c.tls.ServerHandshake(raw) })
+	if s != nil {
+		c.slots.release(s)
+		if err != nil && s.evicted.Load() {
+			err = refused(ReasonOverLimit, errEvicted)
+		}
+	}
+	if err != nil {
+		c.refusals.report(remote, err)
+		return nil, nil, err
+	}
+	if c.expiredGrace != nil {
+		info.life = newPeerLife(raw, info.Expires, *c.expiredGrace)
+		conn = &lifeConn{Conn: conn, life: info.life}
+	}
+	return conn, info, nil
+}
+
+func (c *spiffeCreds) ClientHandshake(ctx context.Context, authority string, raw net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	conn, info, err := c.handshake(func() (net.Conn, credentials.AuthInfo, error) { return c.tls.ClientHandshake(ctx, authority, raw) })
+	if err != nil {
+		// gRPC cancels handshakes when the connection is no longer wanted:
+		// that refuses nothing.
+		if ctx.Err() != context.Canceled {
+			c.refusals.report(authority, err)
+		}
+		return nil, nil, err
+	}
+	return conn, info, nil
+}
+
+// handshake runs gRPC's TLS handshake and reads the verified peer. Nothing
+// a peer sends may crash the process: a panic in the handshake (a bug in
+// a dependency) fails only this handshake.
+func (c *spiffeCreds) handshake(run func() (net.Conn, credentials.AuthInfo, error)) (conn net.Conn, info AuthInfo, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			if conn != nil {
+				conn.Close()
+			}
+			conn, err = nil, refused(ReasonInternal, fmt.Errorf("TLS handshake panicked: %v", r))
+			if c.refusals != nil && c.refusals.Log != nil {
+				c.refusals.Log.Error("TLS handshake panicked", "panic", r, "stack", string(debug.Stack()))
+			}
+		}
+	}()
+	conn, tlsInfo, err := run()
+	if err != nil {
+		return nil, AuthInfo{}, err
+	}
+	info, err = newAuthInfo(tlsInfo)
+	if err != nil {
+		conn.Close()
+		return nil, AuthInfo{}, err
+	}
+	return conn, info, nil
+}
+
+func (c *spiffeCreds) Info() credentials.ProtocolInfo { return c.tls.Info() }
+
+// Clone shares everything but gRPC's TLS credentials: the handshake bound
+// and the refusal log are the process's.
+func (c *spiffeCreds) Clone() credentials.TransportCredentials {
+	clone := *c
+	clone.tls = c.tls.Clone()
+	return &clone
+}
+
+//nolint:staticcheck // part of the interface until gRPC removes it
+func (c *spiffeCreds) OverrideServerName(name string) error {
+	return c.tls.OverrideServerName(name) //nolint:staticcheck
 }

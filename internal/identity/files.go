@@ -1,7 +1,9 @@
 // Package identity gives the broker, the agent and callers their SPIFFE
 // identity, from the Workload API or from SVID files, and turns it into gRPC
 // transport credentials. Verification is go-spiffe's: nothing here validates
-// an X.509 path by hand.
+// an X.509 path by hand. The credentials verify the peer on every handshake,
+// resumed ones included, admit only IDs a workload may hold, and hand every
+// RPC the peer's verified ID (PeerID).
 package identity
 
 import (

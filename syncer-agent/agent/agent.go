@@ -170,12 +170,10 @@ func (a *Agent) session(life context.Context, client tunnelv1.AgentServiceClient
 	if err != nil {
 		return false, err
 	}
-	register := &tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_Register{Register: &tunnelv1.Register{
-		Clusters:  a.Resolver.Clusters(),
-		AgentName: a.Name,
-	}}}
-	if err := control.Send(register); err != nil {
-		return false, err
+	for _, register := range registers(a.Resolver.Clusters(), a.Name) {
+		if err := control.Send(register); err != nil {
+			return false, err
+		}
 	}
 	first, err := control.Recv()
 	if err != nil {
@@ -193,7 +191,7 @@ func (a *Agent) session(life context.Context, client tunnelv1.AgentServiceClient
 		a.registered.Store(false)
 		registeredBrokers.Dec()
 	}()
-	a.Log.Info("registered with broker", "broker", a.Broker, "broker_id", reg.GetBrokerId(), "clusters", a.Resolver.Clusters())
+	a.Log.Info("registered with broker", "broker", a.Broker, "broker_id", reg.GetBrokerId(), "clusters", len(a.Resolver.Clusters()))
 	if a.Registered != nil {
 		a.Registered(reg.GetBrokerId())
 	}
@@ -281,15 +279,35 @@ func (a *Agent) announce(ctx context.Context, send func(*tunnelv1.ConnectRequest
 		select {
 		case <-changed:
 			clusters := a.Resolver.Clusters()
-			a.Log.Info("clusters changed, re-registering", "broker", a.Broker, "clusters", clusters)
-			send(&tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_Register{Register: &tunnelv1.Register{
-				Clusters: clusters, AgentName: a.Name,
-			}}})
+			a.Log.Info("clusters changed, re-registering", "broker", a.Broker, "clusters", len(clusters))
+			for _, register := range registers(clusters, a.Name) {
+				send(register)
+			}
 		case <-draining:
 			draining = nil
 			drain()
 		case <-ctx.Done():
 			return
+		}
+	}
+}
+
+// ClustersPerRegister is how many clusters one Register message names: at
+// most about 18 KiB of names, well within the broker's largest message
+// (32 KiB by default). A longer list goes in several messages.
+const ClustersPerRegister = 256
+
+// registers are the Register messages that state clusters: all but the last
+// set more, and the broker puts the set in force with the last.
+func registers(clusters []string, name string) []*tunnelv1.ConnectRequest {
+	var out []*tunnelv1.ConnectRequest
+	for {
+		n := min(len(clusters), ClustersPerRegister)
+		out = append(out, &tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_Register{Register: &tunnelv1.Register{
+			Clusters: clusters[:n], AgentName: name, More: n < len(clusters),
+		}}})
+		if clusters = clusters[n:]; len(clusters) == 0 {
+			return out
 		}
 	}
 }

@@ -25,11 +25,21 @@ type Fleet struct {
 	Agent func(address string) *Agent
 	// LookupHost resolves DNS's host; nil means the system resolver.
 	LookupHost func(ctx context.Context, host string) ([]string, error)
-	Log        *slog.Logger
+	// Renew, each time it delivers, moves the agent to new connections:
+	// for every replica a new agent registers, and then the one it
+	// replaces drains as if its replica had left. It is sent when the
+	// agent's SVID rotates: a broker holds a connection to the SVID it
+	// was opened with, and ends the registration on it once that SVID
+	// expires.
+	Renew <-chan struct{}
+	Log   *slog.Logger
 
 	mu      sync.Mutex
 	members map[string]*member
-	leaving []*member // draining, awaited when the fleet ends
+	// successors are agents started by Renew, by address, that take the
+	// member's place once registered.
+	successors map[string]*member
+	leaving    []*member // draining, awaited when the fleet ends
 }
 
 type member struct {
@@ -45,26 +55,32 @@ func (f *Fleet) Run(ctx context.Context) error {
 		every = 30 * time.Second
 	}
 	f.update(ctx, f.resolve(ctx))
+	var resolve <-chan time.Time
 	if f.DNS != "" {
 		t := time.NewTicker(every)
 		defer t.Stop()
-	loop:
-		for {
-			select {
-			case <-t.C:
-				f.update(ctx, f.resolve(ctx))
-			case <-ctx.Done():
-				break loop
-			}
+		resolve = t.C
+	}
+loop:
+	for {
+		select {
+		case <-resolve:
+			f.update(ctx, f.resolve(ctx))
+		case <-f.Renew:
+			f.renew(ctx)
+		case <-ctx.Done():
+			break loop
 		}
 	}
-	<-ctx.Done()
 	f.mu.Lock()
 	members := f.leaving
 	for _, m := range f.members {
 		members = append(members, m)
 	}
-	f.members, f.leaving = nil, nil
+	for _, m := range f.successors {
+		members = append(members, m)
+	}
+	f.members, f.successors, f.leaving = nil, nil, nil
 	f.mu.Unlock()
 	for _, m := range members {
 		m.stop()
@@ -118,9 +134,12 @@ func (f *Fleet) update(ctx context.Context, addrs []string) {
 	for addr, m := range f.members {
 		if !slices.Contains(addrs, addr) {
 			f.Log.Info("broker replica vanished, leaving it", "broker", addr)
-			m.stop()
+			f.leave(m)
 			delete(f.members, addr)
-			f.leaving = append(f.leaving, m)
+			if s := f.successors[addr]; s != nil {
+				f.leave(s)
+				delete(f.successors, addr)
+			}
 		}
 	}
 	// Forget those that have left, or they pile up with every rollout.
@@ -129,15 +148,68 @@ func (f *Fleet) update(ctx context.Context, addrs []string) {
 		if _, ok := f.members[addr]; ok {
 			continue
 		}
-		a := f.Agent(addr)
-		mctx, stop := context.WithCancel(ctx)
-		m := &member{agent: a, stop: stop, done: make(chan struct{})}
-		f.members[addr] = m
-		go func() {
-			defer close(m.done)
-			_ = a.Run(mctx)
-		}()
+		f.members[addr] = f.start(ctx, addr)
 	}
+}
+
+// renew starts a successor for every member (see Renew).
+func (f *Fleet) renew(ctx context.Context) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if ctx.Err() != nil {
+		return
+	}
+	f.Log.Info("SVID rotated, moving to new connections", "brokers", len(f.members))
+	if f.successors == nil {
+		f.successors = map[string]*member{}
+	}
+	for addr := range f.members {
+		if s := f.successors[addr]; s != nil {
+			f.leave(s)
+		}
+		f.successors[addr] = f.start(ctx, addr)
+	}
+}
+
+// start runs a new agent for the replica at addr. Callers hold f.mu.
+func (f *Fleet) start(ctx context.Context, addr string) *member {
+	a := f.Agent(addr)
+	mctx, stop := context.WithCancel(ctx)
+	m := &member{agent: a, stop: stop, done: make(chan struct{})}
+	registered := a.Registered
+	a.Registered = func(brokerID string) {
+		if registered != nil {
+			registered(brokerID)
+		}
+		f.promote(addr, m)
+	}
+	go func() {
+		defer close(m.done)
+		_ = a.Run(mctx)
+	}()
+	return m
+}
+
+// promote makes a registered successor the member for addr; the member it
+// replaces drains.
+func (f *Fleet) promote(addr string, s *member) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.successors[addr] != s {
+		return
+	}
+	delete(f.successors, addr)
+	if old := f.members[addr]; old != nil {
+		f.leave(old)
+	}
+	f.members[addr] = s
+}
+
+// leave stops a member; it drains, and the fleet waits for it at its end.
+// Callers hold f.mu.
+func (f *Fleet) leave(m *member) {
+	m.stop()
+	f.leaving = append(f.leaving, m)
 }
 
 // Ready reports whether the agent is registered with every replica it knows

@@ -1,6 +1,10 @@
 package agent
 
-import "github.com/prometheus/client_golang/prometheus"
+import (
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kcp-dev/tunnel-broker/internal/identity"
+)
 
 const ns = "kcp_tunnel_agent"
 
@@ -22,9 +26,21 @@ var (
 		Namespace: ns, Name: "tunnels",
 		Help: "Tunnels open through this agent.",
 	})
+	handshakesRefused = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: ns, Name: "handshakes_refused_total",
+		Help: "TLS handshakes with broker replicas that failed, by reason (invalid_id, untrusted, unauthorized, timeout, ...).",
+	}, []string{"reason"})
 )
+
+// CountRefusedHandshake counts one failed TLS handshake with a broker.
+func CountRefusedHandshake(reason identity.Reason) {
+	handshakesRefused.WithLabelValues(string(reason)).Inc()
+}
 
 // RegisterMetrics adds the agent's metrics to r.
 func RegisterMetrics(r prometheus.Registerer) {
-	r.MustRegister(reconnects, registeredBrokers, dials, tunnelsOpen)
+	r.MustRegister(reconnects, registeredBrokers, dials, tunnelsOpen, handshakesRefused)
+	for _, reason := range identity.Reasons {
+		handshakesRefused.WithLabelValues(string(reason))
+	}
 }

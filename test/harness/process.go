@@ -12,12 +12,12 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
-	"strings"
 	"sync"
 	"time"
 
 	"sigs.k8s.io/yaml"
 
+	"github.com/kcp-dev/tunnel-broker/internal/devca"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
 )
 
@@ -72,42 +72,7 @@ type Process struct {
 	metricsOnce sync.Once
 	metrics     chan string // receives the /metrics endpoint's address once
 
-	logMu sync.Mutex
-	log   []string // the last maxLogLines lines the process logged
-}
-
-// maxLogLines bounds the log lines a Process keeps.
-const maxLogLines = 10000
-
-// Logged is the first line the process logged (of the last 10000) that
-// holds every one of parts, or "" if none does yet.
-func (p *Process) Logged(parts ...string) string {
-	p.logMu.Lock()
-	defer p.logMu.Unlock()
-	for _, line := range p.log {
-		if containsAll(line, parts) {
-			return line
-		}
-	}
-	return ""
-}
-
-func containsAll(s string, parts []string) bool {
-	for _, part := range parts {
-		if !strings.Contains(s, part) {
-			return false
-		}
-	}
-	return true
-}
-
-func (p *Process) keepLog(line string) {
-	p.logMu.Lock()
-	defer p.logMu.Unlock()
-	if len(p.log) == maxLogLines {
-		p.log = append(p.log[:0], p.log[1:]...)
-	}
-	p.log = append(p.log, line)
+	log processLog
 }
 
 // MetricsAddr is the address of the process's /metrics, /healthz and /readyz.
@@ -182,7 +147,7 @@ func start(t T, name string, args []string, lines chan<- string) *Process {
 			if os.Getenv("TUNNEL_TEST_LOG") != "" {
 				fmt.Fprintf(os.Stderr, "%s: %s\n", name, s.Text())
 			}
-			p.keepLog(s.Text())
+			p.log.add(s.Text())
 			if m := metricsRE.FindStringSubmatch(s.Text()); m != nil {
 				p.metricsOnce.Do(func() { p.metrics <- m[1] })
 			}
@@ -235,16 +200,7 @@ func (e *Env) StartBrokerProcess(extra ...string) (*Process, string) {
 // static services, and waits until it has registered with the broker.
 func (e *Env) StartAgentProcess(brokerAddr, path string, services lookup.StaticFile, extra ...string) *Process {
 	e.T.Helper()
-	f := e.SVID(path)
-	raw, err := yaml.Marshal(services)
-	if err != nil {
-		e.T.Fatal(err)
-	}
-	servicesFile := filepath.Join(f.Dir, "services.yaml")
-	must(e.T, os.WriteFile(servicesFile, raw, 0o600))
-	args := append([]string{"--broker", brokerAddr, "--metrics-listen", "127.0.0.1:0", "--name", filepath.Base(path), "--services", servicesFile,
-		"--svid-cert", f.Cert, "--svid-key", f.Key, "--trust-bundle", f.Bundle}, extra...)
-	p := start(e.T, "syncer-agent", args, nil)
+	p := e.RunAgentProcess(brokerAddr, filepath.Base(path), e.SVID(path), services, extra...)
 	// Ready means registered with every broker replica it was given.
 	Eventually(e.T, 20*time.Second, "the agent to be ready", func() bool {
 		select {
@@ -255,4 +211,19 @@ func (e *Env) StartAgentProcess(brokerAddr, path string, services lookup.StaticF
 		return p.Ready(e.T)
 	})
 	return p
+}
+
+// RunAgentProcess runs the syncer-agent binary named name with the SVID
+// files f and the static services, and returns at once.
+func (e *Env) RunAgentProcess(brokerAddr, name string, f devca.Files, services lookup.StaticFile, extra ...string) *Process {
+	e.T.Helper()
+	raw, err := yaml.Marshal(services)
+	if err != nil {
+		e.T.Fatal(err)
+	}
+	servicesFile := filepath.Join(f.Dir, "services.yaml")
+	must(e.T, os.WriteFile(servicesFile, raw, 0o600))
+	args := append([]string{"--broker", brokerAddr, "--metrics-listen", "127.0.0.1:0", "--name", name, "--services", servicesFile,
+		"--svid-cert", f.Cert, "--svid-key", f.Key, "--trust-bundle", f.Bundle}, extra...)
+	return start(e.T, "syncer-agent", args, nil)
 }

@@ -19,7 +19,9 @@ import (
 // until the broker at brokerAddr has registered it.
 func (e *Env) StartAgentWithResolver(brokerAddr, path string, r lookup.Resolver) *Agent {
 	e.T.Helper()
-	return e.StartAgentAs(brokerAddr, path[1:], e.Identity(path), r)
+	// Named like the agent binaries of StartAgentProcess: the last element
+	// of the path, a DNS-1123 label as agent names must be.
+	return e.StartAgentAs(brokerAddr, filepath.Base(path), e.Identity(path), r)
 }
 
 // StartAgentAs runs an in-process agent named name with the identity src

@@ -18,7 +18,8 @@ FUZZ_TARGETS := \
 	./proto/kcp/tunnel/v1:FuzzTargetValidate:25000x \
 	./proto/kcp/tunnel/v1:FuzzDialRequestDecode:30000x \
 	./test/fuzz:FuzzValidateAgainstApimachinery:35000x \
-	./kcpplugin:FuzzCallerFrames:600x
+	./kcpplugin:FuzzCallerFrames:600x \
+	./internal/identity:FuzzHandshakeURISAN:3000x
 
 # $(call fuzz-each,budget): budget is a -fuzztime, or "short" for each
 # target's own.

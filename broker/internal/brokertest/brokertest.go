@@ -21,6 +21,7 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/mem"
 	"google.golang.org/grpc/status"
 
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
@@ -68,6 +69,13 @@ type Server struct {
 // the test t ends. The end waits for every handler to return.
 func Start(t *testing.T, pol policy.File, register func(s *Server, srv *grpc.Server)) *Server {
 	t.Helper()
+	return StartWithOptions(t, pol, nil, register)
+}
+
+// StartWithOptions is Start with more options for the gRPC server, e.g.
+// interceptors under test.
+func StartWithOptions(t *testing.T, pol policy.File, opts []grpc.ServerOption, register func(s *Server, srv *grpc.Server)) *Server {
+	t.Helper()
 	ca, err := devca.New("test", TrustDomain)
 	if err != nil {
 		t.Fatal(err)
@@ -87,12 +95,12 @@ func Start(t *testing.T, pol policy.File, register func(s *Server, srv *grpc.Ser
 	}
 	s.Stopping, s.stop = context.WithCancel(context.Background())
 	t.Cleanup(s.stop)
-	srv := grpc.NewServer(
+	srv := grpc.NewServer(append([]grpc.ServerOption{
 		grpc.Creds(identity.ServerCredentials(source(t, ca, BrokerPath), tlsconfig.AuthorizeAny())),
 		tunnelv1.FrameServerOption(),
 		// Stop returns once every handler has: nothing outlives the test.
 		grpc.WaitForHandlers(true),
-	)
+	}, opts...)...)
 	register(s, srv)
 
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
@@ -198,5 +206,59 @@ func CheckStatus(t *testing.T, what string, err error, code codes.Code, message 
 	st := status.Convert(err)
 	if err == nil || st.Code() != code || !strings.Contains(st.Message(), message) {
 		t.Errorf("%s: got %v, want %v with a message containing %q", what, err, code, message)
+	}
+}
+
+// rawCodec sends a []byte as the message, as it is: what a peer sends when
+// its message is not protobuf.
+type rawCodec struct{}
+
+func (rawCodec) Marshal(v any) (mem.BufferSlice, error) {
+	return mem.BufferSlice{mem.SliceBuffer(*v.(*[]byte))}, nil
+}
+
+func (rawCodec) Unmarshal(data mem.BufferSlice, v any) error {
+	*v.(*[]byte) = data.Materialize()
+	return nil
+}
+
+func (rawCodec) Name() string { return "proto" }
+
+// RawStatus opens a stream of method (a full name) as the identity path,
+// sends payload as its first message, bytes as they are, and returns the
+// status the stream ends with; an answer before it fails the test.
+func (s *Server) RawStatus(t *testing.T, path, method string, payload []byte) error {
+	t.Helper()
+	ctx, _ := StreamContext(t)
+	desc := &grpc.StreamDesc{ClientStreams: true, ServerStreams: true}
+	stream, err := s.Conn(t, path).NewStream(ctx, desc, method, grpc.ForceCodecV2(rawCodec{}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := stream.SendMsg(&payload); err != nil {
+		t.Fatal(err)
+	}
+	var answer []byte
+	err = stream.RecvMsg(&answer)
+	if err == nil {
+		t.Fatalf("%s answered %x, want the stream to end", method, answer)
+	}
+	return err
+}
+
+// NotProtobuf is a message that is not protobuf: field 1 announces 5 bytes
+// and 1 follows.
+var NotProtobuf = []byte{0x0a, 0x05, 'x'}
+
+// Eventually polls cond until it holds, and fails the test if it does not
+// within WaitLong.
+func Eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(WaitLong)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %v waiting for %s", WaitLong, what)
+		}
+		time.Sleep(5 * time.Millisecond)
 	}
 }

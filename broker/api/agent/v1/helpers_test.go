@@ -14,6 +14,8 @@ import (
 
 	dialv1 "github.com/kcp-dev/tunnel-broker/broker/api/dial/v1"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
+	"github.com/kcp-dev/tunnel-broker/broker/internal/quota"
+	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
@@ -48,6 +50,10 @@ type config struct {
 	probeEvery  time.Duration // default: an hour, so no probes
 	dialTimeout time.Duration // default: brokertest.WaitLong
 	grace       time.Duration
+	// registerTimeout bounds the first registration; default WaitLong.
+	registerTimeout  time.Duration
+	maxRegistrations int64
+	maxClusters      int
 }
 
 const brokerID = "test-broker"
@@ -56,6 +62,7 @@ const brokerID = "test-broker"
 // the DialService that makes its dials.
 type broker struct {
 	*brokertest.Server
+	agents *Service
 }
 
 func startBroker(t *testing.T, cfg config) *broker {
@@ -66,21 +73,61 @@ func startBroker(t *testing.T, cfg config) *broker {
 	if cfg.dialTimeout == 0 {
 		cfg.dialTimeout = brokertest.WaitLong
 	}
-	return &broker{brokertest.Start(t, testPolicy, func(s *brokertest.Server, srv *grpc.Server) {
-		(&Service{
+	if cfg.registerTimeout == 0 {
+		cfg.registerTimeout = brokertest.WaitLong
+	}
+	b := &broker{}
+	b.Server = brokertest.Start(t, testPolicy, func(s *brokertest.Server, srv *grpc.Server) {
+		b.agents = &Service{
 			Registry: s.Registry, Policy: s.Policy, BrokerID: brokerID,
 			Draining: s.Draining, Stopping: s.Stopping, Grace: cfg.grace,
-			ProbeEvery: cfg.probeEvery, Log: s.Log,
-		}).Register(srv)
+			ProbeEvery: cfg.probeEvery, Timeout: cfg.registerTimeout,
+			Registrations: quota.Quota{PerID: cfg.maxRegistrations}, MaxClusters: cfg.maxClusters,
+			Log: s.Log,
+		}
+		b.agents.Register(srv)
 		(&dialv1.Service{
 			Registry: s.Registry, Policy: s.Policy, Timeout: cfg.dialTimeout,
 			Draining: s.Draining, Stopping: s.Stopping, Log: s.Log,
 		}).Register(srv)
-	})}
+	})
+	return b
 }
 
 func register(clusters ...string) *tunnelv1.ConnectRequest {
 	return &tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_Register{Register: &tunnelv1.Register{Clusters: clusters}}}
+}
+
+// registerMore is a register that more follow.
+func registerMore(clusters ...string) *tunnelv1.ConnectRequest {
+	r := register(clusters...)
+	r.GetRegister().More = true
+	return r
+}
+
+// series is the value of the per-agent metric name for the agent named
+// agent with the SPIFFE ID of path, and whether the series exists.
+func series(t *testing.T, name, agent, path string) (float64, bool) {
+	t.Helper()
+	families, err := metrics.Registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		if f.GetName() != name {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			labels := map[string]string{}
+			for _, l := range m.GetLabel() {
+				labels[l.GetName()] = l.GetValue()
+			}
+			if labels["agent"] == agent && labels["spiffe_id"] == brokertest.ID(path).String() {
+				return m.GetGauge().GetValue(), true
+			}
+		}
+	}
+	return 0, false
 }
 
 // connectStatus opens a control stream as path, sends msgs and returns the

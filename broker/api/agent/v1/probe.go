@@ -18,7 +18,7 @@ const DefaultProbeEvery = 10 * time.Second
 // marked unreachable.
 type prober struct {
 	agent  *registry.Agent
-	labels []string
+	series *metrics.AgentSeries
 
 	mu      sync.Mutex
 	seq     uint64
@@ -26,8 +26,8 @@ type prober struct {
 	waiting bool
 }
 
-func newProber(a *registry.Agent, labels []string) *prober {
-	return &prober{agent: a, labels: labels}
+func newProber(a *registry.Agent, series *metrics.AgentSeries) *prober {
+	return &prober{agent: a, series: series}
 }
 
 // next is the next probe to send.
@@ -35,7 +35,7 @@ func (p *prober) next() *tunnelv1.ConnectResponse {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.waiting {
-		metrics.Reachable.WithLabelValues(p.labels...).Set(0)
+		p.series.Reachable(false)
 	}
 	p.seq++
 	p.sent = time.Now()
@@ -55,7 +55,5 @@ func (p *prober) answered(seq uint64) {
 	now := time.Now()
 	rtt := now.Sub(p.sent)
 	p.agent.Probed(now, rtt)
-	metrics.ProbeRTT.WithLabelValues(p.labels...).Set(rtt.Seconds())
-	metrics.ProbeSuccess.WithLabelValues(p.labels...).Set(float64(now.UnixNano()) / 1e9)
-	metrics.Reachable.WithLabelValues(p.labels...).Set(1)
+	p.series.Probed(now, rtt)
 }

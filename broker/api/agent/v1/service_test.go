@@ -70,6 +70,10 @@ func TestConnectRefusesAFirstMessageThatIsNotARegistration(t *testing.T) {
 	t.Run("closed before a message", func(t *testing.T) {
 		brokertest.CheckStatus(t, "Connect", b.connectStatus(t, agentA), codes.InvalidArgument, "stream closed before registering")
 	})
+	t.Run("not a ConnectRequest", func(t *testing.T) {
+		err := b.RawStatus(t, agentA, tunnelv1.AgentService_Connect_FullMethodName, brokertest.NotProtobuf)
+		brokertest.CheckStatus(t, "Connect", err, codes.InvalidArgument, "not a ConnectRequest")
+	})
 }
 
 func TestConnectRefusesMessagesAnAgentMayNotSend(t *testing.T) {
@@ -210,6 +214,10 @@ func TestTunnelRefusesAFirstMessageThatIsNotOpen(t *testing.T) {
 			t.Fatal(err)
 		}
 		brokertest.CheckStatus(t, "Tunnel", tunnelStatus(t, tun), codes.InvalidArgument, "stream closed before naming its dial")
+	})
+	t.Run("not a TunnelRequest", func(t *testing.T) {
+		err := b.RawStatus(t, agentA, tunnelv1.AgentService_Tunnel_FullMethodName, brokertest.NotProtobuf)
+		brokertest.CheckStatus(t, "Tunnel", err, codes.InvalidArgument, "not a TunnelRequest")
 	})
 }
 

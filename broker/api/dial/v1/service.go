@@ -57,21 +57,24 @@ func (s *Service) Register(srv *grpc.Server) { tunnelv1.RegisterDialServiceServe
 
 // Dial implements DialService.Dial.
 func (s *Service) Dial(stream tunnelv1.DialService_DialServer) error {
-	first, err := stream.Recv()
-	if errors.Is(err, io.EOF) {
-		return status.Error(codes.InvalidArgument, "stream closed before naming a target")
+	caller, _ := identity.PeerID(stream.Context())
+	// A dial counts against its caller's tunnels from its start, so that
+	// dials that have not named their target yet count too.
+	held := s.callerTunnels(caller)
+	if n := held.Add(1); s.MaxTunnelsPerCaller > 0 && n > s.MaxTunnelsPerCaller {
+		held.Add(-1)
+		metrics.LimitsHit.WithLabelValues("tunnels_per_caller").Inc()
+		s.Log.Warn("dial refused: caller at its tunnel limit", "caller", caller.String(), "limit", s.MaxTunnelsPerCaller)
+		metrics.Dials.WithLabelValues(codes.ResourceExhausted.String()).Inc()
+		return status.Errorf(codes.ResourceExhausted, "%s already holds %d tunnels, the most a caller may", caller, s.MaxTunnelsPerCaller)
 	}
+	unhold := sync.OnceFunc(func() { held.Add(-1) })
+	defer unhold()
+
+	target, err := recvTarget(stream)
 	if err != nil {
 		return err
 	}
-	target := first.GetTarget()
-	if target == nil {
-		return status.Error(codes.InvalidArgument, "the first message of a dial must name a target")
-	}
-	if err := target.Validate(); err != nil {
-		return status.Error(codes.InvalidArgument, err.Error())
-	}
-	caller, _ := identity.PeerID(stream.Context())
 	if err := s.Policy.MayDial(caller, target.GetCluster()); err != nil {
 		metrics.Denied.WithLabelValues("Dial").Inc()
 		s.Log.Warn("permission denied", "peer", caller.String(), "cluster", target.GetCluster())
@@ -82,17 +85,6 @@ func (s *Service) Dial(stream tunnelv1.DialService_DialServer) error {
 	if isClosed(s.Draining) {
 		return status.Error(codes.Unavailable, "this broker replica is shutting down: dial another")
 	}
-	held := s.callerTunnels(caller)
-	if n := held.Add(1); s.MaxTunnelsPerCaller > 0 && n > s.MaxTunnelsPerCaller {
-		held.Add(-1)
-		metrics.LimitsHit.WithLabelValues("tunnels_per_caller").Inc()
-		log.Warn("dial refused: caller at its tunnel limit", "limit", s.MaxTunnelsPerCaller)
-		err := status.Errorf(codes.ResourceExhausted, "%s already holds %d tunnels, the most a caller may", caller, s.MaxTunnelsPerCaller)
-		metrics.Dials.WithLabelValues(codes.ResourceExhausted.String()).Inc()
-		return err
-	}
-	unhold := sync.OnceFunc(func() { held.Add(-1) })
-	defer unhold()
 
 	start := time.Now()
 	t, err := s.dial(stream.Context(), target)
@@ -138,6 +130,34 @@ func (s *Service) Dial(stream tunnelv1.DialService_DialServer) error {
 		log.Debug("tunnel closed")
 	}
 	return callerStatus
+}
+
+// recvTarget receives the first message of a dial, which must name a valid
+// target. It decodes the message itself, so that one that is not a
+// DialRequest is the caller's InvalidArgument, not gRPC's Internal.
+func recvTarget(stream tunnelv1.DialService_DialServer) (*tunnelv1.Target, error) {
+	var f tunnelv1.Frame
+	err := stream.RecvMsg(&f)
+	if errors.Is(err, io.EOF) {
+		return nil, status.Error(codes.InvalidArgument, "stream closed before naming a target")
+	}
+	if err != nil {
+		return nil, err
+	}
+	first := new(tunnelv1.DialRequest)
+	err = f.Decode(first)
+	f.Free()
+	if err != nil {
+		return nil, status.Errorf(codes.InvalidArgument, "not a DialRequest: %v", err)
+	}
+	target := first.GetTarget()
+	if target == nil {
+		return nil, status.Error(codes.InvalidArgument, "the first message of a dial must name a target")
+	}
+	if err := target.Validate(); err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	return target, nil
 }
 
 func (s *Service) dial(ctx context.Context, target *tunnelv1.Target) (*registry.Tunnel, error) {

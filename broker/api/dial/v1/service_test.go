@@ -27,6 +27,10 @@ func TestDialRefusesAFirstMessageThatIsNotATarget(t *testing.T) {
 		_, err = stream.Recv()
 		brokertest.CheckStatus(t, "Dial", err, codes.InvalidArgument, "the first message of a dial must name a target")
 	})
+	t.Run("not a DialRequest", func(t *testing.T) {
+		err := b.RawStatus(t, kcpPath, tunnelv1.DialService_Dial_FullMethodName, brokertest.NotProtobuf)
+		brokertest.CheckStatus(t, "Dial", err, codes.InvalidArgument, "not a DialRequest")
+	})
 	t.Run("closed before a message", func(t *testing.T) {
 		ctx, _ := brokertest.StreamContext(t)
 		stream, err := tunnelv1.NewDialServiceClient(b.Conn(t, kcpPath)).Dial(ctx)
@@ -152,4 +156,19 @@ func TestDialLimitsTunnelsPerCaller(t *testing.T) {
 	again.cancelAgent()
 	brokertest.CheckStatus(t, "caller", again.callerEnd(), codes.Unavailable, "tunnel lost on the agent's side")
 	a.establish(t, brokertest.Target("root")).up("and again")
+}
+
+func TestDialsThatHaveNotNamedATargetCountAgainstTheCaller(t *testing.T) {
+	b := startBroker(t, config{maxTunnelsPerCaller: 2})
+	b.connectAgent(t, "a", "root")
+	ctx, _ := brokertest.StreamContext(t)
+	for range 2 {
+		if _, err := tunnelv1.NewDialServiceClient(b.Conn(t, kcpPath)).Dial(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	held := b.dial.callerTunnels(brokertest.ID(kcpPath))
+	brokertest.Eventually(t, "two dials to be counted", func() bool { return held.Load() == 2 })
+	brokertest.CheckStatus(t, "a dial with a target", b.dialStatus(t, kcpPath, brokertest.Target("root")),
+		codes.ResourceExhausted, "already holds 2 tunnels, the most a caller may")
 }

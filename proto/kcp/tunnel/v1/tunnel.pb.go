@@ -911,13 +911,19 @@ func (x *Drain) GetGraceMs() uint32 {
 	return 0
 }
 
-// Register states which logical clusters the agent serves.
+// Register states which logical clusters the agent serves. A long list is
+// sent in several Register messages, all but the last with more set: the
+// clusters of the messages add up, and the set is in force when a Register
+// without more arrives.
 type Register struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Logical cluster names this agent can reach Services of.
 	Clusters []string `protobuf:"bytes,1,rep,name=clusters,proto3" json:"clusters,omitempty"`
-	// A human-readable name for logs and listings, e.g. the sync target.
-	AgentName     string `protobuf:"bytes,2,opt,name=agent_name,json=agentName,proto3" json:"agent_name,omitempty"`
+	// A human-readable name for logs, listings and metrics, e.g. the sync
+	// target: a DNS-1123 label, or empty.
+	AgentName string `protobuf:"bytes,2,opt,name=agent_name,json=agentName,proto3" json:"agent_name,omitempty"`
+	// More clusters follow in the next Register.
+	More          bool `protobuf:"varint,3,opt,name=more,proto3" json:"more,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -964,6 +970,13 @@ func (x *Register) GetAgentName() string {
 		return x.AgentName
 	}
 	return ""
+}
+
+func (x *Register) GetMore() bool {
+	if x != nil {
+		return x.More
+	}
+	return false
 }
 
 // Registered confirms a registration.
@@ -1422,11 +1435,12 @@ const file_kcp_tunnel_v1_tunnel_proto_rawDesc = "" +
 	"\x05Probe\x12\x1a\n" +
 	"\bsequence\x18\x01 \x01(\x04R\bsequence\"\"\n" +
 	"\x05Drain\x12\x19\n" +
-	"\bgrace_ms\x18\x01 \x01(\rR\agraceMs\"E\n" +
+	"\bgrace_ms\x18\x01 \x01(\rR\agraceMs\"Y\n" +
 	"\bRegister\x12\x1a\n" +
 	"\bclusters\x18\x01 \x03(\tR\bclusters\x12\x1d\n" +
 	"\n" +
-	"agent_name\x18\x02 \x01(\tR\tagentName\"[\n" +
+	"agent_name\x18\x02 \x01(\tR\tagentName\x12\x12\n" +
+	"\x04more\x18\x03 \x01(\bR\x04more\"[\n" +
 	"\n" +
 	"Registered\x12\x1b\n" +
 	"\tbroker_id\x18\x01 \x01(\tR\bbrokerId\x120\n" +

@@ -23,9 +23,28 @@ const maxLabelLength = 63
 func ValidateClusterName(name string) error {
 	n := strings.TrimPrefix(name, "system:")
 	if !clusterNameRE.MatchString(n) {
-		return fmt.Errorf("logical cluster %q is not a valid logical cluster name (lower-case alphanumerics and '-', 2-63 characters, optionally prefixed with \"system:\"; a path such as root:org is not a name)", name)
+		return fmt.Errorf("logical cluster %s is not a valid logical cluster name (lower-case alphanumerics and '-', 2-63 characters, optionally prefixed with \"system:\"; a path such as root:org is not a name)", quoteShort(name))
 	}
 	return nil
+}
+
+// ValidateAgentName reports whether name may name an agent: empty, or a
+// DNS-1123 label. The broker labels the agent's metrics with it.
+func ValidateAgentName(name string) error {
+	if name != "" && (len(name) > maxLabelLength || !dns1123LabelRE.MatchString(name)) {
+		return fmt.Errorf("agent name %s is not a DNS-1123 label (lower-case alphanumerics and '-', at most 63 characters)", quoteShort(name))
+	}
+	return nil
+}
+
+// quoteShort quotes s for a message, cut short if it is long: a peer's
+// input must not make a status message as long as the input.
+func quoteShort(s string) string {
+	const most = 80
+	if len(s) <= most {
+		return fmt.Sprintf("%q", s)
+	}
+	return fmt.Sprintf("%q... (%d bytes)", s[:most], len(s))
 }
 
 // Validate reports the first problem with a dial target, in terms a caller can

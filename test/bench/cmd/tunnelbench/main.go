@@ -31,7 +31,7 @@ import (
 )
 
 // phases, in the order they run.
-var allPhases = []string{"throughput", "latency", "rps", "dial", "grpc", "isolation", "tenants", "webhook", "idle"}
+var allPhases = []string{"throughput", "latency", "rps", "dial", "grpc", "isolation", "tenants", "webhook", "idle", "hostile"}
 
 type config struct {
 	size         int64         // bytes of each bulk transfer
@@ -45,6 +45,12 @@ type config struct {
 	profileDir   string
 	relay        bool          // also measure the relay reference path (relay.go)
 	timeout      time.Duration // bound of one bulk transfer
+
+	// The hostile phase (hostile.go).
+	hostileStreams int
+	hostileMessage int64
+	hostileFrame   int
+	hostileWait    time.Duration
 }
 
 func main() {
@@ -74,12 +80,19 @@ func main() {
 	flag.StringVar(&cfg.profileDir, "profile-dir", "", "if set and the binaries serve pprof (--pprof-listen), save their CPU and heap profiles of the throughput, round-trip and dial runs here")
 	flag.BoolVar(&cfg.relay, "relay", true, "also measure the relay reference path (caller -mTLS-> relay -mTLS-> relay -TCP-> target, plain TLS copy processes) in the throughput, latency, rps and dial phases, as relay_* rows")
 	flag.DurationVar(&cfg.timeout, "timeout", 3*time.Minute, "bound of one bulk transfer")
+	flag.IntVar(&cfg.hostileStreams, "hostile-streams", 1000, "hostile phase: streams one identity opens and never finishes, per case")
+	hostileMessage := flag.String("hostile-message", "32KiB", "hostile phase: the size the first message announces (the broker's --max-message-size makes it maximal)")
+	flag.IntVar(&cfg.hostileFrame, "hostile-frame", 16384, "hostile phase: bytes per HTTP/2 DATA frame (1 is the costliest for the broker)")
+	flag.DurationVar(&cfg.hostileWait, "hostile-wait", time.Minute, "hostile phase: how long to wait for the broker to end the streams")
 	maxTime := flag.Duration("max-time", 20*time.Minute, "bound of the whole run: stop everything and fail after it")
 	flag.Parse()
 
 	var err error
 	if cfg.size, err = parseBytes(*size); err != nil {
 		fatalf("-size: %v", err)
+	}
+	if cfg.hostileMessage, err = parseBytes(*hostileMessage); err != nil {
+		fatalf("-hostile-message: %v", err)
 	}
 	if cfg.flood, err = parseBytes(*flood); err != nil {
 		fatalf("-flood: %v", err)
@@ -152,6 +165,8 @@ func main() {
 			b.webhookRate(ctx)
 		case "idle":
 			b.idleTunnels(ctx)
+		case "hostile":
+			b.hostile(ctx)
 		}
 	}
 	b.report.footer(b)

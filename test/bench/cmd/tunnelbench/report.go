@@ -37,6 +37,12 @@ func (rep *report) floorRow(path, name string, direct, value float64) {
 	rep.line(path+"_"+name, path, direct, value)
 }
 
+// hostileRow prints a figure of the hostile phase: the broker under
+// attack, with no direct path to compare with.
+func (rep *report) hostileRow(name string, value float64) {
+	rep.line(name, "hostile", none, value)
+}
+
 // line prints one figure of path against the direct path. A name longer
 // than its column takes from the direct value's padding, and the path's
 // label from its value's, so that the later columns stay aligned.
@@ -94,8 +100,12 @@ func (rep *report) header(r *runner) {
 	}
 	rep.note("pprof endpoints: %s", pprof)
 	c := r.cfg
-	rep.note("config: size=%s duration=%v conns=%d dials=%d idle=%v flood=%s webhook-conns=%d phases=%s relay=%v",
-		bytesString(c.size), c.duration, c.conns, c.dials, c.idle, bytesString(c.flood), c.webhookConns, strings.Join(c.phases, ","), r.relay != nil)
+	rep.note("config: size=%s duration=%v conns=%d dials=%d idle=%v flood=%s webhook-conns=%d phases=%s relay=%v hostile-streams=%d hostile-message=%d hostile-frame=%d",
+		bytesString(c.size), c.duration, c.conns, c.dials, c.idle, bytesString(c.flood), c.webhookConns, strings.Join(c.phases, ","), r.relay != nil,
+		c.hostileStreams, c.hostileMessage, c.hostileFrame)
+	if slices.Contains(c.phases, "hostile") {
+		rep.note("hostile_* rows: a fresh broker, and streams from one identity that never send a whole first message; hostile= is the figure")
+	}
 }
 
 func (rep *report) footer(r *runner) {

@@ -15,7 +15,7 @@ import (
 
 // rowPattern is one figure of the table: name, direct value, path and its
 // value, ratio; "-" where a value does not apply.
-var rowPattern = regexp.MustCompile(`^(\S+) +direct=(\S+) +(tunneled|relay|grpc)=(\S+) +ratio=(\S+)$`)
+var rowPattern = regexp.MustCompile(`^(\S+) +direct=(\S+) +(tunneled|relay|grpc|hostile)=(\S+) +ratio=(\S+)$`)
 
 // TestTinyRunPrintsEveryFigure runs make bench's tool on tiny sizes, every
 // phase with the real binaries, and checks the table a script would read:
@@ -30,7 +30,8 @@ func TestTinyRunPrintsEveryFigure(t *testing.T) {
 		t.Fatalf("building tunnelbench: %v\n%s", err, out)
 	}
 	cmd := exec.Command(bin, "-size", "8MiB", "-duration", "300ms", "-dials", "30", "-idle", "20",
-		"-conns", "4", "-webhook-conns", "4", "-flood", "64MiB")
+		"-conns", "4", "-webhook-conns", "4", "-flood", "64MiB",
+		"-hostile-streams", "20", "-hostile-wait", "20s")
 	cmd.Env = append(os.Environ(), "TUNNEL_BIN_DIR="+harness.Binaries(t))
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
@@ -62,6 +63,7 @@ func TestTinyRunPrintsEveryFigure(t *testing.T) {
 		"grpc_rtt64_p50_us", "grpc_new_stream_rtt64_p99_us",
 		"isolation_slowdown_p50", "tenants_dial_loaded_p50_us", "tenants_dial_loaded_failed", "webhook_1conn_per_s", "webhook_4conns_p99_us",
 		"idle_20_broker_rss_KiB_per_tunnel", "idle_20_broker_goroutines_per_tunnel",
+		"hostile_dial_most_broker_rss_MiB_peak", "hostile_connect_most_streams_not_ended",
 	} {
 		v, ok := values[name]
 		if !ok {

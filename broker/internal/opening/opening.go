@@ -1,0 +1,271 @@
+// Package opening bounds what a stream costs the broker before its first
+// message: the first message must arrive within a deadline, and a peer may
+// have only so many streams waiting for theirs at once, all peers together
+// only so many more. Past either limit a new stream gets ResourceExhausted
+// at once.
+//
+// Why: until a message is whole, gRPC holds what has arrived of it, up to
+// the server's largest message, and every HTTP/2 DATA frame of it as a
+// buffer of its own; a peer that sends a message in 1-byte frames makes the
+// broker hold about 40 bytes for each byte it sent (1.3 MiB for a message of
+// 32 KiB, measured with tunnelbench -phases hostile -hostile-frame 1). A
+// stream that never finishes its first message would hold that for as long
+// as the peer keeps the stream open. With these bounds, what all such
+// streams hold is at most Total x that, and for one peer PerID x that, each
+// for at most Timeout.
+//
+// A streaming RPC counts once it has waited Patience for its first message,
+// until that message arrives; the stream is ended with DeadlineExceeded once
+// Timeout passes. A well-behaved peer sends the first message with the
+// stream's headers, but in a burst of new streams gRPC reads many headers
+// before their messages, so that counting from the handler's start would
+// refuse a burst of ordinary dials. What streams younger than Patience hold
+// is bounded by what the broker can read in that time. gRPC reads a unary
+// RPC's request before any interceptor runs, so a unary RPC counts from the
+// moment its stream opens (gRPC's tap), and the whole call is bounded by
+// Timeout: the broker's unary RPCs (health, ListAgents) answer at once.
+package opening
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/grpc/tap"
+
+	"github.com/kcp-dev/tunnel-broker/broker/internal/abortable"
+	"github.com/kcp-dev/tunnel-broker/broker/internal/quota"
+	"github.com/kcp-dev/tunnel-broker/broker/metrics"
+	"github.com/kcp-dev/tunnel-broker/internal/identity"
+)
+
+// DefaultPatience is far longer than a burst of ordinary streams waits for
+// gRPC to read their first messages, and short enough that what streams
+// hold before they count stays small.
+const DefaultPatience = time.Second
+
+// Guard enforces the bounds on one gRPC server. Install ServerOptions when
+// building the server, and call Methods once its services are registered.
+type Guard struct {
+	// Timeout is how long a stream may take to send its first message.
+	Timeout time.Duration
+	// Patience is how long a stream may wait for its first message before
+	// it counts against Quota; 0 means DefaultPatience.
+	Patience time.Duration
+	// Quota bounds the streams waiting for their first message, per peer
+	// SPIFFE ID and in total.
+	Quota quota.Quota
+	// First names the first message of methods by full name, for the status
+	// of a stream that does not send it in time ("target" for Dial).
+	First map[string]string
+	Log   *slog.Logger
+
+	unary atomic.Pointer[map[string]bool]
+}
+
+// ServerOptions install the guard. Install them after the authorization
+// interceptors: a peer refused by the policy is refused before it is
+// counted.
+func (g *Guard) ServerOptions() []grpc.ServerOption {
+	return []grpc.ServerOption{
+		grpc.InTapHandle(g.tap),
+		grpc.ChainUnaryInterceptor(g.unaryArrived),
+		grpc.ChainStreamInterceptor(g.stream),
+	}
+}
+
+// Methods tells the guard which of srv's methods are unary. Call it after
+// registering every service, before serving.
+func (g *Guard) Methods(srv *grpc.Server) {
+	unary := map[string]bool{}
+	for name, info := range srv.GetServiceInfo() {
+		for _, m := range info.Methods {
+			if !m.IsClientStream && !m.IsServerStream {
+				unary["/"+name+"/"+m.Name] = true
+			}
+		}
+	}
+	g.unary.Store(&unary)
+}
+
+func (g *Guard) isUnary(method string) bool {
+	m := g.unary.Load()
+	return m != nil && (*m)[method]
+}
+
+// releaseKey carries a unary call's release to its interceptor.
+type releaseKey struct{}
+
+// tap runs as a stream opens, before gRPC reads anything of it.
+func (g *Guard) tap(ctx context.Context, info *tap.Info) (context.Context, error) {
+	if !g.isUnary(info.FullMethodName) {
+		return ctx, nil
+	}
+	id, _ := identity.PeerID(ctx)
+	release, err := g.take(id)
+	if err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithTimeout(ctx, g.Timeout)
+	// Ends with the stream, or at the deadline: either way it no longer
+	// waits for its request.
+	context.AfterFunc(ctx, func() {
+		release()
+		cancel()
+	})
+	return context.WithValue(ctx, releaseKey{}, release), nil
+}
+
+// unaryArrived runs once gRPC has read a unary call's request.
+func (g *Guard) unaryArrived(ctx context.Context, req any, _ *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+	if release, ok := ctx.Value(releaseKey{}).(func()); ok {
+		release()
+	}
+	return handler(ctx, req)
+}
+
+func (g *Guard) stream(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+	id, _ := identity.PeerID(ss.Context())
+	what := g.First[info.FullMethod]
+	if what == "" {
+		what = "request"
+	}
+	w := &firstMessage{ServerStream: ss, guard: g, peer: id, method: info.FullMethod,
+		late: status.Error(codes.DeadlineExceeded,
+			fmt.Sprintf("no %s within %v: the first message of this stream must be its %s", what, g.Timeout, what))}
+	patience := g.Patience
+	if patience <= 0 {
+		patience = DefaultPatience
+	}
+	w.mu.Lock()
+	w.timer = time.AfterFunc(min(patience, g.Timeout), w.count)
+	w.mu.Unlock()
+	defer w.done()
+	return handler(srv, w)
+}
+
+// take counts one more stream waiting for its first message, unless a limit
+// is reached.
+func (g *Guard) take(id spiffeid.ID) (release func(), err error) {
+	release, over := g.Quota.Take(id)
+	switch over {
+	case quota.OverPerID:
+		metrics.LimitsHit.WithLabelValues("opening_streams_per_peer").Inc()
+		return nil, status.Errorf(codes.ResourceExhausted, "%s has %d streams open that have not sent their first message, the most a peer may", id, g.Quota.PerID)
+	case quota.OverTotal:
+		metrics.LimitsHit.WithLabelValues("opening_streams").Inc()
+		return nil, status.Errorf(codes.ResourceExhausted, "the broker has %d streams open that have not sent their first message, the most it holds: try again shortly", g.Quota.Total)
+	}
+	return release, nil
+}
+
+// The states of a stream's first message.
+const (
+	waiting int32 = iota
+	arrived
+	ended // by the guard, with a status
+)
+
+// firstMessage is a server stream whose first RecvMsg ends the wait. Its
+// timer counts it against the quota once it has waited the guard's
+// patience, then ends it at the guard's timeout.
+type firstMessage struct {
+	grpc.ServerStream
+	guard  *Guard
+	peer   spiffeid.ID
+	method string
+	late   error // the status of a stream whose first message is late
+
+	state atomic.Int32 // read without mu once the first message arrived
+
+	mu      sync.Mutex
+	timer   *time.Timer
+	release func() // set while the stream counts against the quota
+	status  error  // what the guard ended the stream with
+}
+
+func (w *firstMessage) RecvMsg(m any) error {
+	if w.state.Load() == arrived {
+		return w.ServerStream.RecvMsg(m)
+	}
+	err := w.ServerStream.RecvMsg(m)
+	w.mu.Lock()
+	if w.state.Load() == ended {
+		// The guard ended the stream first, whatever this Recv got.
+		defer w.mu.Unlock()
+		return w.status
+	}
+	w.state.Store(arrived)
+	w.timer.Stop()
+	release := w.release
+	w.release = nil
+	w.mu.Unlock()
+	if release != nil {
+		release()
+	}
+	return err
+}
+
+// count runs once the stream has waited the guard's patience: it counts the
+// stream against the quota, or ends it if a limit is reached, and sets the
+// timer for the rest of the timeout.
+func (w *firstMessage) count() {
+	g := w.guard
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.state.Load() != waiting {
+		return
+	}
+	release, err := g.take(w.peer)
+	if err != nil {
+		w.end(err)
+		return
+	}
+	w.release = release
+	patience := g.Patience
+	if patience <= 0 {
+		patience = DefaultPatience
+	}
+	w.timer = time.AfterFunc(max(g.Timeout-patience, 0), w.expire)
+}
+
+// expire ends a stream whose first message did not come within the timeout.
+func (w *firstMessage) expire() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.state.Load() != waiting {
+		return
+	}
+	metrics.LimitsHit.WithLabelValues("first_message_timeout").Inc()
+	w.guard.Log.Info("stream ended: no first message in time", "peer", w.peer.String(), "method", w.method, "timeout", w.guard.Timeout)
+	w.end(w.late)
+}
+
+// end ends the stream with err and stops counting it; w.mu is held.
+func (w *firstMessage) end(err error) {
+	w.state.Store(ended)
+	w.status = err
+	if w.release != nil {
+		w.release()
+		w.release = nil
+	}
+	abortable.End(w.ServerStream.Context(), err)
+}
+
+// done runs when the handler returns: the stream no longer counts.
+func (w *firstMessage) done() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.timer.Stop()
+	if w.release != nil {
+		w.release()
+		w.release = nil
+	}
+}

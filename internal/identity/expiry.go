@@ -1,0 +1,168 @@
+package identity
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
+
+// A TLS connection outlives the certificates its handshake verified: a peer
+// whose SVID has expired (or been replaced because its identity was taken
+// away) could go on using a connection it opened before. The server
+// therefore refuses every new RPC from a peer whose SVID has expired
+// (ExpiryInterceptors), and closes its connection once its RPCs in flight
+// have ended, or at the latest a grace period after the expiry
+// (CloseExpiredPeers). Services with long-lived streams end them at the
+// expiry themselves (the agent's registration does).
+//
+// Peers are expected to move to a new connection when their SVID rotates,
+// well before it expires; a gRPC client whose connection the server closed
+// reconnects with the SVID its source holds then.
+
+// peerLife ends one server connection after its peer's SVID expires.
+type peerLife struct {
+	expires time.Time
+	grace   time.Duration
+	conn    net.Conn // the raw connection under TLS
+
+	mu      sync.Mutex
+	rpcs    int
+	expired bool
+	done    bool
+	timer   *time.Timer
+}
+
+func newPeerLife(conn net.Conn, expires time.Time, grace time.Duration) *peerLife {
+	l := &peerLife{conn: conn, expires: expires, grace: grace}
+	l.mu.Lock()
+	l.timer = time.AfterFunc(time.Until(expires), l.expire)
+	l.mu.Unlock()
+	return l
+}
+
+// expire runs at the expiry: the connection closes now if it is idle, else
+// when its last RPC ends or the grace period is over.
+func (l *peerLife) expire() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.done {
+		return
+	}
+	l.expired = true
+	if l.rpcs == 0 {
+		l.closeLocked()
+		return
+	}
+	l.timer = time.AfterFunc(l.grace, func() {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		l.closeLocked()
+	})
+}
+
+// begin counts an RPC in; false if the peer's SVID has expired.
+func (l *peerLife) begin() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.expired || !time.Now().Before(l.expires) {
+		return false
+	}
+	l.rpcs++
+	return true
+}
+
+// end counts an RPC out.
+func (l *peerLife) end() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.rpcs--
+	if l.expired && l.rpcs == 0 {
+		l.closeLocked()
+	}
+}
+
+func (l *peerLife) closeLocked() {
+	if l.done {
+		return
+	}
+	l.done = true
+	l.timer.Stop()
+	// gRPC sees the connection fail and ends it; the peer reconnects.
+	l.conn.Close()
+}
+
+// stop forgets the timers of a connection that closed on its own.
+func (l *peerLife) stop() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.done = true
+	l.timer.Stop()
+}
+
+// lifeConn is a server connection with a peerLife: closing it stops the
+// life's timers, so that nothing of a closed connection lingers until its
+// peer's expiry.
+type lifeConn struct {
+	net.Conn
+	life *peerLife
+}
+
+func (c *lifeConn) Close() error {
+	c.life.stop()
+	return c.Conn.Close()
+}
+
+// ExpiryInterceptors refuse every RPC from a peer whose SVID has expired,
+// with Unauthenticated, and count the RPCs of each connection so that
+// CloseExpiredPeers closes it once they are over. Connections secured by
+// other credentials pass through.
+func ExpiryInterceptors() []grpc.ServerOption {
+	return []grpc.ServerOption{
+		grpc.ChainUnaryInterceptor(func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+			end, err := beginRPC(ctx)
+			if err != nil {
+				return nil, err
+			}
+			defer end()
+			return handler(ctx, req)
+		}),
+		grpc.ChainStreamInterceptor(func(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+			end, err := beginRPC(ss.Context())
+			if err != nil {
+				return err
+			}
+			defer end()
+			return handler(srv, ss)
+		}),
+	}
+}
+
+func beginRPC(ctx context.Context) (end func(), err error) {
+	info, ok := Peer(ctx)
+	if !ok {
+		return func() {}, nil
+	}
+	if info.life == nil {
+		if !time.Now().Before(info.Expires) {
+			return nil, ExpiredError(info)
+		}
+		return func() {}, nil
+	}
+	if !info.life.begin() {
+		return nil, ExpiredError(info)
+	}
+	return info.life.end, nil
+}
+
+// ExpiredError is the status of an RPC refused because the peer's SVID has
+// expired.
+func ExpiredError(info AuthInfo) error {
+	return status.Error(codes.Unauthenticated, fmt.Sprintf("the X.509-SVID of %s expired at %s: reconnect with a current one",
+		info.ID, info.Expires.UTC().Format(time.RFC3339)))
+}
