@@ -19,6 +19,7 @@ import (
 
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	"github.com/kcp-dev/tunnel-broker/internal/ops"
+	"github.com/kcp-dev/tunnel-broker/internal/version"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/agent"
 )
@@ -43,9 +44,14 @@ func run() error {
 		jsonLogs = flag.Bool("log-json", false, "log JSON lines instead of text")
 		verbose  = flag.Bool("v", false, "log every tunnel, not only failures")
 		idOpts   = identity.AddFlags(flag.CommandLine)
+		showVer  = flag.Bool("version", false, "print the version and exit")
 	)
 	resolverFlags := addResolverFlags(flag.CommandLine)
 	flag.Parse()
+	if *showVer {
+		fmt.Println("syncer-agent", version.Get())
+		return nil
+	}
 
 	log := ops.NewLogger(*jsonLogs, *verbose)
 
@@ -111,10 +117,11 @@ func run() error {
 	}
 	reg := prometheus.NewRegistry()
 	agent.RegisterMetrics(reg)
+	reg.MustRegister(version.Collector("kcp_tunnel_agent"))
 	if err := ops.Serve(ctx, ops.Options{Listen: *metricsL, Pprof: *pprofL, Ready: fleet.Ready, Metrics: reg}, log); err != nil {
 		return err
 	}
-	log.Info("agent starting", "brokers", *brokers, "broker_dns", *dns, "id", self.String(), "clusters", resolver.Clusters())
+	log.Info("agent starting", "brokers", *brokers, "broker_dns", *dns, "id", self.String(), "clusters", resolver.Clusters(), "version", version.Get().String())
 	if len(resolver.Clusters()) == 0 {
 		log.Warn("no logical cluster to serve yet: registering with none, and again when one appears")
 	}
