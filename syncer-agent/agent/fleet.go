@@ -45,7 +45,16 @@ type Fleet struct {
 type member struct {
 	agent *Agent
 	stop  context.CancelFunc
-	done  chan struct{}
+	done  chan struct{} // closed when the agent's Run has returned
+}
+
+func (m *member) hasLeft() bool {
+	select {
+	case <-m.done:
+		return true
+	default:
+		return false
+	}
 }
 
 // Run follows the replicas until ctx ends, then drains every agent at once.
@@ -143,7 +152,7 @@ func (f *Fleet) update(ctx context.Context, addrs []string) {
 		}
 	}
 	// Forget those that have left, or they pile up with every rollout.
-	f.leaving = slices.DeleteFunc(f.leaving, func(m *member) bool { return isClosed(m.done) })
+	f.leaving = slices.DeleteFunc(f.leaving, (*member).hasLeft)
 	for _, addr := range addrs {
 		if _, ok := f.members[addr]; ok {
 			continue
