@@ -48,15 +48,6 @@ type member struct {
 	done  chan struct{} // closed when the agent's Run has returned
 }
 
-func (m *member) hasLeft() bool {
-	select {
-	case <-m.done:
-		return true
-	default:
-		return false
-	}
-}
-
 // Run follows the replicas until ctx ends, then drains every agent at once.
 func (f *Fleet) Run(ctx context.Context) error {
 	every := f.ResolveEvery
@@ -151,8 +142,6 @@ func (f *Fleet) update(ctx context.Context, addrs []string) {
 			}
 		}
 	}
-	// Forget those that have left, or they pile up with every rollout.
-	f.leaving = slices.DeleteFunc(f.leaving, (*member).hasLeft)
 	for _, addr := range addrs {
 		if _, ok := f.members[addr]; ok {
 			continue
@@ -194,9 +183,18 @@ func (f *Fleet) start(ctx context.Context, addr string) *member {
 	}
 	go func() {
 		defer close(m.done)
+		defer f.forget(m)
 		_ = a.Run(mctx)
 	}()
 	return m
+}
+
+// forget drops a member whose agent has returned from those leaving, or
+// they would pile up with every rollout.
+func (f *Fleet) forget(m *member) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.leaving = slices.DeleteFunc(f.leaving, func(l *member) bool { return l == m })
 }
 
 // promote makes a registered successor the member for addr; the member it
