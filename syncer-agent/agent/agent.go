@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/keepalive"
+	"k8s.io/utils/clock"
 
 	"github.com/kcp-dev/tunnel-broker/kcpplugin/coalesce"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
@@ -42,6 +43,10 @@ type Agent struct {
 	// Grace is how long tunnels in flight may run once Run's ctx ends.
 	Grace time.Duration
 	Log   *slog.Logger
+	// Clock times the waits between reconnections, the grace period and
+	// the wait for the broker to end a registration; nil means the real
+	// clock.
+	Clock clock.Clock
 
 	// Registered, if set, is called each time the broker accepts the agent.
 	Registered func(brokerID string)
@@ -51,6 +56,13 @@ type Agent struct {
 
 // IsRegistered reports whether the broker holds the agent's registration now.
 func (a *Agent) IsRegistered() bool { return a.registered.Load() }
+
+func (a *Agent) clock() clock.Clock {
+	if a.Clock == nil {
+		return clock.RealClock{}
+	}
+	return a.Clock
+}
 
 func (a *Agent) grace() time.Duration {
 	if a.Grace <= 0 {
@@ -145,11 +157,22 @@ func (r *agentRun) reconnect() {
 		wait := backoff.next()
 		reconnects.Inc()
 		r.Log.Info("broker connection lost, reconnecting", "broker", r.Broker, "error", err, "in", wait.Round(time.Millisecond))
-		select {
-		case <-time.After(wait):
-		case <-r.draining:
+		if !r.sleep(wait) {
 			return
 		}
+	}
+}
+
+// sleep waits d, unless the agent drains first; it reports whether it
+// waited all of d.
+func (r *agentRun) sleep(d time.Duration) bool {
+	timer := r.clock().NewTimer(d)
+	defer timer.Stop()
+	select {
+	case <-timer.C():
+		return true
+	case <-r.draining:
+		return false
 	}
 }
 
@@ -177,11 +200,13 @@ func (r *agentRun) drain() {
 		r.tunnels.Wait()
 		close(finished)
 	}()
+	timer := r.clock().NewTimer(r.grace())
 	select {
 	case <-finished:
-	case <-time.After(r.grace()):
+	case <-timer.C():
 		r.Log.Info("grace period over, ending tunnels", "broker", r.Broker)
 	}
+	timer.Stop()
 	r.end()
 	<-finished
 }

@@ -158,9 +158,11 @@ func (r *agentRun) unregister(control *controlStream, cancel context.CancelFunc,
 	// sent it yet.
 	control.drain()
 	control.closeSend()
+	timer := r.clock().NewTimer(unregisterTimeout)
+	defer timer.Stop()
 	select {
 	case <-sessionOver:
-	case <-time.After(unregisterTimeout):
+	case <-timer.C():
 		cancel()
 	}
 }
