@@ -96,8 +96,9 @@ func run() error {
 		ResolveEvery: *every,
 		// New connections, with the new SVID, each time it rotates: the
 		// brokers end a registration when the SVID it was made with expires.
-		Renew: identity.Rotations(ctx, src, idOpts.Reload),
-		Log:   log,
+		SVID:           src,
+		CheckSVIDEvery: idOpts.Reload,
+		Log:            log,
 		Agent: func(addr string) *agent.Agent {
 			return &agent.Agent{
 				Broker:      addr,
