@@ -146,8 +146,10 @@ func (r *agentRun) reconnect() {
 	backoff := newBackoff(250*time.Millisecond, 30*time.Second)
 	for {
 		registered, err := r.session()
+		// A session also ends when the run does, which is after the
+		// drain began.
 		select {
-		case <-r.draining: // which the end of the run comes after
+		case <-r.draining:
 			return
 		default:
 		}

@@ -48,9 +48,9 @@ type KubeOptions struct {
 }
 
 // Kube resolves Services of the physical cluster from shared informers on
-// namespaces, Services, EndpointSlices and Pods: a dial makes no API call, and the
-// agent keeps serving from its caches while the API server is away (the
-// informers reconnect with backoff by themselves).
+// namespaces, Services, EndpointSlices and Pods: a dial makes no API call,
+// and the agent keeps serving from its caches while the API server is away
+// (the informers reconnect with backoff by themselves).
 type Kube struct {
 	factory    informers.SharedInformerFactory
 	namespaces cache.SharedIndexInformer
@@ -66,7 +66,7 @@ type Kube struct {
 	changed      chan struct{}
 	mu           sync.Mutex
 	subscribers  []chan struct{} // see Subscribe
-	watching     bool            // set once the caches synced: the baseline is known
+	watching     bool            // set once the caches synced: changes count from then
 	lastClusters []string
 }
 
