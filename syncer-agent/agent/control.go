@@ -16,9 +16,9 @@ type controlStream struct {
 	mu     sync.Mutex
 	grace  time.Duration // sent with the drain
 	log    *slog.Logger
-	// drained makes the drain go out once, before the send direction
+	// drainSent makes the drain go out once, before the send direction
 	// closes, however the agent's stop and the announcer race.
-	drained sync.Once
+	drainSent sync.Once
 }
 
 func (r *agentRun) newControlStream(stream tunnelv1.AgentService_ConnectClient) *controlStream {
@@ -39,7 +39,7 @@ func (c *controlStream) fail(f *tunnelv1.DialFailure) {
 
 // drain asks the broker to route the agent no new dials.
 func (c *controlStream) drain() {
-	c.drained.Do(func() {
+	c.drainSent.Do(func() {
 		c.log.Info("draining", "grace", c.grace)
 		c.send(&tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_Drain{Drain: &tunnelv1.Drain{GraceMs: uint32(c.grace.Milliseconds())}}})
 	})

@@ -39,7 +39,7 @@ func (r *agentRun) session() (registered bool, err error) {
 		return false, err
 	}
 	cancelUnlessRegistered()
-	defer r.holdRegistration(confirmed.GetBrokerId())()
+	defer r.markRegistered(confirmed.GetBrokerId())()
 
 	control := r.newControlStream(stream)
 	go r.announce(ctx, control)
@@ -71,9 +71,9 @@ func (r *agentRun) register(stream tunnelv1.AgentService_ConnectClient) (*tunnel
 	return confirmed, nil
 }
 
-// holdRegistration marks the agent registered, and tells Registered; the
+// markRegistered marks the agent registered, and tells Registered; the
 // function it returns marks the registration's end.
-func (a *Agent) holdRegistration(brokerID string) (release func()) {
+func (a *Agent) markRegistered(brokerID string) (unmark func()) {
 	a.registered.Store(true)
 	registeredBrokers.Inc()
 	if a.Registered != nil {
