@@ -21,6 +21,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/server"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	"github.com/kcp-dev/tunnel-broker/internal/ops"
+	"github.com/kcp-dev/tunnel-broker/internal/version"
 )
 
 func main() {
@@ -58,8 +59,13 @@ func run() error {
 		jsonLogs   = flag.Bool("log-json", false, "log JSON lines instead of text")
 		verbose    = flag.Bool("v", false, "log every tunnel, not only failures")
 		idOpts     = identity.AddFlags(flag.CommandLine)
+		showVer    = flag.Bool("version", false, "print the version and exit")
 	)
 	flag.Parse()
+	if *showVer {
+		fmt.Println("broker", version.Get())
+		return nil
+	}
 
 	log := ops.NewLogger(*jsonLogs, *verbose)
 	if *policyFile == "" {
@@ -113,11 +119,12 @@ func run() error {
 		MaxConnectionAge:           *connAge,
 		Log:                        log,
 	})
-	metrics.Registry.MustRegister(metrics.AgentsCollector{PerCluster: srv.Registry.AgentsPerCluster})
+	metrics.Registry.MustRegister(metrics.AgentsCollector{PerCluster: srv.Registry.AgentsPerCluster},
+		version.Collector("kcp_tunnel_broker"))
 	if err := ops.Serve(ctx, ops.Options{Listen: *opsListen, Pprof: *pprof, Ready: srv.Ready, Metrics: metrics.Registry}, log); err != nil {
 		return err
 	}
-	log.Info("broker serving", "address", l.Addr().String(), "id", self.String(), "replica", *id)
+	log.Info("broker serving", "address", l.Addr().String(), "id", self.String(), "replica", *id, "version", version.Get().String())
 	return srv.Serve(ctx, l)
 }
 
