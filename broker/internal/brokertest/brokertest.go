@@ -11,6 +11,7 @@ package brokertest
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -25,6 +26,8 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/mem"
 	"google.golang.org/grpc/status"
+	"k8s.io/utils/clock"
+	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
@@ -266,4 +269,40 @@ func Eventually(t *testing.T, what string, cond func() bool) {
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
+}
+
+// Clock is a clock whose time moves only when a test steps it: k8s.io/utils'
+// fake clock, with its AfterFunc made to behave as time.AfterFunc does. The
+// fake runs the function inside Step, holding the clock's lock, where a
+// function that reads the clock or resets its timer would deadlock; Clock
+// runs it in a goroutine of its own. And the fake also sends the time on
+// the timer's channel, which nobody reads, so that the timer's next firing
+// after a Reset would block Step for ever; Clock's timers empty it first.
+type Clock struct{ *clocktesting.FakeClock }
+
+// NewClock is a Clock set to the present.
+func NewClock() Clock { return Clock{clocktesting.NewFakeClock(time.Now())} }
+
+// AfterFunc implements clock.WithDelayedExecution.
+func (c Clock) AfterFunc(d time.Duration, f func()) clock.Timer {
+	return funcTimer{c.FakeClock.AfterFunc(d, func() { go f() })}
+}
+
+// funcTimer is the timer of an AfterFunc.
+type funcTimer struct{ clock.Timer }
+
+func (t funcTimer) Reset(d time.Duration) bool {
+	select {
+	case <-t.C():
+	default:
+	}
+	return t.Timer.Reset(d)
+}
+
+// WaitForTimers waits until at least n timers, tickers and functions wait
+// on the clock, so that a Step reaches the one the test expects. (A ticker
+// waits on the fake clock even once stopped.)
+func (c Clock) WaitForTimers(t *testing.T, n int) {
+	t.Helper()
+	Eventually(t, fmt.Sprintf("%d timers to wait on the clock", n), func() bool { return c.Waiters() >= n })
 }

@@ -39,6 +39,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/grpc/tap"
+	"k8s.io/utils/clock"
 
 	"github.com/kcp-dev/tunnel-broker/broker/internal/abortable"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/quota"
@@ -65,6 +66,8 @@ type Guard struct {
 	// First names the first message of methods by full name, for the status
 	// of a stream that does not send it in time ("target" for Dial).
 	First map[string]string
+	// Clock times the patience and the timeout; nil: the real clock.
+	Clock clock.WithDelayedExecution
 	Log   *slog.Logger
 
 	unary atomic.Pointer[map[string]bool]
@@ -93,6 +96,13 @@ func (g *Guard) Methods(srv *grpc.Server) {
 		}
 	}
 	g.unary.Store(&unary)
+}
+
+func (g *Guard) clock() clock.WithDelayedExecution {
+	if g.Clock == nil {
+		return clock.RealClock{}
+	}
+	return g.Clock
 }
 
 func (g *Guard) isUnary(method string) bool {
@@ -145,7 +155,7 @@ func (g *Guard) stream(srv any, ss grpc.ServerStream, info *grpc.StreamServerInf
 		patience = DefaultPatience
 	}
 	w.mu.Lock()
-	w.timer = time.AfterFunc(min(patience, g.Timeout), w.count)
+	w.timer = g.clock().AfterFunc(min(patience, g.Timeout), w.count)
 	w.mu.Unlock()
 	defer w.done()
 	return handler(srv, w)
@@ -186,7 +196,7 @@ type firstMessage struct {
 	state atomic.Int32 // read without mu once the first message arrived
 
 	mu      sync.Mutex
-	timer   *time.Timer
+	timer   clock.Timer
 	release func() // set while the stream counts against the quota
 	status  error  // what the guard ended the stream with
 }
@@ -233,7 +243,7 @@ func (w *firstMessage) count() {
 	if patience <= 0 {
 		patience = DefaultPatience
 	}
-	w.timer = time.AfterFunc(max(g.Timeout-patience, 0), w.expire)
+	w.timer = g.clock().AfterFunc(max(g.Timeout-patience, 0), w.expire)
 }
 
 // expire ends a stream whose first message did not come within the timeout.

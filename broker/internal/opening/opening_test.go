@@ -43,8 +43,7 @@ func startBroker(t *testing.T, g *Guard) *brokertest.Server {
 	t.Helper()
 	g.Log = slog.New(slog.DiscardHandler)
 	if g.Patience == 0 {
-		// Count silent streams at once, so that the tests need not wait.
-		g.Patience = time.Millisecond
+		g.Patience = time.Second
 	}
 	g.First = map[string]string{
 		tunnelv1.DialService_Dial_FullMethodName:     "target",
@@ -89,24 +88,41 @@ func end(s grpc.ClientStream) error {
 
 var eventually = brokertest.Eventually
 
+// timedStream opens a silent stream of method as path, and waits until its
+// timer is set on clk, the timers of the streams before it included: once
+// the clock has timers.
+func timedStream(t *testing.T, b *brokertest.Server, clk brokertest.Clock, timers int, path, method string) grpc.ClientStream {
+	t.Helper()
+	s := silentStream(t, b, path, method)
+	clk.WaitForTimers(t, timers)
+	return s
+}
+
 func TestAStreamThatSendsNoFirstMessageEndsWithDeadlineExceeded(t *testing.T) {
-	g := &Guard{Timeout: 200 * time.Millisecond}
+	clk := brokertest.NewClock()
+	g := &Guard{Timeout: 5 * time.Second, Clock: clk}
 	b := startBroker(t, g)
 	for _, tc := range []struct {
 		path, method, what string
 	}{
-		{kcpPath, tunnelv1.DialService_Dial_FullMethodName, "no target within 200ms"},
-		{agentPath, tunnelv1.AgentService_Tunnel_FullMethodName, "no open within 200ms"},
-		{agentPath, tunnelv1.AgentService_Connect_FullMethodName, "no register within 200ms"},
+		{kcpPath, tunnelv1.DialService_Dial_FullMethodName, "no target within 5s"},
+		{agentPath, tunnelv1.AgentService_Tunnel_FullMethodName, "no open within 5s"},
+		{agentPath, tunnelv1.AgentService_Connect_FullMethodName, "no register within 5s"},
 	} {
-		err := end(silentStream(t, b, tc.path, tc.method))
-		brokertest.CheckStatus(t, tc.method, err, codes.DeadlineExceeded, tc.what)
+		s := timedStream(t, b, clk, 1, tc.path, tc.method)
+		// After its patience the stream counts; at the timeout it ends.
+		clk.Step(g.Patience)
+		eventually(t, "the stream to be counted", func() bool { return g.Quota.TotalHeld() == 1 })
+		clk.WaitForTimers(t, 1)
+		clk.Step(g.Timeout - g.Patience)
+		brokertest.CheckStatus(t, tc.method, end(s), codes.DeadlineExceeded, tc.what)
+		eventually(t, "nothing to be counted", func() bool { return g.Quota.TotalHeld() == 0 })
 	}
-	eventually(t, "nothing to be counted", func() bool { return g.Quota.TotalHeld() == 0 })
 }
 
 func TestAStreamThatSentItsFirstMessageIsNotEndedByTheDeadline(t *testing.T) {
-	g := &Guard{Timeout: 100 * time.Millisecond}
+	clk := brokertest.NewClock()
+	g := &Guard{Timeout: 5 * time.Second, Clock: clk}
 	b := startBroker(t, g)
 	ctx, _ := brokertest.StreamContext(t)
 	control, err := tunnelv1.NewAgentServiceClient(b.Conn(t, agentPath)).Connect(ctx)
@@ -120,50 +136,61 @@ func TestAStreamThatSentItsFirstMessageIsNotEndedByTheDeadline(t *testing.T) {
 	if msg, err := control.Recv(); err != nil || msg.GetRegistered() == nil {
 		t.Fatalf("registering: %v %v", msg, err)
 	}
-	eventually(t, "the registration to stop counting", func() bool { return g.Quota.TotalHeld() == 0 })
-	// Well past the deadline, the registration is still in force: a dial
-	// of root reaches the agent.
-	time.Sleep(300 * time.Millisecond)
-	stream, _ := b.StartDial(t, kcpPath, brokertest.Target("root"))
+	// The registration stopped its timer.
+	if n := clk.Waiters(); n != 0 {
+		t.Errorf("%d timers wait on the clock after the first message, want none", n)
+	}
+	clk.Step(2 * g.Timeout)
+	// Past the deadline, the registration is still in force: a dial of
+	// root reaches the agent.
+	b.StartDial(t, kcpPath, brokertest.Target("root"))
 	if msg, err := control.Recv(); err != nil || msg.GetDialOrder() == nil {
 		t.Fatalf("after the deadline the agent got %v %v, want a dial order", msg, err)
 	}
-	_ = stream
 }
 
 func TestStreamsWaitingForTheirFirstMessageAreLimitedPerPeer(t *testing.T) {
-	g := &Guard{Timeout: brokertest.WaitLong, Quota: quota.Quota{PerID: 2}}
+	clk := brokertest.NewClock()
+	g := &Guard{Timeout: brokertest.WaitLong, Quota: quota.Quota{PerID: 2}, Clock: clk}
 	b := startBroker(t, g)
-	for range 2 {
-		silentStream(t, b, kcpPath, tunnelv1.DialService_Dial_FullMethodName)
-	}
+	dial := tunnelv1.DialService_Dial_FullMethodName
+	timedStream(t, b, clk, 1, kcpPath, dial)
+	timedStream(t, b, clk, 2, kcpPath, dial)
+	clk.Step(g.Patience)
 	eventually(t, "two streams to be counted", func() bool { return g.Quota.Held(brokertest.ID(kcpPath)) == 2 })
-	err := end(silentStream(t, b, kcpPath, tunnelv1.DialService_Dial_FullMethodName))
-	brokertest.CheckStatus(t, "a third stream", err, codes.ResourceExhausted, "2 streams open that have not sent their first message")
+	third := timedStream(t, b, clk, 3, kcpPath, dial)
+	clk.Step(g.Patience)
+	brokertest.CheckStatus(t, "a third stream", end(third), codes.ResourceExhausted, "2 streams open that have not sent their first message")
 	// Another peer is not held back by this one.
-	other := silentStream(t, b, shardPath, tunnelv1.DialService_Dial_FullMethodName)
+	timedStream(t, b, clk, 3, shardPath, dial)
+	clk.Step(g.Patience)
 	eventually(t, "the other peer's stream to be counted", func() bool { return g.Quota.Held(brokertest.ID(shardPath)) == 1 })
-	_ = other
 }
 
 func TestStreamsWaitingForTheirFirstMessageAreLimitedInTotal(t *testing.T) {
-	g := &Guard{Timeout: brokertest.WaitLong, Quota: quota.Quota{Total: 2}}
+	clk := brokertest.NewClock()
+	g := &Guard{Timeout: brokertest.WaitLong, Quota: quota.Quota{Total: 2}, Clock: clk}
 	b := startBroker(t, g)
-	silentStream(t, b, kcpPath, tunnelv1.DialService_Dial_FullMethodName)
-	silentStream(t, b, agentPath, tunnelv1.AgentService_Tunnel_FullMethodName)
+	timedStream(t, b, clk, 1, kcpPath, tunnelv1.DialService_Dial_FullMethodName)
+	timedStream(t, b, clk, 2, agentPath, tunnelv1.AgentService_Tunnel_FullMethodName)
+	clk.Step(g.Patience)
 	eventually(t, "two streams to be counted", func() bool { return g.Quota.TotalHeld() == 2 })
-	err := end(silentStream(t, b, shardPath, tunnelv1.DialService_Dial_FullMethodName))
-	brokertest.CheckStatus(t, "a third stream", err, codes.ResourceExhausted, "the broker has 2 streams open that have not sent their first message")
+	third := timedStream(t, b, clk, 3, shardPath, tunnelv1.DialService_Dial_FullMethodName)
+	clk.Step(g.Patience)
+	brokertest.CheckStatus(t, "a third stream", end(third), codes.ResourceExhausted, "the broker has 2 streams open that have not sent their first message")
 }
 
 func TestAStreamEndedByItsPeerStopsCounting(t *testing.T) {
-	g := &Guard{Timeout: brokertest.WaitLong, Quota: quota.Quota{PerID: 1}}
+	clk := brokertest.NewClock()
+	g := &Guard{Timeout: brokertest.WaitLong, Quota: quota.Quota{PerID: 1}, Clock: clk}
 	b := startBroker(t, g)
 	ctx, cancel := context.WithCancel(t.Context())
 	desc := &grpc.StreamDesc{ClientStreams: true, ServerStreams: true}
 	if _, err := b.Conn(t, kcpPath).NewStream(ctx, desc, tunnelv1.DialService_Dial_FullMethodName); err != nil {
 		t.Fatal(err)
 	}
+	clk.WaitForTimers(t, 1)
+	clk.Step(g.Patience)
 	eventually(t, "the stream to be counted", func() bool { return g.Quota.Held(brokertest.ID(kcpPath)) == 1 })
 	cancel()
 	eventually(t, "the cancelled stream to stop counting", func() bool { return g.Quota.Held(brokertest.ID(kcpPath)) == 0 })

@@ -54,6 +54,9 @@ type config struct {
 	registerTimeout  time.Duration
 	maxRegistrations int64
 	maxClusters      int
+	// clock times probes, the first registration and SVIDs' expiry;
+	// default: the real clock.
+	clock *brokertest.Clock
 }
 
 const brokerID = "test-broker"
@@ -84,6 +87,9 @@ func startBroker(t *testing.T, cfg config) *broker {
 			ProbeEvery: cfg.probeEvery, Timeout: cfg.registerTimeout,
 			Registrations: quota.Quota{PerID: cfg.maxRegistrations}, MaxClusters: cfg.maxClusters,
 			Log: s.Log,
+		}
+		if cfg.clock != nil {
+			b.agents.Clock = cfg.clock
 		}
 		b.agents.Register(srv)
 		(&dialv1.Service{

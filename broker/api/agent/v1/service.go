@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/timestamppb"
+	"k8s.io/utils/clock"
 
 	"github.com/kcp-dev/tunnel-broker/broker/internal/abortable"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/quota"
@@ -66,7 +67,10 @@ type Service struct {
 	Registrations quota.Quota
 	// MaxClusters bounds the clusters of one registration; 0: no limit.
 	MaxClusters int
-	Log         *slog.Logger
+	// Clock times the probes, the first registration and the end of each
+	// registration at its SVID's expiry; nil: the real clock.
+	Clock clock.WithTickerAndDelayedExecution
+	Log   *slog.Logger
 }
 
 // Register adds the service to s.
@@ -75,7 +79,7 @@ func (s *Service) Register(srv *grpc.Server) { tunnelv1.RegisterAgentServiceServ
 // Connect implements AgentService.Connect: registration, then dial orders out
 // and dial failures in, until either side ends the stream.
 func (s *Service) Connect(stream tunnelv1.AgentService_ConnectServer) error {
-	start := time.Now()
+	start := s.clock().Now()
 	ctx := stream.Context()
 	id, ok := identity.PeerID(ctx)
 	if !ok {
@@ -131,12 +135,12 @@ func (s *Service) Connect(stream tunnelv1.AgentService_ConnectServer) error {
 	// goes unanswered or the stream ends.
 	series.Reachable(true)
 
-	probes := newProber(a, series)
+	probes := newProber(a, series, s.clock())
 	every := s.ProbeEvery
 	if every <= 0 {
 		every = DefaultProbeEvery
 	}
-	tick := time.NewTicker(every)
+	tick := s.clock().NewTicker(every)
 	defer tick.Stop()
 	recvErr := make(chan error, 1)
 	go func() { recvErr <- s.receive(stream, a, probes, log) }()
@@ -144,14 +148,14 @@ func (s *Service) Connect(stream tunnelv1.AgentService_ConnectServer) error {
 	// A registration lasts as long as the SVID it was made with: the agent
 	// must come back with a current one (on a new connection).
 	svid, _ := identity.Peer(ctx)
-	expiry := time.NewTimer(time.Until(svid.Expires))
+	expiry := s.clock().NewTimer(svid.Expires.Sub(s.clock().Now()))
 	defer expiry.Stop()
 	for {
 		select {
-		case <-expiry.C:
+		case <-expiry.C():
 			log.Warn("agent SVID expired, registration ended", "expired", svid.Expires)
 			return identity.ExpiredError(svid)
-		case <-tick.C:
+		case <-tick.C():
 			if err := stream.Send(probes.next()); err != nil {
 				return err
 			}
@@ -195,7 +199,7 @@ func (s *Service) firstClusters(stream tunnelv1.AgentService_ConnectServer, id s
 		timeout = defaultTimeout
 	}
 	late := status.Errorf(codes.DeadlineExceeded, "the registration's clusters did not all arrive within %v: its last register must not set more", timeout)
-	timer := time.AfterFunc(time.Until(start.Add(timeout)), func() {
+	timer := s.clock().AfterFunc(start.Add(timeout).Sub(s.clock().Now()), func() {
 		metrics.LimitsHit.WithLabelValues("first_message_timeout").Inc()
 		abortable.End(stream.Context(), late)
 	})
@@ -354,6 +358,13 @@ func (s *Service) Tunnel(stream tunnelv1.AgentService_TunnelServer) error {
 		return err
 	}
 	return t.Wait(stream.Context())
+}
+
+func (s *Service) clock() clock.WithTickerAndDelayedExecution {
+	if s.Clock == nil {
+		return clock.RealClock{}
+	}
+	return s.Clock
 }
 
 func sessionID() string {

@@ -46,6 +46,8 @@ type config struct {
 	timeout             time.Duration
 	idleTimeout         time.Duration
 	maxTunnelsPerCaller int64
+	// clock times the idle limit; default: the real clock.
+	clock *brokertest.Clock
 }
 
 // broker is one broker under test, serving the DialService under test and the
@@ -66,6 +68,9 @@ func startBroker(t *testing.T, cfg config) *broker {
 			Registry: s.Registry, Policy: s.Policy, Timeout: cfg.timeout,
 			IdleTimeout: cfg.idleTimeout, MaxTunnelsPerCaller: cfg.maxTunnelsPerCaller,
 			Draining: s.Draining, Stopping: s.Stopping, Log: s.Log,
+		}
+		if cfg.clock != nil {
+			b.dial.Clock = cfg.clock
 		}
 		b.dial.Register(srv)
 		(&agentv1.Service{

@@ -15,6 +15,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"k8s.io/utils/clock"
 
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
@@ -43,7 +44,9 @@ type Service struct {
 	// when its grace period for tunnels in flight is over.
 	Draining <-chan struct{}
 	Stopping context.Context
-	Log      *slog.Logger
+	// Clock times the idle limit; nil: the real clock.
+	Clock clock.WithDelayedExecution
+	Log   *slog.Logger
 
 	active    atomic.Int64
 	perCaller sync.Map // spiffeid.ID -> *atomic.Int64
@@ -120,7 +123,11 @@ func (s *Service) Dial(stream tunnelv1.DialService_DialServer) error {
 		s.active.Add(-1)
 		metrics.Tunnels.Dec()
 	})
-	sp := &splice{caller: stream, agent: t.Stream, idle: s.IdleTimeout, ended: uncount}
+	clk := s.Clock
+	if clk == nil {
+		clk = clock.RealClock{}
+	}
+	sp := &splice{caller: stream, agent: t.Stream, idle: s.IdleTimeout, clock: clk, ended: uncount}
 	callerStatus, agentStatus := sp.run(t.Start, s.Stopping)
 	uncount()
 	t.Finish(agentStatus)

@@ -11,6 +11,7 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"k8s.io/utils/clock"
 
 	"github.com/kcp-dev/tunnel-broker/broker/internal/abortable"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
@@ -48,14 +49,15 @@ type splice struct {
 	caller   tunnelv1.DialService_DialServer
 	agent    tunnelv1.AgentService_TunnelServer
 	idle     time.Duration // 0: never
-	ended    func()        // if set, called once the end is known, before either peer hears it
+	clock    clock.WithDelayedExecution
+	ended    func() // if set, called once the end is known, before either peer hears it
 	active   activity
 	downDone chan struct{}
 
 	mu        sync.Mutex
 	settled   bool     // the end is known; later failures change nothing
 	end       *failure // the first failure; nil for a clean end
-	idleTimer *time.Timer
+	idleTimer clock.Timer
 }
 
 // run splices from the Dial handler until both copies are done; start hands
@@ -67,6 +69,7 @@ func (sp *splice) run(start func(down func()) bool, stopping context.Context) (c
 		return err, err
 	}
 	sp.downDone = make(chan struct{})
+	sp.active.clock = sp.clock
 	sp.active.touch()
 	unwatch := sp.watch(stopping)
 	if !start(sp.down) {
@@ -133,7 +136,7 @@ func (sp *splice) watch(stopping context.Context) (unwatch func()) {
 	})
 	if sp.idle > 0 {
 		sp.mu.Lock()
-		sp.idleTimer = time.AfterFunc(sp.idle, sp.checkIdle)
+		sp.idleTimer = sp.clock.AfterFunc(sp.idle, sp.checkIdle)
 		sp.mu.Unlock()
 	}
 	return func() {
@@ -185,10 +188,15 @@ func (f *failure) statuses() (callerStatus, agentStatus error) {
 }
 
 // activity is when a tunnel last carried a frame.
-type activity struct{ last atomic.Int64 }
+type activity struct {
+	clock clock.PassiveClock
+	last  atomic.Int64
+}
 
-func (a *activity) touch()               { a.last.Store(time.Now().UnixNano()) }
-func (a *activity) since() time.Duration { return time.Duration(time.Now().UnixNano() - a.last.Load()) }
+func (a *activity) touch() { a.last.Store(a.clock.Now().UnixNano()) }
+func (a *activity) since() time.Duration {
+	return time.Duration(a.clock.Now().UnixNano() - a.last.Load())
+}
 
 // copyUp forwards the caller's bytes to the agent, then its half-close. Data
 // frames pass through in their wire encoding (tunnelv1.Frame).

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
+	"k8s.io/utils/clock"
 
 	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
@@ -129,14 +130,34 @@ func TestCallerBreakingTheProtocolAfterTheTarget(t *testing.T) {
 }
 
 func TestIdleTunnelEndsWithDeadlineExceededOnBothLegs(t *testing.T) {
-	b := startBroker(t, config{idleTimeout: 200 * time.Millisecond})
+	const idle = 10 * time.Minute
+	clk := brokertest.NewClock()
+	b := startBroker(t, config{idleTimeout: idle, clock: &clk})
 	a := b.connectAgent(t, "a", "root")
 	tn := a.establish(t, brokertest.Target("root"))
 	tn.up("x")
 	tn.down("y")
 	// Then nothing: the broker ends it.
-	brokertest.CheckStatus(t, "caller", tn.callerEnd(), codes.DeadlineExceeded, "tunnel carried nothing for 200ms")
-	brokertest.CheckStatus(t, "agent", tn.agentEnd(), codes.DeadlineExceeded, "tunnel carried nothing for 200ms")
+	clk.Step(idle)
+	brokertest.CheckStatus(t, "caller", tn.callerEnd(), codes.DeadlineExceeded, "tunnel carried nothing for 10m0s")
+	brokertest.CheckStatus(t, "agent", tn.agentEnd(), codes.DeadlineExceeded, "tunnel carried nothing for 10m0s")
+}
+
+func TestATunnelThatCarriesDataIsNotIdle(t *testing.T) {
+	const idle = 10 * time.Minute
+	clk := brokertest.NewClock()
+	b := startBroker(t, config{idleTimeout: idle, clock: &clk})
+	a := b.connectAgent(t, "a", "root")
+	tn := a.establish(t, brokertest.Target("root"))
+	clk.Step(idle / 2)
+	tn.up("halfway")
+	// The idle timer fires, finds the tunnel quiet for half the limit, and
+	// waits for the other half.
+	clk.Step(idle / 2)
+	clk.WaitForTimers(t, 1)
+	tn.down("still open")
+	clk.Step(idle)
+	brokertest.CheckStatus(t, "caller", tn.callerEnd(), codes.DeadlineExceeded, "tunnel carried nothing for 10m0s")
 }
 
 func TestStoppingEndsTunnelsWithUnavailable(t *testing.T) {
@@ -225,7 +246,7 @@ func startSplice(t *testing.T, caller *leg, agent *leg) <-chan statuses {
 	t.Cleanup(stop)
 	done := make(chan statuses, 1)
 	go func() {
-		sp := &splice{caller: caller, agent: agentLeg{agent}}
+		sp := &splice{caller: caller, agent: agentLeg{agent}, clock: clock.RealClock{}}
 		c, a := sp.run(func(down func()) bool { go down(); return true }, stopping)
 		done <- statuses{c, a}
 	}()
