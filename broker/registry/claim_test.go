@@ -19,27 +19,60 @@ func TestClaimHandsTheTunnelToTheDial(t *testing.T) {
 	d := startDial(t, r, tgt)
 	o := nextOrder(t, a)
 
-	stream := newFakeTunnelStream()
-	claimed, err := r.Claim(o.GetDialId(), a.ID, stream)
+	c, err := r.Claim(o.GetDialId(), a.ID)
 	if err != nil {
 		t.Fatalf("claim: %v", err)
 	}
-	out := d.wait()
-	if out.err != nil {
-		t.Fatalf("dial: %v", out.err)
+	tun := newFakeTunnel()
+	c.HandOver(tun)
+	got := d.connected()
+	if got != c || got.Tunnel() != tun {
+		t.Fatal("the dial got another claim or tunnel than the claim handed over")
 	}
-	if out.tunnel != claimed {
-		t.Fatal("the dial got another tunnel than the claim made")
+	if got.Agent != a || got.Target != tgt {
+		t.Errorf("claim of agent %s, target %v; want agent %s, target %v", got.Agent, got.Target, a, tgt)
 	}
-	tun := out.tunnel
-	if tun.Stream != stream || tun.Agent != a || tun.Target != tgt {
-		t.Errorf("tunnel has stream %p, agent %s, target %v; want the claiming stream %p, agent %s, target %v",
-			tun.Stream, tun.Agent, tun.Target, stream, a, tgt)
+	if want := fmt.Sprintf("%016x", o.GetDialId()); got.TunnelID != want {
+		t.Errorf("tunnel ID %q, want the dial id in hex, %q", got.TunnelID, want)
 	}
-	if want := fmt.Sprintf("%016x", o.GetDialId()); tun.ID != want {
-		t.Errorf("tunnel ID %q, want the dial id in hex, %q", tun.ID, want)
+	got.Release()
+}
+
+func TestAClaimedTunnelCountsAgainstItsAgentUntilReleasedOnce(t *testing.T) {
+	r := New()
+	a := registerAgent(t, r, "a", "root")
+	b := registerAgent(t, r, "b", "other")
+	first := claimedTunnel(t, r, "root", a)
+	claimedTunnel(t, r, "root", a)
+	if n, m := a.Tunnels(), b.Tunnels(); n != 2 || m != 0 {
+		t.Fatalf("agents carry %d and %d tunnels, want 2 and 0", n, m)
 	}
-	tun.Finish(nil)
+	first.Release()
+	first.Release()
+	if n := a.Tunnels(); n != 1 {
+		t.Errorf("agent carries %d tunnels after one of two was released twice, want 1", n)
+	}
+}
+
+func TestTunnelsOutliveTheirAgentsRegistration(t *testing.T) {
+	// An established tunnel has streams of its own: the agent's Connect
+	// ending does not end it.
+	r := New()
+	a := registerAgent(t, r, "a", "root")
+	d, o := orderedDial(t, r, "root", a)
+	tun := claim(t, "claim", r, o.GetDialId(), a.ID)
+	c := d.connected()
+
+	r.Unregister(a)
+	select {
+	case err := <-tun.ended:
+		t.Errorf("the tunnel ended with %v when its agent unregistered", err)
+	default:
+	}
+	if n := a.Tunnels(); n != 1 {
+		t.Errorf("agent carries %d tunnels, want 1", n)
+	}
+	c.Release()
 }
 
 func TestClaimByAnotherAgentIsRefused(t *testing.T) {
@@ -94,7 +127,7 @@ func TestSecondClaimOfADialIsRefused(t *testing.T) {
 	if n := a.Tunnels(); n != 1 {
 		t.Errorf("agent carries %d tunnels after two claims of one dial, want 1", n)
 	}
-	d.wait().tunnel.Finish(nil)
+	d.connected().Release()
 }
 
 func TestDialIDsAreNotReused(t *testing.T) {
@@ -158,7 +191,7 @@ func TestFailureEndsTheDialWithTheAgentsCode(t *testing.T) {
 			r.Fail(a, &tunnelv1.DialFailure{DialId: o.GetDialId(), Code: int32(tc.reported), Message: "connection refused"})
 			out := d.wait()
 			checkStatus(t, "dial", out.err, tc.want, "agent sync-target-1: connection refused"+inTunnel(o.GetDialId()))
-			if out.tunnel != nil {
+			if out.claim != nil {
 				t.Error("a failed dial returned a tunnel")
 			}
 		})
@@ -189,8 +222,8 @@ func TestFailureAfterClaimIsIgnored(t *testing.T) {
 
 	r.Fail(a, &tunnelv1.DialFailure{DialId: o.GetDialId(), Code: int32(codes.Unavailable), Message: "reset"})
 	out := d.wait()
-	if out.err != nil || out.tunnel == nil {
-		t.Fatalf("dial: %v, tunnel %v; want the claimed tunnel", out.err, out.tunnel)
+	if out.err != nil || out.claim == nil {
+		t.Fatalf("dial: %v, claim %v; want the claim", out.err, out.claim)
 	}
 }
 

@@ -20,7 +20,7 @@ func TestPendingDialsPerClusterAreBounded(t *testing.T) {
 		orderedDial(t, r, "root", a)
 	}
 
-	_, err := r.Dial(t.Context(), target("root"), 1000)
+	_, err := r.Dial(t.Context(), target("root"))
 	checkStatus(t, "dial past the limit", err, codes.ResourceExhausted, `every agent of logical cluster "root" has 2 of its dials pending`)
 	checkLimit(t, err, LimitPendingPerCluster)
 	noOrder(t, a)
@@ -35,7 +35,7 @@ func TestOneClustersPendingDialsDoNotCountAgainstAnothers(t *testing.T) {
 	for range 2 {
 		orderedDial(t, r, "hanging", a)
 	}
-	_, err := r.Dial(t.Context(), target("hanging"), 1000)
+	_, err := r.Dial(t.Context(), target("hanging"))
 	checkLimit(t, err, LimitPendingPerCluster)
 
 	for range 2 {
@@ -52,7 +52,7 @@ func TestOtherClustersPendingDialsDoNotCountAgainstTheTunnelLimit(t *testing.T) 
 	for range 2 {
 		orderedDial(t, r, "hanging", a)
 	}
-	_, err := r.Dial(t.Context(), target("hanging"), 1000)
+	_, err := r.Dial(t.Context(), target("hanging"))
 	checkLimit(t, err, LimitTunnelsPerAgent)
 
 	claimedTunnel(t, r, "healthy", a)
@@ -88,13 +88,13 @@ func TestTunnelsPerAgentAreBounded(t *testing.T) {
 	a := registerAgent(t, r, "a", "root")
 	tun := claimedTunnel(t, r, "root", a)
 
-	_, err := r.Dial(t.Context(), target("root"), 1000)
+	_, err := r.Dial(t.Context(), target("root"))
 	checkStatus(t, "dial past the limit", err, codes.ResourceExhausted, `every agent of logical cluster "root" carries 1 tunnels`)
 	checkLimit(t, err, LimitTunnelsPerAgent)
 	noOrder(t, a)
 
-	// A finished tunnel frees its place.
-	tun.Finish(nil)
+	// A tunnel that ended frees its place.
+	tun.Release()
 	startDial(t, r, target("root"))
 	nextOrder(t, a)
 }
@@ -110,7 +110,7 @@ func TestDialsInFlightCountAgainstTheTunnelLimit(t *testing.T) {
 	// Bounded: a dial wrongly let through would wait for the agent.
 	ctx, cancel := context.WithTimeout(t.Context(), waitLong)
 	defer cancel()
-	_, err := r.Dial(ctx, target("root"), 1000)
+	_, err := r.Dial(ctx, target("root"))
 	checkStatus(t, "dial past the limit", err, codes.ResourceExhausted, `every agent of logical cluster "root" carries 1 tunnels`)
 	noOrder(t, a)
 }

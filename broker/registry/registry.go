@@ -1,18 +1,14 @@
 package registry
 
 import (
-	"context"
 	"crypto/rand"
 	"encoding/binary"
 	"maps"
 	"slices"
 	"sync"
 
-	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
-
-	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
 // Registry routes dials to agents. It holds no state shared across broker
@@ -24,7 +20,7 @@ type Registry struct {
 	agents    map[*Agent]struct{} // every registered agent, even one serving no cluster
 	byCluster map[string][]*Agent
 	next      map[string]int // round-robin cursor per cluster
-	pending   map[uint64]*Pending
+	pending   map[uint64]*pending
 	lastID    uint64
 }
 
@@ -74,7 +70,7 @@ func New() *Registry {
 		agents:    map[*Agent]struct{}{},
 		byCluster: map[string][]*Agent{},
 		next:      map[string]int{},
-		pending:   map[uint64]*Pending{},
+		pending:   map[uint64]*pending{},
 		// Dial IDs start at a random point so that IDs from an earlier
 		// incarnation of this replica are unlikely to match a new dial.
 		lastID: binary.BigEndian.Uint64(seed[:]) >> 1,
@@ -211,132 +207,4 @@ func (r *Registry) limitHit(a *Agent, cluster string) string {
 		return LimitTunnelsPerAgent
 	}
 	return ""
-}
-
-// unpend ends a dial's place among a's pending dials for cluster.
-func (r *Registry) unpend(a *Agent, cluster string) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if a.pending[cluster]--; a.pending[cluster] <= 0 {
-		delete(a.pending, cluster)
-	}
-}
-
-// Dial orders an agent that serves target's cluster to connect, and waits
-// until the agent opens the tunnel, reports a failure, goes away, or ctx ends.
-// The returned tunnel must be finished with Tunnel.Finish.
-func (r *Registry) Dial(ctx context.Context, target *tunnelv1.Target, timeoutMS uint32) (*Tunnel, error) {
-	r.mu.Lock()
-	a, err := r.pick(target.GetCluster())
-	if err != nil {
-		r.mu.Unlock()
-		return nil, err
-	}
-	r.lastID++
-	p := &Pending{ID: r.lastID, Agent: a, Target: target, result: make(chan result, 1)}
-	r.pending[p.ID] = p
-	a.pending[target.GetCluster()]++
-	r.mu.Unlock()
-	defer r.unpend(a, target.GetCluster())
-
-	order := &tunnelv1.DialOrder{DialId: p.ID, Target: target, TimeoutMs: timeoutMS}
-	select {
-	case a.orders <- order:
-	case <-a.gone:
-		if r.forget(p) {
-			return nil, agentGone(p)
-		}
-		return r.abandon(p, agentGone(p))
-	case <-ctx.Done():
-		if r.forget(p) {
-			return nil, contextStatus(ctx, p)
-		}
-		return r.abandon(p, contextStatus(ctx, p))
-	}
-
-	select {
-	case res := <-p.result:
-		return res.tunnel, res.err
-	case <-a.gone:
-		if r.forget(p) {
-			return nil, agentGone(p)
-		}
-		return r.abandon(p, agentGone(p))
-	case <-ctx.Done():
-		if r.forget(p) {
-			return nil, contextStatus(ctx, p)
-		}
-		return r.abandon(p, contextStatus(ctx, p))
-	}
-}
-
-// forget drops a pending dial; false if it was already claimed, in which case
-// its result is on the way.
-func (r *Registry) forget(p *Pending) bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if _, ok := r.pending[p.ID]; !ok {
-		return false
-	}
-	delete(r.pending, p.ID)
-	return true
-}
-
-// abandon takes the result of a claimed dial that nobody will use, and ends
-// its tunnel, if any, so the agent's stream does not hang.
-func (r *Registry) abandon(p *Pending, err error) (*Tunnel, error) {
-	res := <-p.result
-	if res.tunnel != nil {
-		res.tunnel.Finish(err)
-	}
-	return nil, err
-}
-
-// Claim binds an agent's Tunnel stream to the pending dial it names. Only the
-// agent the order went to (by SPIFFE ID) may claim it.
-func (r *Registry) Claim(dialID uint64, agentID spiffeid.ID, stream tunnelv1.AgentService_TunnelServer) (*Tunnel, error) {
-	r.mu.Lock()
-	p, ok := r.pending[dialID]
-	if ok && p.Agent.ID != agentID {
-		ok = false
-	}
-	if ok {
-		delete(r.pending, dialID)
-	}
-	r.mu.Unlock()
-	if !ok {
-		return nil, status.Errorf(codes.NotFound, "no pending dial %d for %s (it timed out or was cancelled)", dialID, agentID)
-	}
-	t := newTunnel(p, stream)
-	p.result <- result{tunnel: t}
-	return t, nil
-}
-
-// Fail answers a pending dial with the agent's failure.
-func (r *Registry) Fail(a *Agent, f *tunnelv1.DialFailure) {
-	r.mu.Lock()
-	p, ok := r.pending[f.GetDialId()]
-	if ok && p.Agent != a {
-		ok = false
-	}
-	if ok {
-		delete(r.pending, p.ID)
-	}
-	r.mu.Unlock()
-	if ok {
-		p.result <- result{err: agentFailure(p, f)}
-	}
-}
-
-// Pending is a dial waiting for its agent.
-type Pending struct {
-	ID     uint64
-	Agent  *Agent
-	Target *tunnelv1.Target
-	result chan result // buffered: the sender never blocks
-}
-
-type result struct {
-	tunnel *Tunnel
-	err    error
 }

@@ -258,6 +258,20 @@ func (s *Server) RawStatus(t *testing.T, path, method string, payload []byte) er
 // and 1 follows.
 var NotProtobuf = []byte{0x0a, 0x05, 'x'}
 
+// Wait is what c gives, and fails the test if it gives nothing within
+// WaitLong.
+func Wait[T any](t *testing.T, what string, c <-chan T) T {
+	t.Helper()
+	select {
+	case v := <-c:
+		return v
+	case <-time.After(WaitLong):
+		t.Fatalf("timed out after %v waiting for %s", WaitLong, what)
+		var zero T
+		return zero
+	}
+}
+
 // Eventually polls cond until it holds, and fails the test if it does not
 // within WaitLong.
 func Eventually(t *testing.T, what string, cond func() bool) {

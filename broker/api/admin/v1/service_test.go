@@ -64,18 +64,24 @@ func sessions(resp *tunnelv1.ListAgentsResponse) []string {
 	return out
 }
 
+// noTunnel stands in for the tunnel an agent's Tunnel RPC hands over.
+type noTunnel struct{}
+
+func (noTunnel) End(error) {}
+
 // openTunnel opens a tunnel through a for cluster, as a caller's dial and
-// the agent's Tunnel RPC do, and returns it for the test to finish.
-func openTunnel(t *testing.T, r *registry.Registry, a *registry.Agent, cluster string) *registry.Tunnel {
+// the agent's Tunnel RPC do, and returns the dial's claim for the test to
+// release.
+func openTunnel(t *testing.T, r *registry.Registry, a *registry.Agent, cluster string) *registry.Claim {
 	t.Helper()
 	type outcome struct {
-		tun *registry.Tunnel
-		err error
+		claim *registry.Claim
+		err   error
 	}
 	done := make(chan outcome, 1)
 	go func() {
-		tun, err := r.Dial(context.Background(), &tunnelv1.Target{Cluster: cluster, Namespace: "default", Service: "webhook", Port: 443}, 1000)
-		done <- outcome{tun, err}
+		c, err := r.Dial(context.Background(), &tunnelv1.Target{Cluster: cluster, Namespace: "default", Service: "webhook", Port: 443})
+		done <- outcome{c, err}
 	}()
 	var order *tunnelv1.DialOrder
 	select {
@@ -83,16 +89,18 @@ func openTunnel(t *testing.T, r *registry.Registry, a *registry.Agent, cluster s
 	case <-time.After(waitLong):
 		t.Fatalf("agent %s got no order within %v", a, waitLong)
 	}
-	if _, err := r.Claim(order.GetDialId(), a.ID, nil); err != nil {
+	c, err := r.Claim(order.GetDialId(), a.ID)
+	if err != nil {
 		t.Fatalf("claim: %v", err)
 	}
+	c.HandOver(noTunnel{})
 	select {
 	case o := <-done:
 		if o.err != nil {
 			t.Fatalf("dial: %v", o.err)
 		}
-		t.Cleanup(func() { o.tun.Finish(nil) })
-		return o.tun
+		t.Cleanup(o.claim.Release)
+		return o.claim
 	case <-time.After(waitLong):
 		t.Fatalf("the claimed dial did not end within %v", waitLong)
 		return nil
@@ -155,7 +163,7 @@ func TestListAgentsCountsOpenTunnels(t *testing.T) {
 	if n := list(t, s, "").GetAgents()[0].GetActiveTunnels(); n != 2 {
 		t.Errorf("active_tunnels %d, want 2", n)
 	}
-	first.Finish(nil)
+	first.Release()
 	if n := list(t, s, "").GetAgents()[0].GetActiveTunnels(); n != 1 {
 		t.Errorf("active_tunnels %d after one tunnel finished, want 1", n)
 	}

@@ -24,6 +24,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
+	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
@@ -353,11 +354,7 @@ func (s *Service) Tunnel(stream tunnelv1.AgentService_TunnelServer) error {
 	if open == nil {
 		return status.Error(codes.InvalidArgument, "the first message on a tunnel must name its dial")
 	}
-	t, err := s.Registry.Claim(open.GetDialId(), id, stream)
-	if err != nil {
-		return err
-	}
-	return t.Wait(stream.Context())
+	return tunnel.Open(s.Registry, open.GetDialId(), id, stream)
 }
 
 func (s *Service) clock() clock.WithTickerAndDelayedExecution {

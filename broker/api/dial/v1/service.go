@@ -20,6 +20,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
+	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
@@ -108,7 +109,7 @@ func (s *Service) Dial(stream tunnelv1.DialService_DialServer) error {
 	log = log.With("tunnel", t.ID, "agent", t.Agent.String())
 	established := &tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_Established{Established: &tunnelv1.Established{TunnelId: t.ID}}}
 	if err := stream.Send(established); err != nil {
-		t.Finish(status.Error(codes.Canceled, "caller went away"))
+		t.End(status.Error(codes.Canceled, "caller went away"))
 		return err
 	}
 	log.Debug("tunnel established", "took", took)
@@ -117,20 +118,16 @@ func (s *Service) Dial(stream tunnelv1.DialService_DialServer) error {
 	metrics.Tunnels.Inc()
 	// The tunnel stops counting (against the limits, in the listings)
 	// before its caller can learn that it ended and dial again.
-	uncount := sync.OnceFunc(func() {
-		t.Release()
+	ended := func() {
 		unhold()
 		s.active.Add(-1)
 		metrics.Tunnels.Dec()
-	})
-	clk := s.Clock
-	if clk == nil {
-		clk = clock.RealClock{}
 	}
-	sp := &splice{caller: stream, agent: t.Stream, idle: s.IdleTimeout, clock: clk, ended: uncount}
-	callerStatus, agentStatus := sp.run(t.Start, s.Stopping)
-	uncount()
-	t.Finish(agentStatus)
+	idle := s.IdleTimeout
+	if idle <= 0 {
+		idle = -1 // never
+	}
+	callerStatus, agentStatus := t.Splice(stream, tunnel.Config{IdleTimeout: idle, Stopping: s.Stopping, Clock: s.Clock}, ended)
 	if agentStatus != nil {
 		log.Info("tunnel ended", "caller_code", status.Code(callerStatus).String(), "agent_code", status.Code(agentStatus).String(), "error", status.Convert(agentStatus).Message())
 	} else {
@@ -167,17 +164,14 @@ func recvTarget(stream tunnelv1.DialService_DialServer) (*tunnelv1.Target, error
 	return target, nil
 }
 
-func (s *Service) dial(ctx context.Context, target *tunnelv1.Target) (*registry.Tunnel, error) {
+func (s *Service) dial(ctx context.Context, target *tunnelv1.Target) (*tunnel.Tunnel, error) {
 	timeout := s.Timeout
 	if timeout <= 0 {
 		timeout = DefaultTimeout
 	}
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	deadline, _ := ctx.Deadline()
-	// At least 1ms: zero would mean "no timeout given" to the agent.
-	remaining := max(time.Until(deadline).Milliseconds(), 1)
-	return s.Registry.Dial(ctx, target, uint32(remaining))
+	return tunnel.Dial(ctx, s.Registry, target)
 }
 
 func (s *Service) callerTunnels(id spiffeid.ID) *atomic.Int64 {
