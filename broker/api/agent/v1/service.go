@@ -21,6 +21,7 @@ import (
 
 	"github.com/kcp-dev/tunnel-broker/broker/internal/abortable"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/quota"
+	"github.com/kcp-dev/tunnel-broker/broker/internal/receive"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
@@ -95,10 +96,7 @@ func (s *Service) Connect(stream tunnelv1.AgentService_ConnectServer) error {
 		return status.Errorf(codes.ResourceExhausted, "%s already holds %d registrations with this broker replica, the most an agent may", id, s.Registrations.PerID)
 	}
 	defer release()
-	first, err := recvConnect(stream)
-	if errors.Is(err, io.EOF) {
-		return status.Error(codes.InvalidArgument, "stream closed before registering")
-	}
+	first, err := receive.First[tunnelv1.ConnectRequest](stream, "stream closed before registering")
 	if err != nil {
 		return err
 	}
@@ -206,7 +204,7 @@ func (s *Service) firstClusters(stream tunnelv1.AgentService_ConnectServer, id s
 	})
 	defer timer.Stop()
 	for reg.GetMore() {
-		msg, err := recvConnect(stream)
+		msg, err := receive.Message[tunnelv1.ConnectRequest](stream)
 		if errors.Is(err, io.EOF) {
 			return nil, status.Error(codes.InvalidArgument, "stream closed before the registration's last register")
 		}
@@ -230,7 +228,7 @@ func (s *Service) firstClusters(stream tunnelv1.AgentService_ConnectServer, id s
 func (s *Service) receive(stream tunnelv1.AgentService_ConnectServer, a *registry.Agent, probes *prober, log *slog.Logger) error {
 	var update *clusterSet // a registration's clusters while more of them come
 	for {
-		msg, err := recvConnect(stream)
+		msg, err := receive.Message[tunnelv1.ConnectRequest](stream)
 		if errors.Is(err, io.EOF) {
 			return nil
 		}
@@ -267,22 +265,6 @@ func (s *Service) receive(stream tunnelv1.AgentService_ConnectServer, a *registr
 			return status.Error(codes.InvalidArgument, "after registering, an agent may only report dial failures or re-register")
 		}
 	}
-}
-
-// recvConnect receives a message of the control stream. It decodes the
-// message itself, so that one that is not a ConnectRequest is the agent's
-// InvalidArgument, not gRPC's Internal.
-func recvConnect(stream tunnelv1.AgentService_ConnectServer) (*tunnelv1.ConnectRequest, error) {
-	var f tunnelv1.Frame
-	if err := stream.RecvMsg(&f); err != nil {
-		return nil, err
-	}
-	defer f.Free()
-	msg := new(tunnelv1.ConnectRequest)
-	if err := f.Decode(msg); err != nil {
-		return nil, status.Errorf(codes.InvalidArgument, "not a ConnectRequest: %v", err)
-	}
-	return msg, nil
 }
 
 // clusterSet gathers the clusters of one registration, told in one
@@ -336,19 +318,9 @@ func (s *Service) Tunnel(stream tunnelv1.AgentService_TunnelServer) error {
 	if !ok {
 		return status.Error(codes.Unauthenticated, "no SPIFFE ID")
 	}
-	var f tunnelv1.Frame
-	err := stream.RecvMsg(&f)
-	if errors.Is(err, io.EOF) {
-		return status.Error(codes.InvalidArgument, "stream closed before naming its dial")
-	}
+	first, err := receive.First[tunnelv1.TunnelRequest](stream, "stream closed before naming its dial")
 	if err != nil {
 		return err
-	}
-	first := new(tunnelv1.TunnelRequest)
-	err = f.Decode(first)
-	f.Free()
-	if err != nil {
-		return status.Errorf(codes.InvalidArgument, "not a TunnelRequest: %v", err)
 	}
 	open := first.GetOpen()
 	if open == nil {

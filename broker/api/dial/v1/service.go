@@ -5,7 +5,6 @@ package dial
 import (
 	"context"
 	"errors"
-	"io"
 	"log/slog"
 	"sync"
 	"sync/atomic"
@@ -17,6 +16,7 @@ import (
 	"google.golang.org/grpc/status"
 	"k8s.io/utils/clock"
 
+	"github.com/kcp-dev/tunnel-broker/broker/internal/receive"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
@@ -137,22 +137,11 @@ func (s *Service) Dial(stream tunnelv1.DialService_DialServer) error {
 }
 
 // recvTarget receives the first message of a dial, which must name a valid
-// target. It decodes the message itself, so that one that is not a
-// DialRequest is the caller's InvalidArgument, not gRPC's Internal.
+// target.
 func recvTarget(stream tunnelv1.DialService_DialServer) (*tunnelv1.Target, error) {
-	var f tunnelv1.Frame
-	err := stream.RecvMsg(&f)
-	if errors.Is(err, io.EOF) {
-		return nil, status.Error(codes.InvalidArgument, "stream closed before naming a target")
-	}
+	first, err := receive.First[tunnelv1.DialRequest](stream, "stream closed before naming a target")
 	if err != nil {
 		return nil, err
-	}
-	first := new(tunnelv1.DialRequest)
-	err = f.Decode(first)
-	f.Free()
-	if err != nil {
-		return nil, status.Errorf(codes.InvalidArgument, "not a DialRequest: %v", err)
 	}
 	target := first.GetTarget()
 	if target == nil {
