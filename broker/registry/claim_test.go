@@ -13,7 +13,7 @@ import (
 // stream, or reports a failure on its control stream.
 
 func TestClaimHandsTheTunnelToTheDial(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	tgt := target("root")
 	d := startDial(t, r, tgt)
@@ -39,7 +39,7 @@ func TestClaimHandsTheTunnelToTheDial(t *testing.T) {
 }
 
 func TestAClaimedTunnelCountsAgainstItsAgentUntilReleasedOnce(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	b := registerAgent(t, r, "b", "other")
 	first := claimedTunnel(t, r, "root", a)
@@ -57,7 +57,7 @@ func TestAClaimedTunnelCountsAgainstItsAgentUntilReleasedOnce(t *testing.T) {
 func TestTunnelsOutliveTheirAgentsRegistration(t *testing.T) {
 	// An established tunnel has streams of its own: the agent's Connect
 	// ending does not end it.
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	d, o := orderedDial(t, r, "root", a)
 	tun := claim(t, "claim", r, o.GetDialId(), a.ID)
@@ -76,7 +76,7 @@ func TestTunnelsOutliveTheirAgentsRegistration(t *testing.T) {
 }
 
 func TestClaimByAnotherAgentIsRefused(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	ordered := registerAgent(t, r, "ordered", "root")
 	intruder := registerAgent(t, r, "intruder", "root")
 	d := startDial(t, r, target("root"))
@@ -98,7 +98,7 @@ func TestClaimByAnotherAgentIsRefused(t *testing.T) {
 func TestAnotherSessionOfTheAgentMayClaim(t *testing.T) {
 	// A dial id belongs to the agent's SPIFFE ID, not to one control
 	// stream: its Tunnel stream is a separate RPC.
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	sameID := NewAgent("another-session", a.ID, "a", nil)
 	d, o := orderedDial(t, r, "root", a)
@@ -108,7 +108,7 @@ func TestAnotherSessionOfTheAgentMayClaim(t *testing.T) {
 }
 
 func TestClaimOfAnUnknownDialIsRefused(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 
 	checkClaimRefused(t, "claim", r, 42, a.ID)
@@ -118,7 +118,7 @@ func TestClaimOfAnUnknownDialIsRefused(t *testing.T) {
 }
 
 func TestSecondClaimOfADialIsRefused(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	d, o := orderedDial(t, r, "root", a)
 	claim(t, "first claim", r, o.GetDialId(), a.ID)
@@ -131,7 +131,7 @@ func TestSecondClaimOfADialIsRefused(t *testing.T) {
 }
 
 func TestDialIDsAreNotReused(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	seen := map[uint64]bool{}
 	for range 5 {
@@ -149,7 +149,7 @@ func TestDialIDsOfTwoRegistriesDiffer(t *testing.T) {
 	// Dial ids start at a random point, so that an agent's late open for a
 	// dial of an earlier incarnation of the replica is unlikely to match.
 	first := func() uint64 {
-		r := New()
+		r := New(Limits{})
 		a := registerAgent(t, r, "a", "root")
 		d, o := orderedDial(t, r, "root", a)
 		d.cancel()
@@ -182,7 +182,7 @@ func TestFailureEndsTheDialWithTheAgentsCode(t *testing.T) {
 		{codes.Code(99), codes.Unavailable},
 	} {
 		t.Run(tc.reported.String(), func(t *testing.T) {
-			r := New()
+			r := New(Limits{})
 			// A name other than its SPIFFE ID's path: the caller sees the name.
 			a := newTestAgent(t, "sync-target-1", "/agent/a", "root")
 			r.Register(a)
@@ -201,7 +201,7 @@ func TestFailureEndsTheDialWithTheAgentsCode(t *testing.T) {
 func TestFailureFromAnotherSessionIsIgnored(t *testing.T) {
 	// A dial_failure counts only on the control stream the order went on,
 	// even from the same SPIFFE ID.
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	sameID := NewAgent("another-session", a.ID, "a", []string{"root"})
 	d, o := orderedDial(t, r, "root", a)
@@ -215,7 +215,7 @@ func TestFailureFromAnotherSessionIsIgnored(t *testing.T) {
 }
 
 func TestFailureAfterClaimIsIgnored(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	d, o := orderedDial(t, r, "root", a)
 	claim(t, "claim", r, o.GetDialId(), a.ID)
@@ -228,7 +228,7 @@ func TestFailureAfterClaimIsIgnored(t *testing.T) {
 }
 
 func TestFailureOfAnUnknownDialIsIgnored(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	d, o := orderedDial(t, r, "root", a)
 

@@ -13,7 +13,7 @@ import (
 // the agent opens for a dial nobody waits for any more.
 
 func TestDialEndsWhenTheAgentGoes(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	d, o := orderedDial(t, r, "root", a)
 
@@ -26,7 +26,7 @@ func TestDialEndsWhenTheAgentGoes(t *testing.T) {
 }
 
 func TestDialEndsWhenTheAgentGoesBeforeTakingItsOrder(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	d, id := queuedDial(t, r, "root", a)
 
@@ -35,7 +35,7 @@ func TestDialEndsWhenTheAgentGoesBeforeTakingItsOrder(t *testing.T) {
 }
 
 func TestDialTimesOutWhenTheAgentDoesNotConnect(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Millisecond)
 	defer cancel()
@@ -45,7 +45,7 @@ func TestDialTimesOutWhenTheAgentDoesNotConnect(t *testing.T) {
 }
 
 func TestCancelledDialIsCanceled(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	d, _ := orderedDial(t, r, "root", a)
 
@@ -54,7 +54,7 @@ func TestCancelledDialIsCanceled(t *testing.T) {
 }
 
 func TestClaimAfterTheDialGaveUpIsRefused(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	d, o := orderedDial(t, r, "root", a)
 	d.cancel()
@@ -71,7 +71,7 @@ func TestClaimAfterTheDialGaveUpIsRefused(t *testing.T) {
 // handed over: the registry must end that tunnel itself.
 
 func TestAnAbandonedClaimEndsItsTunnel(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	d, id := queuedDial(t, r, "root", a)
 	tun := claim(t, "claim", r, id, a.ID)
@@ -89,7 +89,7 @@ func TestAnAbandonedClaimEndsItsTunnel(t *testing.T) {
 }
 
 func TestAClaimedDialWhoseAgentGoesEndsItsTunnel(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	d, id := queuedDial(t, r, "root", a)
 	tun := claim(t, "claim", r, id, a.ID)
@@ -111,7 +111,7 @@ func TestAClaimedDialWhoseAgentGoesEndsItsTunnel(t *testing.T) {
 // or already ended with the dial's status.
 func TestDialThatEndsAsItIsClaimedLeavesNoTunnelOpen(t *testing.T) {
 	for i := range 50 {
-		r := New()
+		r := New(Limits{})
 		a := registerAgent(t, r, "a", "root")
 		d, o := orderedDial(t, r, "root", a)
 		claimed := make(chan *fakeTunnel, 1)

@@ -13,8 +13,7 @@ import (
 // What one agent may be asked to carry: Limits.
 
 func TestPendingDialsPerClusterAreBounded(t *testing.T) {
-	r := New()
-	r.Limits = Limits{MaxPendingPerCluster: 2}
+	r := New(Limits{MaxPendingPerCluster: 2})
 	a := registerAgent(t, r, "a", "root")
 	for range 2 {
 		orderedDial(t, r, "root", a)
@@ -29,8 +28,7 @@ func TestPendingDialsPerClusterAreBounded(t *testing.T) {
 // A cluster whose targets hang fills its own queue of pending dials on the
 // agent, and no other cluster's: the agent still takes the others' dials.
 func TestOneClustersPendingDialsDoNotCountAgainstAnothers(t *testing.T) {
-	r := New()
-	r.Limits = Limits{MaxPendingPerCluster: 2}
+	r := New(Limits{MaxPendingPerCluster: 2})
 	a := registerAgent(t, r, "a", "hanging", "healthy")
 	for range 2 {
 		orderedDial(t, r, "hanging", a)
@@ -46,8 +44,7 @@ func TestOneClustersPendingDialsDoNotCountAgainstAnothers(t *testing.T) {
 // Pending dials count against the tunnel limit for their own cluster only:
 // another cluster's hanging dials leave the agent's tunnels to the rest.
 func TestOtherClustersPendingDialsDoNotCountAgainstTheTunnelLimit(t *testing.T) {
-	r := New()
-	r.Limits = Limits{MaxTunnelsPerAgent: 2}
+	r := New(Limits{MaxTunnelsPerAgent: 2})
 	a := registerAgent(t, r, "a", "hanging", "healthy")
 	for range 2 {
 		orderedDial(t, r, "hanging", a)
@@ -59,8 +56,7 @@ func TestOtherClustersPendingDialsDoNotCountAgainstTheTunnelLimit(t *testing.T) 
 }
 
 func TestAnsweredDialFreesItsPendingPlace(t *testing.T) {
-	r := New()
-	r.Limits = Limits{MaxPendingPerCluster: 1}
+	r := New(Limits{MaxPendingPerCluster: 1})
 	a := registerAgent(t, r, "a", "root")
 	d, o := orderedDial(t, r, "root", a)
 	r.Fail(a, &tunnelv1.DialFailure{DialId: o.GetDialId(), Code: int32(codes.NotFound), Message: "no such service"})
@@ -71,8 +67,7 @@ func TestAnsweredDialFreesItsPendingPlace(t *testing.T) {
 }
 
 func TestGivenUpDialFreesItsPendingPlace(t *testing.T) {
-	r := New()
-	r.Limits = Limits{MaxPendingPerCluster: 1}
+	r := New(Limits{MaxPendingPerCluster: 1})
 	a := registerAgent(t, r, "a", "root")
 	d, _ := orderedDial(t, r, "root", a)
 	d.cancel()
@@ -83,8 +78,7 @@ func TestGivenUpDialFreesItsPendingPlace(t *testing.T) {
 }
 
 func TestTunnelsPerAgentAreBounded(t *testing.T) {
-	r := New()
-	r.Limits = Limits{MaxTunnelsPerAgent: 1}
+	r := New(Limits{MaxTunnelsPerAgent: 1})
 	a := registerAgent(t, r, "a", "root")
 	tun := claimedTunnel(t, r, "root", a)
 
@@ -102,8 +96,7 @@ func TestTunnelsPerAgentAreBounded(t *testing.T) {
 // Dials on their way to becoming tunnels count against the tunnel limit
 // too: otherwise dials that arrive together all pass it.
 func TestDialsInFlightCountAgainstTheTunnelLimit(t *testing.T) {
-	r := New()
-	r.Limits = Limits{MaxTunnelsPerAgent: 1}
+	r := New(Limits{MaxTunnelsPerAgent: 1})
 	a := registerAgent(t, r, "a", "root")
 	orderedDial(t, r, "root", a)
 
@@ -116,8 +109,7 @@ func TestDialsInFlightCountAgainstTheTunnelLimit(t *testing.T) {
 }
 
 func TestDialGoesToAnotherAgentWhenOneIsAtItsLimit(t *testing.T) {
-	r := New()
-	r.Limits = Limits{MaxPendingPerCluster: 1}
+	r := New(Limits{MaxPendingPerCluster: 1})
 	a := registerAgent(t, r, "a", "root")
 	b := registerAgent(t, r, "b", "root")
 	startDial(t, r, target("root"))
@@ -141,8 +133,7 @@ func TestDialGoesToAnotherAgentWhenOneIsAtItsLimit(t *testing.T) {
 
 func TestLimitsCountPerAgent(t *testing.T) {
 	// One agent's dials do not count against another's limit.
-	r := New()
-	r.Limits = Limits{MaxPendingPerCluster: 1}
+	r := New(Limits{MaxPendingPerCluster: 1})
 	a := registerAgent(t, r, "a", "root")
 	b := registerAgent(t, r, "b", "other")
 	orderedDial(t, r, "root", a)
@@ -151,8 +142,8 @@ func TestLimitsCountPerAgent(t *testing.T) {
 	nextOrder(t, b)
 }
 
-func TestZeroLimitsBoundNothing(t *testing.T) {
-	r := New()
+func TestNegativeLimitsBoundNothing(t *testing.T) {
+	r := New(Limits{MaxPendingPerCluster: -1, MaxTunnelsPerAgent: -1})
 	a := registerAgent(t, r, "a", "root")
 	for range 3 {
 		claimedTunnel(t, r, "root", a)
@@ -162,6 +153,13 @@ func TestZeroLimitsBoundNothing(t *testing.T) {
 	}
 	if n := a.Tunnels(); n != 3 {
 		t.Errorf("agent carries %d tunnels, want 3", n)
+	}
+}
+
+func TestZeroLimitsAreTheDefaults(t *testing.T) {
+	want := Limits{MaxPendingPerCluster: DefaultMaxPendingPerCluster, MaxTunnelsPerAgent: DefaultMaxTunnelsPerAgent}
+	if got := New(Limits{}).limits; got != want {
+		t.Errorf("limits %+v, want %+v", got, want)
 	}
 }
 

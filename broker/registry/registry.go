@@ -1,6 +1,7 @@
 package registry
 
 import (
+	"cmp"
 	"crypto/rand"
 	"encoding/binary"
 	"maps"
@@ -14,7 +15,7 @@ import (
 // Registry routes dials to agents. It holds no state shared across broker
 // replicas: every agent connects to every replica.
 type Registry struct {
-	Limits Limits
+	limits Limits
 
 	mu        sync.Mutex
 	agents    map[*Agent]struct{} // every registered agent, even one serving no cluster
@@ -24,7 +25,8 @@ type Registry struct {
 	lastID    uint64
 }
 
-// Limits bound what one agent may be asked to carry; zero means no limit.
+// Limits bound what one agent may be asked to carry. As in every Config of
+// the broker, zero means the default, and a negative limit means none.
 //
 // No logical cluster's dials count against another's: a cluster whose
 // targets hang (the agent's connect never completes) fills its own queue of
@@ -33,15 +35,23 @@ type Registry struct {
 type Limits struct {
 	// MaxPendingPerCluster bounds the dials one agent has been ordered for
 	// one logical cluster and has not yet answered, so that a stuck target
-	// or agent cannot pile up waiting webhook calls.
+	// or agent cannot pile up waiting webhook calls; zero:
+	// DefaultMaxPendingPerCluster.
 	MaxPendingPerCluster int64
-	// MaxTunnelsPerAgent bounds the tunnels open through one agent. A
-	// cluster's own pending dials count against it too, since each may
-	// become a tunnel (otherwise dials that arrive together would all pass
-	// it), but other clusters' pending dials do not: the agent may exceed
-	// it by the dials of other clusters pending at that moment.
+	// MaxTunnelsPerAgent bounds the tunnels open through one agent; zero:
+	// DefaultMaxTunnelsPerAgent. A cluster's own pending dials count
+	// against it too, since each may become a tunnel (otherwise dials that
+	// arrive together would all pass it), but other clusters' pending dials
+	// do not: the agent may exceed it by the dials of other clusters
+	// pending at that moment.
 	MaxTunnelsPerAgent int64
 }
+
+// Defaults of Limits.
+const (
+	DefaultMaxPendingPerCluster = 256
+	DefaultMaxTunnelsPerAgent   = 20000
+)
 
 // Names of the limits, as LimitError and the limits_hit metric give them.
 const (
@@ -62,11 +72,14 @@ func (e *LimitError) Error() string { return e.status.Err().Error() }
 // GRPCStatus makes the error its status for grpc-go and package status.
 func (e *LimitError) GRPCStatus() *status.Status { return e.status }
 
-// New returns an empty registry.
-func New() *Registry {
+// New is an empty registry with limits, their defaults resolved.
+func New(limits Limits) *Registry {
+	limits.MaxPendingPerCluster = cmp.Or(limits.MaxPendingPerCluster, DefaultMaxPendingPerCluster)
+	limits.MaxTunnelsPerAgent = cmp.Or(limits.MaxTunnelsPerAgent, DefaultMaxTunnelsPerAgent)
 	var seed [8]byte
 	_, _ = rand.Read(seed[:])
 	return &Registry{
+		limits:    limits,
 		agents:    map[*Agent]struct{}{},
 		byCluster: map[string][]*Agent{},
 		next:      map[string]int{},
@@ -185,10 +198,10 @@ func (r *Registry) pick(cluster string) (*Agent, error) {
 	}
 	if limit == LimitPendingPerCluster {
 		return nil, &LimitError{Limit: limit, status: status.Newf(codes.ResourceExhausted,
-			"every agent of logical cluster %q has %d of its dials pending", cluster, r.Limits.MaxPendingPerCluster)}
+			"every agent of logical cluster %q has %d of its dials pending", cluster, r.limits.MaxPendingPerCluster)}
 	}
 	return nil, &LimitError{Limit: limit, status: status.Newf(codes.ResourceExhausted,
-		"every agent of logical cluster %q carries %d tunnels", cluster, r.Limits.MaxTunnelsPerAgent)}
+		"every agent of logical cluster %q carries %d tunnels", cluster, r.limits.MaxTunnelsPerAgent)}
 }
 
 // limitHit names the limit that keeps a from taking another dial for
@@ -198,7 +211,7 @@ func (r *Registry) pick(cluster string) (*Agent, error) {
 // claimed counts twice until it returns, so the limit may refuse a moment
 // early, never late.) r.mu is held.
 func (r *Registry) limitHit(a *Agent, cluster string) string {
-	l := r.Limits
+	l := r.limits
 	pending := a.pending[cluster]
 	switch {
 	case l.MaxPendingPerCluster > 0 && pending >= l.MaxPendingPerCluster:

@@ -11,7 +11,7 @@ import (
 // round-robin, skipping agents that drain.
 
 func TestDialGoesToAnAgentServingTheCluster(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	other := registerAgent(t, r, "other", "other")
 	serving := registerAgent(t, r, "serving", "other", "root")
 
@@ -31,7 +31,7 @@ func TestDialGoesToAnAgentServingTheCluster(t *testing.T) {
 }
 
 func TestDialWithNoAgentForTheClusterIsUnavailable(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	registerAgent(t, r, "a", "root")
 
 	_, err := r.Dial(t.Context(), target("elsewhere"))
@@ -39,7 +39,7 @@ func TestDialWithNoAgentForTheClusterIsUnavailable(t *testing.T) {
 }
 
 func TestDialsTakeTurnsAmongTheAgentsOfACluster(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	b := registerAgent(t, r, "b", "root")
 
@@ -57,7 +57,7 @@ func TestDialsTakeTurnsAmongTheAgentsOfACluster(t *testing.T) {
 }
 
 func TestDrainingAgentGetsNoNewDials(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	draining := registerAgent(t, r, "draining", "root")
 	staying := registerAgent(t, r, "staying", "root")
 	draining.Drain()
@@ -76,7 +76,7 @@ func TestDrainingAgentGetsNoNewDials(t *testing.T) {
 }
 
 func TestDrainingAgentStillGetsDialsWhenNoOtherServesTheCluster(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	draining := registerAgent(t, r, "draining", "root")
 	draining.Drain()
 
@@ -85,8 +85,7 @@ func TestDrainingAgentStillGetsDialsWhenNoOtherServesTheCluster(t *testing.T) {
 }
 
 func TestDrainingAgentGetsDialsWhenTheOthersAreAtTheirLimit(t *testing.T) {
-	r := New()
-	r.Limits = Limits{MaxPendingPerCluster: 1}
+	r := New(Limits{MaxPendingPerCluster: 1})
 	draining := registerAgent(t, r, "draining", "root")
 	busy := registerAgent(t, r, "busy", "root")
 	draining.Drain()
@@ -97,7 +96,7 @@ func TestDrainingAgentGetsDialsWhenTheOthersAreAtTheirLimit(t *testing.T) {
 }
 
 func TestUnregisteredAgentGetsNoDials(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	r.Unregister(a)
 
@@ -107,7 +106,7 @@ func TestUnregisteredAgentGetsNoDials(t *testing.T) {
 }
 
 func TestUnregisterLeavesTheOtherAgentsOfTheCluster(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	leaving := registerAgent(t, r, "leaving", "root")
 	staying := registerAgent(t, r, "staying", "root")
 	r.Unregister(leaving)
@@ -120,7 +119,7 @@ func TestUnregisterLeavesTheOtherAgentsOfTheCluster(t *testing.T) {
 }
 
 func TestUpdateRoutesTheNewClustersAndNotTheOldOnes(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "old", "kept")
 	r.Update(a, []string{"kept", "new"})
 
@@ -135,7 +134,7 @@ func TestUpdateRoutesTheNewClustersAndNotTheOldOnes(t *testing.T) {
 }
 
 func TestUpdateLetsDialsAlreadyOrderedFinish(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "old")
 	d, o := orderedDial(t, r, "old", a)
 

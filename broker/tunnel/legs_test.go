@@ -98,7 +98,7 @@ type legTunnel struct {
 // the tunnel on agent.
 func dialLegs(t *testing.T, agent *leg) *legTunnel {
 	t.Helper()
-	r := registry.New()
+	r := registry.New(registry.Limits{})
 	a := registry.NewAgent("session", brokertest.ID(agentPath), "a", []string{"root"})
 	r.Register(a)
 	type dialed struct {

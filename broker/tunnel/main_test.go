@@ -6,11 +6,13 @@ import (
 
 	"go.uber.org/goleak"
 	"google.golang.org/grpc"
+	"k8s.io/utils/clock"
 
 	agentv1 "github.com/kcp-dev/tunnel-broker/broker/api/agent/v1"
 	dialv1 "github.com/kcp-dev/tunnel-broker/broker/api/dial/v1"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
+	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
 )
 
 // This file holds the broker the tests tunnel through: brokertest's real
@@ -36,8 +38,8 @@ var testPolicy = policy.File{
 // config is what a test changes in the broker.
 type config struct {
 	idleTimeout time.Duration
-	// clock times the idle limit; default: the real clock.
-	clock *brokertest.Clock
+	// clock times the idle limit; nil: the real clock.
+	clock clock.WithDelayedExecution
 }
 
 // broker is one broker under test.
@@ -50,20 +52,18 @@ func startBroker(t *testing.T, cfg config) *broker {
 	t.Helper()
 	b := &broker{}
 	b.Server = brokertest.Start(t, testPolicy, func(s *brokertest.Server, srv *grpc.Server) {
-		b.dial = &dialv1.Service{
+		b.dial = dialv1.New(dialv1.Config{
 			Registry: s.Registry, Policy: s.Policy, Timeout: brokertest.WaitLong,
-			IdleTimeout: cfg.idleTimeout, Draining: s.Draining, Stopping: s.Stopping, Log: s.Log,
-		}
-		if cfg.clock != nil {
-			b.dial.Clock = cfg.clock
-		}
-		b.dial.Register(srv)
-		(&agentv1.Service{
+			Tunnels:  tunnel.Config{IdleTimeout: cfg.idleTimeout, Stopping: s.Stopping, Clock: cfg.clock},
+			Draining: s.Draining, Log: s.Log,
+		})
+		dialv1.RegisterService(srv, b.dial)
+		agentv1.RegisterService(srv, agentv1.New(agentv1.Config{
 			Registry: s.Registry, Policy: s.Policy, BrokerID: "test-broker",
 			Draining: s.Draining, Stopping: s.Stopping, Grace: time.Second,
 			ProbeEvery: time.Hour, // no probes in these tests
 			Log:        s.Log,
-		}).Register(srv)
+		}))
 	})
 	return b
 }

@@ -128,7 +128,7 @@ func TestCallerBreakingTheProtocolAfterTheTarget(t *testing.T) {
 func TestIdleTunnelEndsWithDeadlineExceededOnBothLegs(t *testing.T) {
 	const idle = 10 * time.Minute
 	clk := brokertest.NewClock()
-	b := startBroker(t, config{idleTimeout: idle, clock: &clk})
+	b := startBroker(t, config{idleTimeout: idle, clock: clk})
 	a := b.connectAgent(t, "a", "root")
 	tn := a.Establish(t, kcpPath, brokertest.Target("root"))
 	tn.Up("x")
@@ -142,7 +142,7 @@ func TestIdleTunnelEndsWithDeadlineExceededOnBothLegs(t *testing.T) {
 func TestATunnelThatCarriesDataIsNotIdle(t *testing.T) {
 	const idle = 10 * time.Minute
 	clk := brokertest.NewClock()
-	b := startBroker(t, config{idleTimeout: idle, clock: &clk})
+	b := startBroker(t, config{idleTimeout: idle, clock: clk})
 	a := b.connectAgent(t, "a", "root")
 	tn := a.Establish(t, kcpPath, brokertest.Target("root"))
 	clk.Step(idle / 2)

@@ -57,14 +57,12 @@ type Server struct {
 	Addr     string
 	Registry *registry.Registry
 	Policy   *policy.Policy
-	// Draining closes on Drain, Stopping ends on Stop.
-	Draining chan struct{}
-	Stopping context.Context
-	stop     context.CancelFunc
-	Log      *slog.Logger
+	// Draining ends on Drain, Stopping on Stop.
+	Draining, Stopping context.Context
+	drain, stop        context.CancelFunc
+	Log                *slog.Logger
 
-	t         *testing.T
-	drainOnce sync.Once
+	t *testing.T
 
 	mu    sync.Mutex
 	conns map[string]*grpc.ClientConn
@@ -91,14 +89,15 @@ func StartWithOptions(t *testing.T, pol policy.File, opts []grpc.ServerOption, r
 	}
 	s := &Server{
 		CA:       ca,
-		Registry: registry.New(),
+		Registry: registry.New(registry.Limits{}),
 		Policy:   p,
-		Draining: make(chan struct{}),
 		Log:      slog.New(slog.DiscardHandler),
 		t:        t,
 		conns:    map[string]*grpc.ClientConn{},
 	}
+	s.Draining, s.drain = context.WithCancel(context.Background())
 	s.Stopping, s.stop = context.WithCancel(context.Background())
+	t.Cleanup(s.drain)
 	t.Cleanup(s.stop)
 	srv := grpc.NewServer(append([]grpc.ServerOption{
 		grpc.Creds(identity.ServerCredentials(source(t, ca, BrokerPath), tlsconfig.AuthorizeAny())),
@@ -125,8 +124,8 @@ func StartWithOptions(t *testing.T, pol policy.File, opts []grpc.ServerOption, r
 	return s
 }
 
-// Drain closes Draining: the broker begins to shut down.
-func (s *Server) Drain() { s.drainOnce.Do(func() { close(s.Draining) }) }
+// Drain ends Draining: the broker begins to shut down.
+func (s *Server) Drain() { s.drain() }
 
 // Stop ends Stopping: the broker's grace period is over.
 func (s *Server) Stop() { s.stop() }

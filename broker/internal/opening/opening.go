@@ -11,8 +11,8 @@
 // 32 KiB, measured with tunnelbench -phases hostile -hostile-frame 1). A
 // stream that never finishes its first message would hold that for as long
 // as the peer keeps the stream open. With these bounds, what all such
-// streams hold is at most Total x that, and for one peer PerID x that, each
-// for at most Timeout.
+// streams hold is at most MaxTotal x that, and for one peer MaxPerPeer x
+// that, each for at most Timeout.
 //
 // A streaming RPC counts once it has waited Patience for its first message,
 // until that message arrives; the stream is ended with DeadlineExceeded once
@@ -27,6 +27,7 @@
 package opening
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"log/slog"
@@ -47,30 +48,63 @@ import (
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 )
 
-// DefaultPatience is far longer than a burst of ordinary streams waits for
-// gRPC to read their first messages, and short enough that what streams
-// hold before they count stays small.
-const DefaultPatience = time.Second
+// Defaults of Config.
+const (
+	// DefaultPatience is far longer than a burst of ordinary streams waits
+	// for gRPC to read their first messages, and short enough that what
+	// streams hold before they count stays small.
+	DefaultPatience = time.Second
+	// DefaultMaxPerPeer and DefaultMaxTotal bound the streams that wait for
+	// their first message, per peer SPIFFE ID and in total. A well-behaved
+	// peer sends its first message with the stream's headers, so its
+	// streams wait microseconds; 32 unfinished messages of the largest size
+	// (32 KiB), in 1-byte frames (about 1.3 MiB each), hold about 42 MiB,
+	// and 128 about 170 MiB.
+	DefaultMaxPerPeer = 32
+	DefaultMaxTotal   = 128
+)
 
-// Guard enforces the bounds on one gRPC server. Install ServerOptions when
-// building the server, and call Methods once its services are registered.
-type Guard struct {
-	// Timeout is how long a stream may take to send its first message.
+// Config is what the guard needs. As in every Config of the broker, zero
+// means the default, and a negative limit means none.
+type Config struct {
+	// Timeout is how long a stream may take to send its first message: the
+	// broker's --dial-timeout.
 	Timeout time.Duration
 	// Patience is how long a stream may wait for its first message before
-	// it counts against Quota; 0 means DefaultPatience.
+	// it counts against the limits; zero: DefaultPatience.
 	Patience time.Duration
-	// Quota bounds the streams waiting for their first message, per peer
-	// SPIFFE ID and in total.
-	Quota quota.Quota
+	// MaxPerPeer and MaxTotal bound the streams waiting for their first
+	// message, per peer SPIFFE ID and in total; zero: DefaultMaxPerPeer and
+	// DefaultMaxTotal.
+	MaxPerPeer, MaxTotal int64
 	// First names the first message of methods by full name, for the status
 	// of a stream that does not send it in time ("target" for Dial).
 	First map[string]string
 	// Clock times the patience and the timeout; nil: the real clock.
 	Clock clock.WithDelayedExecution
 	Log   *slog.Logger
+}
+
+// Guard enforces the bounds on one gRPC server. Install ServerOptions when
+// building the server, and call Methods once its services are registered.
+type Guard struct {
+	cfg   Config
+	quota quota.Quota
 
 	unary atomic.Pointer[map[string]bool]
+}
+
+// New is a guard with cfg, its defaults resolved.
+func New(cfg Config) *Guard {
+	cfg.Patience = cmp.Or(max(cfg.Patience, 0), DefaultPatience)
+	if cfg.Clock == nil {
+		cfg.Clock = clock.RealClock{}
+	}
+	cfg.Log = cmp.Or(cfg.Log, slog.Default())
+	return &Guard{
+		cfg:   cfg,
+		quota: quota.Quota{PerID: cmp.Or(cfg.MaxPerPeer, DefaultMaxPerPeer), Total: cmp.Or(cfg.MaxTotal, DefaultMaxTotal)},
+	}
 }
 
 // ServerOptions install the guard. Install them after the authorization
@@ -98,13 +132,6 @@ func (g *Guard) Methods(srv *grpc.Server) {
 	g.unary.Store(&unary)
 }
 
-func (g *Guard) clock() clock.WithDelayedExecution {
-	if g.Clock == nil {
-		return clock.RealClock{}
-	}
-	return g.Clock
-}
-
 func (g *Guard) isUnary(method string) bool {
 	m := g.unary.Load()
 	return m != nil && (*m)[method]
@@ -123,7 +150,7 @@ func (g *Guard) tap(ctx context.Context, info *tap.Info) (context.Context, error
 	if err != nil {
 		return nil, err
 	}
-	ctx, cancel := context.WithTimeout(ctx, g.Timeout)
+	ctx, cancel := context.WithTimeout(ctx, g.cfg.Timeout)
 	// Ends with the stream, or at the deadline: either way it no longer
 	// waits for its request.
 	context.AfterFunc(ctx, func() {
@@ -143,19 +170,12 @@ func (g *Guard) unaryArrived(ctx context.Context, req any, _ *grpc.UnaryServerIn
 
 func (g *Guard) stream(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
 	id, _ := identity.PeerID(ss.Context())
-	what := g.First[info.FullMethod]
-	if what == "" {
-		what = "request"
-	}
+	what := cmp.Or(g.cfg.First[info.FullMethod], "request")
 	w := &firstMessage{ServerStream: ss, guard: g, peer: id, method: info.FullMethod,
 		late: status.Error(codes.DeadlineExceeded,
-			fmt.Sprintf("no %s within %v: the first message of this stream must be its %s", what, g.Timeout, what))}
-	patience := g.Patience
-	if patience <= 0 {
-		patience = DefaultPatience
-	}
+			fmt.Sprintf("no %s within %v: the first message of this stream must be its %s", what, g.cfg.Timeout, what))}
 	w.mu.Lock()
-	w.timer = g.clock().AfterFunc(min(patience, g.Timeout), w.count)
+	w.timer = g.cfg.Clock.AfterFunc(min(g.cfg.Patience, g.cfg.Timeout), w.count)
 	w.mu.Unlock()
 	defer w.done()
 	return handler(srv, w)
@@ -164,14 +184,14 @@ func (g *Guard) stream(srv any, ss grpc.ServerStream, info *grpc.StreamServerInf
 // take counts one more stream waiting for its first message, unless a limit
 // is reached.
 func (g *Guard) take(id spiffeid.ID) (release func(), err error) {
-	release, over := g.Quota.Take(id)
+	release, over := g.quota.Take(id)
 	switch over {
 	case quota.OverPerID:
 		metrics.LimitsHit.WithLabelValues("opening_streams_per_peer").Inc()
-		return nil, status.Errorf(codes.ResourceExhausted, "%s has %d streams open that have not sent their first message, the most a peer may", id, g.Quota.PerID)
+		return nil, status.Errorf(codes.ResourceExhausted, "%s has %d streams open that have not sent their first message, the most a peer may", id, g.quota.PerID)
 	case quota.OverTotal:
 		metrics.LimitsHit.WithLabelValues("opening_streams").Inc()
-		return nil, status.Errorf(codes.ResourceExhausted, "the broker has %d streams open that have not sent their first message, the most it holds: try again shortly", g.Quota.Total)
+		return nil, status.Errorf(codes.ResourceExhausted, "the broker has %d streams open that have not sent their first message, the most it holds: try again shortly", g.quota.Total)
 	}
 	return release, nil
 }
@@ -239,11 +259,7 @@ func (w *firstMessage) count() {
 		return
 	}
 	w.release = release
-	patience := g.Patience
-	if patience <= 0 {
-		patience = DefaultPatience
-	}
-	w.timer = g.clock().AfterFunc(max(g.Timeout-patience, 0), w.expire)
+	w.timer = g.cfg.Clock.AfterFunc(max(g.cfg.Timeout-g.cfg.Patience, 0), w.expire)
 }
 
 // expire ends a stream whose first message did not come within the timeout.
@@ -254,7 +270,7 @@ func (w *firstMessage) expire() {
 		return
 	}
 	metrics.LimitsHit.WithLabelValues("first_message_timeout").Inc()
-	w.guard.Log.Info("stream ended: no first message in time", "peer", w.peer.String(), "method", w.method, "timeout", w.guard.Timeout)
+	w.guard.cfg.Log.Info("stream ended: no first message in time", "peer", w.peer.String(), "method", w.method, "timeout", w.guard.cfg.Timeout)
 	w.end(w.late)
 }
 

@@ -17,7 +17,7 @@ import (
 func TestAnAgentsRegistrationEndsWhenItsSVIDExpires(t *testing.T) {
 	clk := brokertest.NewClock()
 	// No probe is due before the expiry.
-	b := startBroker(t, config{clock: &clk, probeEvery: 2 * time.Hour})
+	b := startBroker(t, config{clock: clk, probeEvery: 2 * time.Hour})
 	src, err := b.CA.Source(devca.Leaf{SPIFFEID: agentA, NotAfter: clk.Now().Add(time.Hour)})
 	if err != nil {
 		t.Fatal(err)

@@ -21,7 +21,7 @@ func TestRegistrationsPerAgentAreLimited(t *testing.T) {
 		t.Fatal(err)
 	}
 	brokertest.Eventually(t, "the silent stream to be counted", func() bool {
-		return b.agents.Registrations.Held(brokertest.ID(agentA)) == 2
+		return b.agents.registrations.Held(brokertest.ID(agentA)) == 2
 	})
 	brokertest.CheckStatus(t, "a third registration", b.connectStatus(t, agentA, register("root")), codes.ResourceExhausted,
 		"spiffe://example.org/agent-a already holds 2 registrations with this broker replica, the most an agent may")
@@ -64,7 +64,7 @@ func TestARegistrationMaySendItsClustersInSeveralMessages(t *testing.T) {
 
 func TestARegistrationWhoseLastRegisterNeverComesEnds(t *testing.T) {
 	clk := brokertest.NewClock()
-	b := startBroker(t, config{registerTimeout: 5 * time.Second, clock: &clk})
+	b := startBroker(t, config{registerTimeout: 5 * time.Second, clock: clk})
 	ctx, _ := brokertest.StreamContext(t)
 	control, err := tunnelv1.NewAgentServiceClient(b.Conn(t, agentA)).Connect(ctx)
 	if err != nil {

@@ -11,10 +11,6 @@ import (
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
-// DefaultProbeEvery is how often an agent is probed: often enough for an
-// alert within a minute, rare enough to cost nothing.
-const DefaultProbeEvery = 10 * time.Second
-
 // prober sends probes over an agent's control stream and records answers.
 // An agent that has not answered the previous probe when the next is due is
 // marked unreachable.

@@ -257,7 +257,7 @@ func TestTunnelForADialThatTimedOutIsNotFound(t *testing.T) {
 func probedAgent(t *testing.T, every time.Duration) (*broker, *agent, brokertest.Clock) {
 	t.Helper()
 	clk := brokertest.NewClock()
-	b := startBroker(t, config{probeEvery: every, clock: &clk})
+	b := startBroker(t, config{probeEvery: every, clock: clk})
 	a := b.connectAgent(t, agentA, "a", "root")
 	clk.WaitForTimers(t, 2)
 	return b, a, clk

@@ -10,6 +10,7 @@ import (
 	agentv1 "github.com/kcp-dev/tunnel-broker/broker/api/agent/v1"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
+	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -40,10 +41,7 @@ var testPolicy = policy.File{
 // config is what a test changes in the broker.
 type config struct {
 	timeout             time.Duration
-	idleTimeout         time.Duration
 	maxTunnelsPerCaller int64
-	// clock times the idle limit; default: the real clock.
-	clock *brokertest.Clock
 }
 
 // broker is one broker under test, serving the DialService under test and the
@@ -60,21 +58,19 @@ func startBroker(t *testing.T, cfg config) *broker {
 	}
 	b := &broker{}
 	b.Server = brokertest.Start(t, testPolicy, func(s *brokertest.Server, srv *grpc.Server) {
-		b.dial = &Service{
+		b.dial = New(Config{
 			Registry: s.Registry, Policy: s.Policy, Timeout: cfg.timeout,
-			IdleTimeout: cfg.idleTimeout, MaxTunnelsPerCaller: cfg.maxTunnelsPerCaller,
-			Draining: s.Draining, Stopping: s.Stopping, Log: s.Log,
-		}
-		if cfg.clock != nil {
-			b.dial.Clock = cfg.clock
-		}
-		b.dial.Register(srv)
-		(&agentv1.Service{
+			MaxTunnelsPerCaller: cfg.maxTunnelsPerCaller,
+			Tunnels:             tunnel.Config{Stopping: s.Stopping},
+			Draining:            s.Draining, Log: s.Log,
+		})
+		RegisterService(srv, b.dial)
+		agentv1.RegisterService(srv, agentv1.New(agentv1.Config{
 			Registry: s.Registry, Policy: s.Policy, BrokerID: "test-broker",
 			Draining: s.Draining, Stopping: s.Stopping, Grace: time.Second,
 			ProbeEvery: time.Hour, // no probes in these tests
 			Log:        s.Log,
-		}).Register(srv)
+		}))
 	})
 	return b
 }

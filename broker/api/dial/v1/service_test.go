@@ -167,8 +167,7 @@ func TestDialsThatHaveNotNamedATargetCountAgainstTheCaller(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	held := b.dial.callerTunnels(brokertest.ID(kcpPath))
-	brokertest.Eventually(t, "two dials to be counted", func() bool { return held.Load() == 2 })
+	brokertest.Eventually(t, "two dials to be counted", func() bool { return b.dial.callers.Held(brokertest.ID(kcpPath)) == 2 })
 	brokertest.CheckStatus(t, "a dial with a target", b.dialStatus(t, kcpPath, brokertest.Target("root")),
 		codes.ResourceExhausted, "already holds 2 tunnels, the most a caller may")
 }
