@@ -204,12 +204,17 @@ func (r *Registry) pick(cluster string) (*Agent, error) {
 		"every agent of logical cluster %q carries %d tunnels", cluster, r.limits.MaxTunnelsPerAgent)}
 }
 
-// limitHit names the limit that keeps a from taking another dial for
-// cluster, or is "" if there is none. Only cluster's own pending dials
-// count, against both limits: they may become tunnels, and otherwise dials
-// that arrive together would all pass the tunnel limit. (A dial just
-// claimed counts twice until it returns, so the limit may refuse a moment
-// early, never late.) r.mu is held.
+// limitHit names the limit that keeps agent a from taking another dial for
+// cluster, or is "" if none does. The caller holds r.mu.
+//
+// Only the cluster's own pending dials count, against both limits. They
+// count against the tunnel limit because each may become a tunnel:
+// otherwise a burst of dials would all pass it at once. Other clusters'
+// pending dials do not count, so that no cluster uses up another's room.
+//
+// A dial that its agent has just claimed counts twice for a moment, as a
+// pending dial and as a tunnel, until its Dial returns: the limit may then
+// refuse a dial a moment early, but never let one through late.
 func (r *Registry) limitHit(a *Agent, cluster string) string {
 	l := r.limits
 	pending := a.pending[cluster]
