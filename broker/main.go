@@ -23,6 +23,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	"github.com/kcp-dev/tunnel-broker/internal/ops"
+	"github.com/kcp-dev/tunnel-broker/internal/version"
 )
 
 func main() {
@@ -34,6 +35,10 @@ func main() {
 
 func run() error {
 	o := parseFlags()
+	if o.showVersion {
+		fmt.Println("broker", version.Get())
+		return nil
+	}
 	log := ops.NewLogger(o.jsonLogs, o.verbose)
 	if o.policyFile == "" {
 		return fmt.Errorf("--policy is required: the broker admits no one by default")
@@ -66,11 +71,12 @@ func run() error {
 	cfg := o.cfg
 	cfg.Identity, cfg.Policy, cfg.Log = src, pol, log
 	srv := server.New(cfg)
-	metrics.Registry.MustRegister(metrics.AgentsCollector{PerCluster: srv.Registry.AgentsPerCluster})
+	metrics.Registry.MustRegister(metrics.AgentsCollector{PerCluster: srv.Registry.AgentsPerCluster},
+		version.Collector("kcp_tunnel_broker"))
 	if err := ops.Serve(ctx, ops.Options{Listen: o.opsListen, Pprof: o.pprof, Ready: srv.Ready, Metrics: metrics.Registry}, log); err != nil {
 		return err
 	}
-	log.Info("broker serving", "address", l.Addr().String(), "id", self.String(), "replica", cfg.ID)
+	log.Info("broker serving", "address", l.Addr().String(), "id", self.String(), "replica", cfg.ID, "version", version.Get().String())
 	return srv.Serve(ctx, l)
 }
 
@@ -79,7 +85,7 @@ func run() error {
 type options struct {
 	cfg                                  server.Config
 	listen, policyFile, opsListen, pprof string
-	jsonLogs, verbose                    bool
+	jsonLogs, verbose, showVersion       bool
 	identity                             *identity.Options
 }
 
@@ -112,6 +118,7 @@ func parseFlags() *options {
 	flag.BoolVar(&o.jsonLogs, "log-json", false, "log JSON lines instead of text")
 	flag.BoolVar(&o.verbose, "v", false, "log every tunnel, not only failures")
 	o.identity = identity.AddFlags(flag.CommandLine)
+	flag.BoolVar(&o.showVersion, "version", false, "print the version and exit")
 	flag.Parse()
 	c.MaxConcurrentStreams = uint32(min(*maxStreams, math.MaxUint32))
 	c.WindowSize = int32(*window)

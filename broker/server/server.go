@@ -23,6 +23,7 @@ import (
 	agentv1 "github.com/kcp-dev/tunnel-broker/broker/api/agent/v1"
 	dialv1 "github.com/kcp-dev/tunnel-broker/broker/api/dial/v1"
 	"github.com/kcp-dev/tunnel-broker/broker/authz"
+	"github.com/kcp-dev/tunnel-broker/broker/internal/fragments"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/opening"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
@@ -219,7 +220,10 @@ func (s *Server) credentials() credentials.TransportCredentials {
 		identity.MaxConcurrentHandshakes(cfg.MaxHandshakes),
 		identity.CloseExpiredPeers(cfg.ExpiredPeerGrace))
 	// One write syscall per gRPC flush, not one per 16 KiB TLS record.
-	return coalesce.Writes(creds)
+	creds = coalesce.Writes(creds)
+	// A peer that sends its data in tiny or padded DATA frames would make
+	// gRPC hold some 40 times what it sends; its connection is closed.
+	return fragments.Refuse(creds, fragments.Report{Log: cfg.Log, Count: metrics.ClosedFragmented.Inc})
 }
 
 // serverOptions are the gRPC server's interceptors, in the order they run,

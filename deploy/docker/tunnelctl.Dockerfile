@@ -17,6 +17,9 @@ ARG RUNTIME_IMAGE=scratch
 # the target's (docker buildx build --platform ...), with no emulation.
 FROM --platform=$BUILDPLATFORM golang:${GO_VERSION} AS build
 ARG TARGETOS TARGETARCH
+# What --version and the build_info metric report, as make stamps them:
+# --build-arg VERSION=$(cat VERSION) --build-arg COMMIT=$(git rev-parse --short=12 HEAD)
+ARG VERSION=unknown COMMIT=unknown
 WORKDIR /src
 # Static (no cgo), with no local paths in the binary, built from the root
 # module's own go.mod (go.work also holds the test module, which is not in
@@ -25,7 +28,7 @@ ENV CGO_ENABLED=0 GOWORK=off
 COPY . .
 # The cache mounts keep modules and compiled packages between builds.
 RUN --mount=type=cache,target=/go/pkg/mod --mount=type=cache,target=/root/.cache/go-build \
-    GOOS=$TARGETOS GOARCH=$TARGETARCH go build -trimpath -ldflags="-s -w" -o /out/tunnelctl ./broker/cmd/tunnelctl
+    GOOS=$TARGETOS GOARCH=$TARGETARCH go build -trimpath -ldflags="-s -w -X github.com/kcp-dev/tunnel-broker/internal/version.version=${VERSION} -X github.com/kcp-dev/tunnel-broker/internal/version.commit=${COMMIT}" -o /out/tunnelctl ./broker/cmd/tunnelctl
 
 FROM ${RUNTIME_IMAGE}
 COPY --from=build /out/tunnelctl /tunnelctl

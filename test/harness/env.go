@@ -87,14 +87,9 @@ func (e *Env) Dialer(addr, path string) *kcpplugin.Dialer {
 func (e *Env) BrokerConn(addr, path string) *grpc.ClientConn {
 	e.T.Helper()
 	src := e.Identity(path)
-	conn, err := grpc.NewClient(addr,
-		// As the README recommends to kcp: one write syscall per gRPC
-		// flush (not per TLS record), flushes of up to 256 KiB, and fixed
-		// windows, like the broker's.
-		grpc.WithTransportCredentials(kcpplugin.CoalesceWrites(
-			identity.ClientCredentials(src, tlsconfig.AuthorizeMemberOf(src.ID().TrustDomain())))),
-		grpc.WithWriteBufferSize(256<<10),
-		grpc.WithInitialWindowSize(1<<20), grpc.WithInitialConnWindowSize(16<<20))
+	// As kcp connects: coalesced writes, 256 KiB flushes, fixed windows.
+	conn, err := kcpplugin.NewClient(addr,
+		identity.ClientCredentials(src, tlsconfig.AuthorizeMemberOf(src.ID().TrustDomain())))
 	if err != nil {
 		e.T.Fatal(err)
 	}

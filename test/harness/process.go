@@ -49,7 +49,7 @@ func Binaries(t T) string {
 		if buildErr = os.MkdirAll(binDir, 0o755); buildErr != nil {
 			return
 		}
-		cmd := exec.Command("go", "build", "-o", binDir+"/",
+		cmd := exec.Command("go", "build", "-ldflags", stampFlags(t), "-o", binDir+"/",
 			"github.com/kcp-dev/tunnel-broker/broker", "github.com/kcp-dev/tunnel-broker/syncer-agent",
 			"github.com/kcp-dev/tunnel-broker/broker/cmd/tunnelctl")
 		out, err = cmd.CombinedOutput()

@@ -34,6 +34,13 @@ type WebhookOptions struct {
 // the peer's common name.
 func StartWebhook(t T, opts WebhookOptions, review func(req *admissionv1.AdmissionRequest, clientCN string) *admissionv1.AdmissionResponse) *Webhook {
 	t.Helper()
+	return StartTLSWebhook(t, opts, AdmissionHandler(review))
+}
+
+// StartTLSWebhook serves handler over TLS, with a certificate for the
+// Service name from a CA of its own, on a loopback port until the test ends.
+func StartTLSWebhook(t T, opts WebhookOptions, handler http.Handler) *Webhook {
+	t.Helper()
 	ca, err := devca.New("webhook CA", "")
 	if err != nil {
 		t.Fatal(err)
@@ -60,7 +67,7 @@ func StartWebhook(t T, opts WebhookOptions, review func(req *admissionv1.Admissi
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := &http.Server{Handler: AdmissionHandler(review), TLSConfig: cfg}
+	srv := &http.Server{Handler: handler, TLSConfig: cfg}
 	go func() { _ = srv.ServeTLS(l, "", "") }()
 	t.Cleanup(func() { srv.Close() })
 	return &Webhook{Addr: l.Addr().String(), CABundle: ca.BundlePEM()}

@@ -20,6 +20,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
+	"github.com/kcp-dev/tunnel-broker/internal/version"
 )
 
 const usage = `tunnelctl talks to a tunnel broker replica with a SPIFFE identity.
@@ -45,6 +46,7 @@ func run() error {
 	broker := fs.String("broker", "localhost:8443", "broker replica address, host:port")
 	brokerID := fs.String("broker-spiffe-id", "", "SPIFFE ID the broker must present (default: any in your trust domain)")
 	idOpts := identity.AddFlags(fs)
+	showVer := fs.Bool("version", false, "print the version and exit")
 	fs.Usage = func() {
 		fmt.Fprint(fs.Output(), usage)
 		fs.PrintDefaults()
@@ -54,6 +56,10 @@ func run() error {
 			return nil
 		}
 		return err
+	}
+	if *showVer {
+		fmt.Println("tunnelctl", version.Get())
+		return nil
 	}
 	if fs.NArg() == 0 {
 		fs.Usage()

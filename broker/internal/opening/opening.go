@@ -6,13 +6,14 @@
 //
 // Why: until a message is whole, gRPC holds what has arrived of it, up to
 // the server's largest message, and every HTTP/2 DATA frame of it as a
-// buffer of its own; a peer that sends a message in 1-byte frames makes the
-// broker hold about 40 bytes for each byte it sent (1.3 MiB for a message of
-// 32 KiB, measured with tunnelbench -phases hostile -hostile-frame 1). A
-// stream that never finishes its first message would hold that for as long
-// as the peer keeps the stream open. With these bounds, what all such
-// streams hold is at most MaxTotal x that, and for one peer MaxPerPeer x
-// that, each for at most Timeout.
+// buffer of its own. The broker closes a connection whose peer sends data
+// in frames of less than 8 bytes or padded (package fragments); in 8-byte
+// frames an unfinished message of 32 KiB still costs about 0.4 MiB
+// (measured with tunnelbench -phases hostile -hostile-frame 8). A stream
+// that never finishes its first message would hold that for as long as the
+// peer keeps the stream open. With these bounds, what all such streams hold
+// is at most MaxTotal x that, and for one peer MaxPerPeer x that, each for
+// at most Timeout.
 //
 // A streaming RPC counts once it has waited Patience for its first message,
 // until that message arrives; the stream is ended with DeadlineExceeded once
@@ -58,8 +59,9 @@ const (
 	// their first message, per peer SPIFFE ID and in total. A well-behaved
 	// peer sends its first message with the stream's headers, so its
 	// streams wait microseconds; 32 unfinished messages of the largest size
-	// (32 KiB), in 1-byte frames (about 1.3 MiB each), hold about 42 MiB,
-	// and 128 about 170 MiB.
+	// (32 KiB), in 8-byte frames (about 0.4 MiB each; smaller or padded
+	// frames close the connection, package fragments), hold about 13 MiB,
+	// and 128 about 52 MiB.
 	DefaultMaxPerPeer = 32
 	DefaultMaxTotal   = 128
 )

@@ -50,6 +50,8 @@ type config struct {
 	hostileStreams int
 	hostileMessage int64
 	hostileFrame   int
+	hostilePad     uint8
+	hostileTunnels int
 	hostileWait    time.Duration
 }
 
@@ -83,6 +85,8 @@ func main() {
 	flag.IntVar(&cfg.hostileStreams, "hostile-streams", 1000, "hostile phase: streams one identity opens and never finishes, per case")
 	hostileMessage := flag.String("hostile-message", "32KiB", "hostile phase: the size the first message announces (the broker's --max-message-size makes it maximal)")
 	flag.IntVar(&cfg.hostileFrame, "hostile-frame", 16384, "hostile phase: bytes per HTTP/2 DATA frame (1 is the costliest for the broker)")
+	hostilePad := flag.Uint("hostile-pad", 0, "hostile phase: bytes of padding (0-255) in each DATA frame, which no gRPC client sends")
+	flag.IntVar(&cfg.hostileTunnels, "hostile-tunnels", 16, "hostile phase: tunnels kcp dials through the hostile agent, per tunnel case")
 	flag.DurationVar(&cfg.hostileWait, "hostile-wait", time.Minute, "hostile phase: how long to wait for the broker to end the streams")
 	maxTime := flag.Duration("max-time", 20*time.Minute, "bound of the whole run: stop everything and fail after it")
 	flag.Parse()
@@ -94,6 +98,10 @@ func main() {
 	if cfg.hostileMessage, err = parseBytes(*hostileMessage); err != nil {
 		fatalf("-hostile-message: %v", err)
 	}
+	if *hostilePad > 255 {
+		fatalf("-hostile-pad: at most 255, HTTP/2's most")
+	}
+	cfg.hostilePad = uint8(*hostilePad)
 	if cfg.flood, err = parseBytes(*flood); err != nil {
 		fatalf("-flood: %v", err)
 	}

@@ -31,7 +31,7 @@ func TestTinyRunPrintsEveryFigure(t *testing.T) {
 	}
 	cmd := exec.Command(bin, "-size", "8MiB", "-duration", "300ms", "-dials", "30", "-idle", "20",
 		"-conns", "4", "-webhook-conns", "4", "-flood", "64MiB",
-		"-hostile-streams", "20", "-hostile-wait", "20s")
+		"-hostile-streams", "20", "-hostile-tunnels", "2", "-hostile-wait", "20s")
 	cmd.Env = append(os.Environ(), "TUNNEL_BIN_DIR="+harness.Binaries(t))
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
@@ -64,6 +64,7 @@ func TestTinyRunPrintsEveryFigure(t *testing.T) {
 		"isolation_slowdown_p50", "tenants_dial_loaded_p50_us", "tenants_dial_loaded_failed", "webhook_1conn_per_s", "webhook_4conns_p99_us",
 		"idle_20_broker_rss_KiB_per_tunnel", "idle_20_broker_goroutines_per_tunnel",
 		"hostile_dial_most_broker_rss_MiB_peak", "hostile_connect_most_streams_not_ended",
+		"hostile_tunnel_unfinished_broker_rss_MiB_peak", "hostile_tunnel_stalled_small_MiB_sent_per_tunnel",
 	} {
 		v, ok := values[name]
 		if !ok {

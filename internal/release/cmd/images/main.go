@@ -1,0 +1,64 @@
+// Command images packs the broker's and the syncer-agent's static binaries
+// into OCI images (make images): no container engine, no registry, no base
+// image pulled. It writes an OCI image layout holding every image, and an
+// OCI archive per image.
+package main
+
+import (
+	"flag"
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime"
+
+	"github.com/kcp-dev/tunnel-broker/internal/release/image"
+)
+
+// images are the binaries packed, and the names deploy/ gives their images.
+var images = []struct{ binary, name, title string }{
+	{"broker", "kcp-dev/tunnel-broker", "kcp tunnel broker"},
+	{"syncer-agent", "kcp-dev/tunnel-syncer-agent", "kcp tunnel syncer-agent"},
+}
+
+func main() {
+	var (
+		bin      = flag.String("bin", "", "folder with the static binaries, built for --os and --arch")
+		out      = flag.String("out", "", "folder to write the OCI layout (out/oci) and archives (out/<binary>.tar) into")
+		version  = flag.String("version", "", "image tag and version label")
+		revision = flag.String("revision", "", "git commit, for the revision label")
+		goos     = flag.String("os", "linux", "the binaries' GOOS")
+		goarch   = flag.String("arch", runtime.GOARCH, "the binaries' GOARCH")
+	)
+	flag.Parse()
+	if *bin == "" || *out == "" || *version == "" {
+		fmt.Fprintln(os.Stderr, "images: --bin, --out and --version are required")
+		os.Exit(2)
+	}
+	if err := os.RemoveAll(filepath.Join(*out, "oci")); err != nil {
+		fail(err)
+	}
+	for _, i := range images {
+		name := i.name + ":" + *version
+		img, err := image.Build(image.Spec{
+			Binary: filepath.Join(*bin, i.binary),
+			Title:  i.title, Version: *version, Revision: *revision, OS: *goos, Arch: *goarch,
+		})
+		if err != nil {
+			fail(err)
+		}
+		archive := filepath.Join(*out, i.binary+".tar")
+		if err := image.Write(filepath.Join(*out, "oci"), archive, name, img); err != nil {
+			fail(err)
+		}
+		digest, err := img.Digest()
+		if err != nil {
+			fail(err)
+		}
+		fmt.Printf("%s %s %s\n", name, digest, archive)
+	}
+}
+
+func fail(err error) {
+	fmt.Fprintln(os.Stderr, "images:", err)
+	os.Exit(1)
+}

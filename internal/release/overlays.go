@@ -1,0 +1,65 @@
+package release
+
+import (
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+)
+
+// Images are the names make images gives the images, as deploy/ refers to
+// them.
+var Images = []string{"kcp-dev/tunnel-broker", "kcp-dev/tunnel-syncer-agent"}
+
+var (
+	imageEntry = regexp.MustCompile(`^(\s*)- name:\s*(\S+)\s*$`)
+	newTag     = regexp.MustCompile(`^(\s*)newTag:\s*\S+\s*$`)
+)
+
+// StampOverlays sets the tag of Images in every kustomization of
+// deploy/overlays to version, so that the overlays of a release deploy the
+// images make images built for it. It edits lines, keeping comments.
+func StampOverlays(repo, version string) error {
+	files, err := filepath.Glob(filepath.Join(repo, "deploy", "overlays", "*", "kustomization.yaml"))
+	if err != nil {
+		return err
+	}
+	for _, f := range files {
+		data, err := os.ReadFile(f)
+		if err != nil {
+			return err
+		}
+		stamped := stampTags(string(data), version)
+		if stamped != string(data) {
+			if err := os.WriteFile(f, []byte(stamped), 0o644); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// stampTags rewrites newTag in the images: entries that name one of Images.
+func stampTags(kustomization, version string) string {
+	lines := strings.SplitAfter(kustomization, "\n")
+	ours := false
+	for i, l := range lines {
+		if m := imageEntry.FindStringSubmatch(strings.TrimRight(l, "\n")); m != nil {
+			ours = isImage(m[2])
+			continue
+		}
+		if m := newTag.FindStringSubmatch(strings.TrimRight(l, "\n")); m != nil && ours {
+			lines[i] = m[1] + "newTag: " + version + "\n"
+		}
+	}
+	return strings.Join(lines, "")
+}
+
+func isImage(name string) bool {
+	for _, i := range Images {
+		if name == i {
+			return true
+		}
+	}
+	return false
+}

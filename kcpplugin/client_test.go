@@ -1,0 +1,148 @@
+package kcpplugin
+
+import (
+	"context"
+	"io"
+	"net"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/resolver"
+	"google.golang.org/grpc/resolver/manual"
+
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+)
+
+// serveReplica serves handle over mTLS on a loopback port until the test
+// ends, as one broker replica, and returns its address.
+func serveReplica(t *testing.T, certs mtlsConfigs, handle dialHandler) string {
+	t.Helper()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := grpc.NewServer(grpc.Creds(credentials.NewTLS(certs.server)))
+	tunnelv1.RegisterDialServiceServer(srv, &fakeBroker{handle: handle})
+	served := make(chan struct{})
+	go func() {
+		defer close(served)
+		_ = srv.Serve(lis)
+	}()
+	t.Cleanup(func() {
+		srv.Stop()
+		<-served
+	})
+	return lis.Addr().String()
+}
+
+// replicas resolves to addrs, as DNS resolves a headless Service to every
+// broker replica.
+func replicas(addrs ...string) *manual.Resolver {
+	r := manual.NewBuilderWithScheme("replicas")
+	var state resolver.State
+	for _, a := range addrs {
+		state.Addresses = append(state.Addresses, resolver.Address{Addr: a})
+	}
+	r.InitialState(state)
+	return r
+}
+
+func newTestClient(t *testing.T, target string, certs mtlsConfigs, opts ...grpc.DialOption) *Dialer {
+	t.Helper()
+	cc, err := NewClient(target, credentials.NewTLS(certs.client), opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cc.Close() })
+	return NewDialer(cc)
+}
+
+func TestNewClientSpreadsDialsOverEveryReplica(t *testing.T) {
+	certs := selfSignedMTLS(t)
+	var dials [2]atomic.Int32
+	var addrs []string
+	for i := range dials {
+		addrs = append(addrs, serveReplica(t, certs, establish(func(p *peer) error {
+			dials[i].Add(1)
+			return p.echo()
+		})))
+	}
+	dialer := newTestClient(t, "replicas:///broker", certs, grpc.WithResolvers(replicas(addrs...)))
+
+	// Round robin picks among the replicas it has connected to, so the
+	// first dials may all reach the one that was ready first; pick_first,
+	// gRPC's default, would send every dial to one replica.
+	deadline := time.Now().Add(waitLong)
+	for dials[0].Load() == 0 || dials[1].Load() == 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("dials per replica: %d and %d, want both used", dials[0].Load(), dials[1].Load())
+		}
+		c := dial(t, dialer)
+		closeWrite(t, c)
+		if _, err := io.ReadAll(c); err != nil {
+			t.Fatal(err)
+		}
+		_ = c.Close()
+	}
+}
+
+// writeSizes records the size of every write on the client's connections.
+type writeSizes struct {
+	mu    sync.Mutex
+	sizes []int
+}
+
+func (w *writeSizes) largest() int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	largest := 0
+	for _, n := range w.sizes {
+		largest = max(largest, n)
+	}
+	return largest
+}
+
+type countingConn struct {
+	net.Conn
+	sizes *writeSizes
+}
+
+func (c countingConn) Write(b []byte) (int, error) {
+	c.sizes.mu.Lock()
+	c.sizes.sizes = append(c.sizes.sizes, len(b))
+	c.sizes.mu.Unlock()
+	return c.Conn.Write(b)
+}
+
+func TestNewClientSendsManyTLSRecordsPerWrite(t *testing.T) {
+	certs := selfSignedMTLS(t)
+	addr := serveReplica(t, certs, establish(func(p *peer) error { return p.echo() }))
+	sizes := &writeSizes{}
+	dialer := newTestClient(t, "passthrough:///"+addr, certs,
+		grpc.WithContextDialer(func(ctx context.Context, addr string) (net.Conn, error) {
+			c, err := (&net.Dialer{}).DialContext(ctx, "tcp", addr)
+			if err != nil {
+				return nil, err
+			}
+			return countingConn{Conn: c, sizes: sizes}, nil
+		}))
+
+	c := dial(t, dialer)
+	data := make([]byte, 8<<20)
+	got := goReadAll(c)
+	write(t, c, data)
+	closeWrite(t, c)
+	if r := within(t, got, "the echo"); r.err != nil || r.n != len(data) {
+		t.Fatalf("echo: %v", r)
+	}
+	// crypto/tls writes each record of at most 16 KiB of data with a write
+	// of its own; coalesced, one write carries a whole gRPC flush.
+	const record = 16<<10 + 256
+	if largest := sizes.largest(); largest <= record {
+		t.Fatalf("largest write on the connection: %d bytes, want more than one TLS record (%d)", largest, record)
+	}
+}
