@@ -162,7 +162,9 @@ func (r *Registry) Claim(dialID uint64, agentID spiffeid.ID) (*Claim, error) {
 // Call it once, right after Claim.
 func (c *Claim) HandOver(t Tunnel) {
 	c.tunnel = t
-	c.dial.answer <- answer{claim: c}
+	dial := c.dial
+	c.dial = nil // the tunnel, which may last, need not keep its dial
+	dial.answer <- answer{claim: c}
 }
 
 // Tunnel is what the agent's Tunnel RPC handed over.

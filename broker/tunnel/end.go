@@ -96,21 +96,20 @@ func (t *Tunnel) watch(stopping context.Context) (unwatch func()) {
 	callerCtx, agentCtx := t.caller.Context(), t.agent.Context()
 	// On contexts of the standard library, AfterFunc starts no goroutine
 	// until its context ends.
-	stops := []func() bool{
-		context.AfterFunc(callerCtx, func() { t.fail(&failure{by: callerSide, err: context.Cause(callerCtx)}) }),
-		context.AfterFunc(agentCtx, func() { t.fail(&failure{by: agentSide, err: context.Cause(agentCtx)}) }),
-	}
+	stopCaller := context.AfterFunc(callerCtx, func() { t.fail(&failure{by: callerSide, err: context.Cause(callerCtx)}) })
+	stopAgent := context.AfterFunc(agentCtx, func() { t.fail(&failure{by: agentSide, err: context.Cause(agentCtx)}) })
+	stopStopping := func() bool { return false }
 	if stopping != nil {
-		stops = append(stops, context.AfterFunc(stopping, func() {
+		stopStopping = context.AfterFunc(stopping, func() {
 			t.fail(byBroker(status.Error(codes.Unavailable, "the broker is shutting down and its grace period is over"),
 				status.Error(codes.Unavailable, "the broker is shutting down")))
-		}))
+		})
 	}
 	t.startIdleTimer()
 	return func() {
-		for _, stop := range stops {
-			stop()
-		}
+		stopCaller()
+		stopAgent()
+		stopStopping()
 		t.stopIdleTimer()
 	}
 }

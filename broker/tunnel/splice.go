@@ -73,14 +73,15 @@ func (t *Tunnel) Splice(caller tunnelv1.DialService_DialServer, cfg Config, ende
 }
 
 // A direction is one way through the tunnel: up, from the caller to the
-// agent, or down, from the agent to the caller.
+// agent, or down, from the agent to the caller. Its messages are made only
+// when needed: an idle tunnel holds none.
 type direction struct {
 	from, to         grpc.ServerStream
 	fromSide, toSide side
-	// closeWrite tells to that from half-closed.
-	closeWrite any
+	// closeWrite is the message that tells to that from half-closed.
+	closeWrite func() any
 	// notData is the failure of a from that sends anything but data.
-	notData error
+	notData func() error
 	bytes   prometheus.Counter
 }
 
@@ -88,9 +89,7 @@ type direction struct {
 func (t *Tunnel) copyUp() {
 	t.forward(direction{
 		from: t.caller, to: t.agent, fromSide: callerSide, toSide: agentSide,
-		closeWrite: &tunnelv1.TunnelResponse{Frame: &tunnelv1.TunnelResponse_CloseWrite{CloseWrite: &tunnelv1.CloseWrite{}}},
-		notData:    status.Error(codes.InvalidArgument, "protocol error: after the target, a caller may only send non-empty data"),
-		bytes:      metrics.BytesUp,
+		closeWrite: closeWriteToAgent, notData: callerSentNotData, bytes: metrics.BytesUp,
 	})
 }
 
@@ -100,10 +99,24 @@ func (t *Tunnel) copyDown() {
 	defer close(t.downDone)
 	t.forward(direction{
 		from: t.agent, to: t.caller, fromSide: agentSide, toSide: callerSide,
-		closeWrite: &tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_CloseWrite{CloseWrite: &tunnelv1.CloseWrite{}}},
-		notData:    errors.New("protocol error: after opening, an agent may only send non-empty data"),
-		bytes:      metrics.BytesDown,
+		closeWrite: closeWriteToCaller, notData: agentSentNotData, bytes: metrics.BytesDown,
 	})
+}
+
+func closeWriteToAgent() any {
+	return &tunnelv1.TunnelResponse{Frame: &tunnelv1.TunnelResponse_CloseWrite{CloseWrite: &tunnelv1.CloseWrite{}}}
+}
+
+func closeWriteToCaller() any {
+	return &tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_CloseWrite{CloseWrite: &tunnelv1.CloseWrite{}}}
+}
+
+func callerSentNotData() error {
+	return status.Error(codes.InvalidArgument, "protocol error: after the target, a caller may only send non-empty data")
+}
+
+func agentSentNotData() error {
+	return errors.New("protocol error: after opening, an agent may only send non-empty data")
 }
 
 // forward copies d's data frames as they were received, without decoding
@@ -114,7 +127,7 @@ func (t *Tunnel) forward(d direction) {
 		var f tunnelv1.Frame
 		err := d.from.RecvMsg(&f)
 		if errors.Is(err, io.EOF) {
-			if err := d.to.SendMsg(d.closeWrite); err != nil {
+			if err := d.to.SendMsg(d.closeWrite()); err != nil {
 				t.fail(&failure{by: d.toSide, err: err})
 			}
 			return
@@ -127,7 +140,7 @@ func (t *Tunnel) forward(d direction) {
 		n, err := f.DataLen()
 		if err != nil {
 			f.Free()
-			t.fail(&failure{by: d.fromSide, err: d.notData})
+			t.fail(&failure{by: d.fromSide, err: d.notData()})
 			return
 		}
 		if err := d.to.SendMsg(&f); err != nil {
