@@ -12,7 +12,8 @@ import (
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
-// Agent is one agent's control stream.
+// Agent is one registration of an agent: its control stream, the clusters
+// it serves, the dials it was ordered and the tunnels it carries.
 type Agent struct {
 	// SessionID names this connection of the agent in logs.
 	SessionID string

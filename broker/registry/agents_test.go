@@ -11,7 +11,7 @@ import (
 // logs.
 
 func TestAgentsListsEachRegisteredAgentOnce(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root", "other")
 	b := registerAgent(t, r, "b", "root")
 
@@ -22,7 +22,7 @@ func TestAgentsListsEachRegisteredAgentOnce(t *testing.T) {
 }
 
 func TestAgentsOmitsUnregisteredAgents(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	b := registerAgent(t, r, "b", "root")
 	r.Unregister(a)
@@ -35,7 +35,7 @@ func TestAgentsOmitsUnregisteredAgents(t *testing.T) {
 func TestAgentServingNoClusterIsListed(t *testing.T) {
 	// An agent may serve no cluster for a while (a sync target no workspace
 	// uses yet); it is connected all the same, and may carry tunnels.
-	r := New()
+	r := New(Limits{})
 	idle := registerAgent(t, r, "idle")
 	emptied := registerAgent(t, r, "emptied", "root")
 	r.Update(emptied, nil)
@@ -49,7 +49,7 @@ func TestAgentServingNoClusterIsListed(t *testing.T) {
 func TestUpdateAfterUnregisterRoutesNothing(t *testing.T) {
 	// The control stream's receiver may still apply a re-registration the
 	// agent sent as the stream ended: the agent is gone all the same.
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	r.Unregister(a)
 	r.Update(a, []string{"root", "other"})
@@ -63,7 +63,7 @@ func TestUpdateAfterUnregisterRoutesNothing(t *testing.T) {
 }
 
 func TestAgentsPerClusterCountsTheAgentsServingEachCluster(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	registerAgent(t, r, "a", "root", "other")
 	b := registerAgent(t, r, "b", "root")
 	c := registerAgent(t, r, "c", "gone")
@@ -77,7 +77,7 @@ func TestAgentsPerClusterCountsTheAgentsServingEachCluster(t *testing.T) {
 }
 
 func TestClustersOfFollowsUpdates(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	if got := r.ClustersOf(a); !slices.Equal(got, []string{"root"}) {
 		t.Errorf("ClustersOf = %v, want [root]", got)

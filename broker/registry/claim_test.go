@@ -13,37 +13,70 @@ import (
 // stream, or reports a failure on its control stream.
 
 func TestClaimHandsTheTunnelToTheDial(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	tgt := target("root")
 	d := startDial(t, r, tgt)
 	o := nextOrder(t, a)
 
-	stream := newFakeTunnelStream()
-	claimed, err := r.Claim(o.GetDialId(), a.ID, stream)
+	c, err := r.Claim(o.GetDialId(), a.ID)
 	if err != nil {
 		t.Fatalf("claim: %v", err)
 	}
-	out := d.wait()
-	if out.err != nil {
-		t.Fatalf("dial: %v", out.err)
+	tun := newFakeTunnel()
+	c.HandOver(tun)
+	got := d.connected()
+	if got != c || got.Tunnel() != tun {
+		t.Fatal("the dial got another claim or tunnel than the claim handed over")
 	}
-	if out.tunnel != claimed {
-		t.Fatal("the dial got another tunnel than the claim made")
+	if got.Agent != a || got.Target != tgt {
+		t.Errorf("claim of agent %s, target %v; want agent %s, target %v", got.Agent, got.Target, a, tgt)
 	}
-	tun := out.tunnel
-	if tun.Stream != stream || tun.Agent != a || tun.Target != tgt {
-		t.Errorf("tunnel has stream %p, agent %s, target %v; want the claiming stream %p, agent %s, target %v",
-			tun.Stream, tun.Agent, tun.Target, stream, a, tgt)
+	if want := fmt.Sprintf("%016x", o.GetDialId()); got.TunnelID != want {
+		t.Errorf("tunnel ID %q, want the dial id in hex, %q", got.TunnelID, want)
 	}
-	if want := fmt.Sprintf("%016x", o.GetDialId()); tun.ID != want {
-		t.Errorf("tunnel ID %q, want the dial id in hex, %q", tun.ID, want)
+	got.Release()
+}
+
+func TestAClaimedTunnelCountsAgainstItsAgentUntilReleasedOnce(t *testing.T) {
+	r := New(Limits{})
+	a := registerAgent(t, r, "a", "root")
+	b := registerAgent(t, r, "b", "other")
+	first := claimedTunnel(t, r, "root", a)
+	claimedTunnel(t, r, "root", a)
+	if n, m := a.Tunnels(), b.Tunnels(); n != 2 || m != 0 {
+		t.Fatalf("agents carry %d and %d tunnels, want 2 and 0", n, m)
 	}
-	tun.Finish(nil)
+	first.Release()
+	first.Release()
+	if n := a.Tunnels(); n != 1 {
+		t.Errorf("agent carries %d tunnels after one of two was released twice, want 1", n)
+	}
+}
+
+func TestTunnelsOutliveTheirAgentsRegistration(t *testing.T) {
+	// An established tunnel has streams of its own: the agent's Connect
+	// ending does not end it.
+	r := New(Limits{})
+	a := registerAgent(t, r, "a", "root")
+	d, o := orderedDial(t, r, "root", a)
+	tun := claim(t, "claim", r, o.GetDialId(), a.ID)
+	c := d.connected()
+
+	r.Unregister(a)
+	select {
+	case err := <-tun.ended:
+		t.Errorf("the tunnel ended with %v when its agent unregistered", err)
+	default:
+	}
+	if n := a.Tunnels(); n != 1 {
+		t.Errorf("agent carries %d tunnels, want 1", n)
+	}
+	c.Release()
 }
 
 func TestClaimByAnotherAgentIsRefused(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	ordered := registerAgent(t, r, "ordered", "root")
 	intruder := registerAgent(t, r, "intruder", "root")
 	d := startDial(t, r, target("root"))
@@ -65,7 +98,7 @@ func TestClaimByAnotherAgentIsRefused(t *testing.T) {
 func TestAnotherSessionOfTheAgentMayClaim(t *testing.T) {
 	// A dial id belongs to the agent's SPIFFE ID, not to one control
 	// stream: its Tunnel stream is a separate RPC.
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	sameID := NewAgent("another-session", a.ID, "a", nil)
 	d, o := orderedDial(t, r, "root", a)
@@ -75,7 +108,7 @@ func TestAnotherSessionOfTheAgentMayClaim(t *testing.T) {
 }
 
 func TestClaimOfAnUnknownDialIsRefused(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 
 	checkClaimRefused(t, "claim", r, 42, a.ID)
@@ -85,7 +118,7 @@ func TestClaimOfAnUnknownDialIsRefused(t *testing.T) {
 }
 
 func TestSecondClaimOfADialIsRefused(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	d, o := orderedDial(t, r, "root", a)
 	claim(t, "first claim", r, o.GetDialId(), a.ID)
@@ -94,11 +127,11 @@ func TestSecondClaimOfADialIsRefused(t *testing.T) {
 	if n := a.Tunnels(); n != 1 {
 		t.Errorf("agent carries %d tunnels after two claims of one dial, want 1", n)
 	}
-	d.wait().tunnel.Finish(nil)
+	d.connected().Release()
 }
 
 func TestDialIDsAreNotReused(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	seen := map[uint64]bool{}
 	for range 5 {
@@ -116,7 +149,7 @@ func TestDialIDsOfTwoRegistriesDiffer(t *testing.T) {
 	// Dial ids start at a random point, so that an agent's late open for a
 	// dial of an earlier incarnation of the replica is unlikely to match.
 	first := func() uint64 {
-		r := New()
+		r := New(Limits{})
 		a := registerAgent(t, r, "a", "root")
 		d, o := orderedDial(t, r, "root", a)
 		d.cancel()
@@ -149,7 +182,7 @@ func TestFailureEndsTheDialWithTheAgentsCode(t *testing.T) {
 		{codes.Code(99), codes.Unavailable},
 	} {
 		t.Run(tc.reported.String(), func(t *testing.T) {
-			r := New()
+			r := New(Limits{})
 			// A name other than its SPIFFE ID's path: the caller sees the name.
 			a := newTestAgent(t, "sync-target-1", "/agent/a", "root")
 			r.Register(a)
@@ -158,7 +191,7 @@ func TestFailureEndsTheDialWithTheAgentsCode(t *testing.T) {
 			r.Fail(a, &tunnelv1.DialFailure{DialId: o.GetDialId(), Code: int32(tc.reported), Message: "connection refused"})
 			out := d.wait()
 			checkStatus(t, "dial", out.err, tc.want, "agent sync-target-1: connection refused"+inTunnel(o.GetDialId()))
-			if out.tunnel != nil {
+			if out.claim != nil {
 				t.Error("a failed dial returned a tunnel")
 			}
 		})
@@ -168,7 +201,7 @@ func TestFailureEndsTheDialWithTheAgentsCode(t *testing.T) {
 func TestFailureFromAnotherSessionIsIgnored(t *testing.T) {
 	// A dial_failure counts only on the control stream the order went on,
 	// even from the same SPIFFE ID.
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	sameID := NewAgent("another-session", a.ID, "a", []string{"root"})
 	d, o := orderedDial(t, r, "root", a)
@@ -182,20 +215,20 @@ func TestFailureFromAnotherSessionIsIgnored(t *testing.T) {
 }
 
 func TestFailureAfterClaimIsIgnored(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	d, o := orderedDial(t, r, "root", a)
 	claim(t, "claim", r, o.GetDialId(), a.ID)
 
 	r.Fail(a, &tunnelv1.DialFailure{DialId: o.GetDialId(), Code: int32(codes.Unavailable), Message: "reset"})
 	out := d.wait()
-	if out.err != nil || out.tunnel == nil {
-		t.Fatalf("dial: %v, tunnel %v; want the claimed tunnel", out.err, out.tunnel)
+	if out.err != nil || out.claim == nil {
+		t.Fatalf("dial: %v, claim %v; want the claim", out.err, out.claim)
 	}
 }
 
 func TestFailureOfAnUnknownDialIsIgnored(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	d, o := orderedDial(t, r, "root", a)
 

@@ -13,20 +13,20 @@ import (
 // the agent opens for a dial nobody waits for any more.
 
 func TestDialEndsWhenTheAgentGoes(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	d, o := orderedDial(t, r, "root", a)
 
 	r.Unregister(a)
 	checkStatus(t, "dial", d.wait().err, codes.Unavailable, "agent a went away"+inTunnel(o.GetDialId()))
-	_, err := r.Claim(o.GetDialId(), a.ID, newFakeTunnelStream())
+	_, err := r.Claim(o.GetDialId(), a.ID)
 	if status.Code(err) != codes.NotFound {
 		t.Errorf("claim after the dial ended: %v, want NotFound", err)
 	}
 }
 
 func TestDialEndsWhenTheAgentGoesBeforeTakingItsOrder(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	d, id := queuedDial(t, r, "root", a)
 
@@ -35,17 +35,17 @@ func TestDialEndsWhenTheAgentGoesBeforeTakingItsOrder(t *testing.T) {
 }
 
 func TestDialTimesOutWhenTheAgentDoesNotConnect(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Millisecond)
 	defer cancel()
 
-	_, err := r.Dial(ctx, target("root"), 10)
+	_, err := r.Dial(ctx, target("root"))
 	checkStatus(t, "dial", err, codes.DeadlineExceeded, "agent a did not connect in time"+inTunnel(nextOrder(t, a).GetDialId()))
 }
 
 func TestCancelledDialIsCanceled(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	d, _ := orderedDial(t, r, "root", a)
 
@@ -54,7 +54,7 @@ func TestCancelledDialIsCanceled(t *testing.T) {
 }
 
 func TestClaimAfterTheDialGaveUpIsRefused(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	d, o := orderedDial(t, r, "root", a)
 	d.cancel()
@@ -70,8 +70,8 @@ func TestClaimAfterTheDialGaveUpIsRefused(t *testing.T) {
 // agent's queue, so the dial gives up with the claim made and its tunnel
 // handed over: the registry must end that tunnel itself.
 
-func TestAbandonedClaimFinishesTheTunnel(t *testing.T) {
-	r := New()
+func TestAnAbandonedClaimEndsItsTunnel(t *testing.T) {
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	d, id := queuedDial(t, r, "root", a)
 	tun := claim(t, "claim", r, id, a.ID)
@@ -79,17 +79,17 @@ func TestAbandonedClaimFinishesTheTunnel(t *testing.T) {
 	d.cancel()
 	out := d.wait()
 	checkStatus(t, "dial", out.err, codes.Canceled, "context canceled")
-	if out.tunnel != nil {
+	if out.claim != nil {
 		t.Error("a cancelled dial returned a tunnel")
 	}
-	checkStatus(t, "the abandoned tunnel", waitFinished(t, tun), codes.Canceled, "context canceled")
+	checkStatus(t, "the abandoned tunnel", tun.waitEnded(t), codes.Canceled, "context canceled")
 	if n := a.Tunnels(); n != 0 {
 		t.Errorf("the agent carries %d tunnels after the abandoned one ended, want 0", n)
 	}
 }
 
-func TestClaimedDialWhoseAgentGoesFinishesTheTunnel(t *testing.T) {
-	r := New()
+func TestAClaimedDialWhoseAgentGoesEndsItsTunnel(t *testing.T) {
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	d, id := queuedDial(t, r, "root", a)
 	tun := claim(t, "claim", r, id, a.ID)
@@ -97,26 +97,32 @@ func TestClaimedDialWhoseAgentGoesFinishesTheTunnel(t *testing.T) {
 	r.Unregister(a)
 	out := d.wait()
 	checkStatus(t, "dial", out.err, codes.Unavailable, "agent a went away"+inTunnel(id))
-	if out.tunnel != nil {
+	if out.claim != nil {
 		t.Error("a dial whose agent went away returned a tunnel")
 	}
-	checkStatus(t, "the abandoned tunnel", waitFinished(t, tun), codes.Unavailable, "agent a went away"+inTunnel(id))
+	checkStatus(t, "the abandoned tunnel", tun.waitEnded(t), codes.Unavailable, "agent a went away"+inTunnel(id))
 	if n := a.Tunnels(); n != 0 {
 		t.Errorf("the agent carries %d tunnels after the abandoned one ended, want 0", n)
 	}
 }
 
 // TestDialThatEndsAsItIsClaimedLeavesNoTunnelOpen races a claim against the
-// end of the dial: whichever wins, the tunnel is either the dial's to finish
-// or already finished with the dial's status.
+// end of the dial: whichever wins, the tunnel is either the dial's to end
+// or already ended with the dial's status.
 func TestDialThatEndsAsItIsClaimedLeavesNoTunnelOpen(t *testing.T) {
 	for i := range 50 {
-		r := New()
+		r := New(Limits{})
 		a := registerAgent(t, r, "a", "root")
 		d, o := orderedDial(t, r, "root", a)
-		claimed := make(chan *Tunnel, 1)
+		claimed := make(chan *fakeTunnel, 1)
 		go func() {
-			tun, _ := r.Claim(o.GetDialId(), a.ID, newFakeTunnelStream())
+			c, err := r.Claim(o.GetDialId(), a.ID)
+			if err != nil {
+				claimed <- nil
+				return
+			}
+			tun := newFakeTunnel()
+			c.HandOver(tun)
 			claimed <- tun
 		}()
 		if i%2 == 0 {
@@ -128,12 +134,12 @@ func TestDialThatEndsAsItIsClaimedLeavesNoTunnelOpen(t *testing.T) {
 		tun := <-claimed
 		switch {
 		case out.err == nil:
-			if out.tunnel != tun {
+			if tun == nil || out.claim.Tunnel() != tun {
 				t.Fatalf("round %d: the dial returned a tunnel that was not claimed", i)
 			}
-			out.tunnel.Finish(nil)
+			out.claim.Release()
 		case tun != nil:
-			if err := waitFinished(t, tun); status.Code(err) != status.Code(out.err) {
+			if err := tun.waitEnded(t); status.Code(err) != status.Code(out.err) {
 				t.Errorf("round %d: the claimed tunnel ended with %v, the dial with %v", i, err, out.err)
 			}
 		}
@@ -169,7 +175,7 @@ func waitPending(t *testing.T, r *Registry, a *Agent, n int) []uint64 {
 		r.mu.Lock()
 		var ids []uint64
 		for id, p := range r.pending {
-			if p.Agent == a {
+			if p.agent == a {
 				ids = append(ids, id)
 			}
 		}
@@ -182,16 +188,4 @@ func waitPending(t *testing.T, r *Registry, a *Agent, n int) []uint64 {
 		}
 		time.Sleep(time.Millisecond)
 	}
-}
-
-// waitFinished is the status a tunnel was finished with.
-func waitFinished(t *testing.T, tun *Tunnel) error {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(t.Context(), waitLong)
-	defer cancel()
-	err := tun.Wait(ctx)
-	if ctx.Err() != nil {
-		t.Fatalf("tunnel %s was not finished within %v", tun.ID, waitLong)
-	}
-	return err
 }

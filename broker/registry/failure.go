@@ -59,9 +59,9 @@ func (e *DialError) LogAttrs() []any {
 }
 
 // dialError is p's failure with code, and message for its caller.
-func dialError(p *Pending, code codes.Code, message string) *DialError {
-	id := tunnelID(p.ID)
-	return &DialError{TunnelID: id, Agent: p.Agent, status: status.Newf(code, "%s (tunnel %s)", message, id)}
+func dialError(p *pending, code codes.Code, message string) *DialError {
+	id := tunnelID(p.id)
+	return &DialError{TunnelID: id, Agent: p.agent, status: status.Newf(code, "%s (tunnel %s)", message, id)}
 }
 
 // tunnelID names a dial, and the tunnel it becomes, in messages and logs.
@@ -76,13 +76,13 @@ func callerName(a *Agent) string {
 	return "the agent"
 }
 
-func agentGone(p *Pending) error {
-	return dialError(p, codes.Unavailable, callerName(p.Agent)+" went away")
+func agentGone(p *pending) error {
+	return dialError(p, codes.Unavailable, callerName(p.agent)+" went away")
 }
 
-func contextStatus(ctx context.Context, p *Pending) error {
+func contextStatus(ctx context.Context, p *pending) error {
 	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
-		return dialError(p, codes.DeadlineExceeded, callerName(p.Agent)+" did not connect in time")
+		return dialError(p, codes.DeadlineExceeded, callerName(p.agent)+" did not connect in time")
 	}
 	e := dialError(p, codes.Canceled, "")
 	e.status = status.FromContextError(ctx.Err())
@@ -91,7 +91,7 @@ func contextStatus(ctx context.Context, p *Pending) error {
 
 // agentFailure turns an agent's report into the caller's status. Only codes a
 // caller can act on pass through; anything else means the agent failed.
-func agentFailure(p *Pending, f *tunnelv1.DialFailure) error {
+func agentFailure(p *pending, f *tunnelv1.DialFailure) error {
 	code := codes.Code(f.GetCode())
 	switch code {
 	case codes.NotFound, codes.Unavailable, codes.DeadlineExceeded, codes.PermissionDenied,
@@ -103,7 +103,7 @@ func agentFailure(p *Pending, f *tunnelv1.DialFailure) error {
 	if said == "" {
 		said = "no reason given"
 	}
-	e := dialError(p, code, callerName(p.Agent)+": "+said)
+	e := dialError(p, code, callerName(p.agent)+": "+said)
 	e.AgentMessageBytes = len(f.GetMessage())
 	e.AgentMessage = strings.ToValidUTF8(f.GetMessage()[:min(len(f.GetMessage()), MaxLoggedAgentMessage)], "")
 	return e

@@ -17,7 +17,7 @@ import (
 // What an agent reports reaches the caller short, and without the agent's
 // SPIFFE ID or any address; the broker keeps it whole for its log.
 func TestAFailureShowsTheCallerNoAddressesNorTheAgentsSPIFFEID(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := newTestAgent(t, "sync-target-1", "/agent/a", "root")
 	r.Register(a)
 	d, o := orderedDial(t, r, "root", a)
@@ -39,7 +39,7 @@ func TestAFailureShowsTheCallerNoAddressesNorTheAgentsSPIFFEID(t *testing.T) {
 }
 
 func TestALongFailureIsCutForTheCallerAndTheLog(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	d, o := orderedDial(t, r, "root", a)
 
@@ -65,7 +65,7 @@ func TestAnAgentsNameIsRedactedForTheCaller(t *testing.T) {
 		{"spiffe://example.org/agent/a", "agent <url>: refused"},
 		{strings.Repeat("n", 1000), "agent " + strings.Repeat("n", 61) + "…: refused"},
 	} {
-		r := New()
+		r := New(Limits{})
 		a := newTestAgent(t, tc.name, "/agent/a", "root")
 		r.Register(a)
 		d, o := orderedDial(t, r, "root", a)

@@ -13,14 +13,13 @@ import (
 // What one agent may be asked to carry: Limits.
 
 func TestPendingDialsPerClusterAreBounded(t *testing.T) {
-	r := New()
-	r.Limits = Limits{MaxPendingPerCluster: 2}
+	r := New(Limits{MaxPendingPerCluster: 2})
 	a := registerAgent(t, r, "a", "root")
 	for range 2 {
 		orderedDial(t, r, "root", a)
 	}
 
-	_, err := r.Dial(t.Context(), target("root"), 1000)
+	_, err := r.Dial(t.Context(), target("root"))
 	checkStatus(t, "dial past the limit", err, codes.ResourceExhausted, `every agent of logical cluster "root" has 2 of its dials pending`)
 	checkLimit(t, err, LimitPendingPerCluster)
 	noOrder(t, a)
@@ -29,13 +28,12 @@ func TestPendingDialsPerClusterAreBounded(t *testing.T) {
 // A cluster whose targets hang fills its own queue of pending dials on the
 // agent, and no other cluster's: the agent still takes the others' dials.
 func TestOneClustersPendingDialsDoNotCountAgainstAnothers(t *testing.T) {
-	r := New()
-	r.Limits = Limits{MaxPendingPerCluster: 2}
+	r := New(Limits{MaxPendingPerCluster: 2})
 	a := registerAgent(t, r, "a", "hanging", "healthy")
 	for range 2 {
 		orderedDial(t, r, "hanging", a)
 	}
-	_, err := r.Dial(t.Context(), target("hanging"), 1000)
+	_, err := r.Dial(t.Context(), target("hanging"))
 	checkLimit(t, err, LimitPendingPerCluster)
 
 	for range 2 {
@@ -46,21 +44,19 @@ func TestOneClustersPendingDialsDoNotCountAgainstAnothers(t *testing.T) {
 // Pending dials count against the tunnel limit for their own cluster only:
 // another cluster's hanging dials leave the agent's tunnels to the rest.
 func TestOtherClustersPendingDialsDoNotCountAgainstTheTunnelLimit(t *testing.T) {
-	r := New()
-	r.Limits = Limits{MaxTunnelsPerAgent: 2}
+	r := New(Limits{MaxTunnelsPerAgent: 2})
 	a := registerAgent(t, r, "a", "hanging", "healthy")
 	for range 2 {
 		orderedDial(t, r, "hanging", a)
 	}
-	_, err := r.Dial(t.Context(), target("hanging"), 1000)
+	_, err := r.Dial(t.Context(), target("hanging"))
 	checkLimit(t, err, LimitTunnelsPerAgent)
 
 	claimedTunnel(t, r, "healthy", a)
 }
 
 func TestAnsweredDialFreesItsPendingPlace(t *testing.T) {
-	r := New()
-	r.Limits = Limits{MaxPendingPerCluster: 1}
+	r := New(Limits{MaxPendingPerCluster: 1})
 	a := registerAgent(t, r, "a", "root")
 	d, o := orderedDial(t, r, "root", a)
 	r.Fail(a, &tunnelv1.DialFailure{DialId: o.GetDialId(), Code: int32(codes.NotFound), Message: "no such service"})
@@ -71,8 +67,7 @@ func TestAnsweredDialFreesItsPendingPlace(t *testing.T) {
 }
 
 func TestGivenUpDialFreesItsPendingPlace(t *testing.T) {
-	r := New()
-	r.Limits = Limits{MaxPendingPerCluster: 1}
+	r := New(Limits{MaxPendingPerCluster: 1})
 	a := registerAgent(t, r, "a", "root")
 	d, _ := orderedDial(t, r, "root", a)
 	d.cancel()
@@ -83,18 +78,17 @@ func TestGivenUpDialFreesItsPendingPlace(t *testing.T) {
 }
 
 func TestTunnelsPerAgentAreBounded(t *testing.T) {
-	r := New()
-	r.Limits = Limits{MaxTunnelsPerAgent: 1}
+	r := New(Limits{MaxTunnelsPerAgent: 1})
 	a := registerAgent(t, r, "a", "root")
 	tun := claimedTunnel(t, r, "root", a)
 
-	_, err := r.Dial(t.Context(), target("root"), 1000)
+	_, err := r.Dial(t.Context(), target("root"))
 	checkStatus(t, "dial past the limit", err, codes.ResourceExhausted, `every agent of logical cluster "root" carries 1 tunnels`)
 	checkLimit(t, err, LimitTunnelsPerAgent)
 	noOrder(t, a)
 
-	// A finished tunnel frees its place.
-	tun.Finish(nil)
+	// A tunnel that ended frees its place.
+	tun.Release()
 	startDial(t, r, target("root"))
 	nextOrder(t, a)
 }
@@ -102,22 +96,20 @@ func TestTunnelsPerAgentAreBounded(t *testing.T) {
 // Dials on their way to becoming tunnels count against the tunnel limit
 // too: otherwise dials that arrive together all pass it.
 func TestDialsInFlightCountAgainstTheTunnelLimit(t *testing.T) {
-	r := New()
-	r.Limits = Limits{MaxTunnelsPerAgent: 1}
+	r := New(Limits{MaxTunnelsPerAgent: 1})
 	a := registerAgent(t, r, "a", "root")
 	orderedDial(t, r, "root", a)
 
 	// Bounded: a dial wrongly let through would wait for the agent.
 	ctx, cancel := context.WithTimeout(t.Context(), waitLong)
 	defer cancel()
-	_, err := r.Dial(ctx, target("root"), 1000)
+	_, err := r.Dial(ctx, target("root"))
 	checkStatus(t, "dial past the limit", err, codes.ResourceExhausted, `every agent of logical cluster "root" carries 1 tunnels`)
 	noOrder(t, a)
 }
 
 func TestDialGoesToAnotherAgentWhenOneIsAtItsLimit(t *testing.T) {
-	r := New()
-	r.Limits = Limits{MaxPendingPerCluster: 1}
+	r := New(Limits{MaxPendingPerCluster: 1})
 	a := registerAgent(t, r, "a", "root")
 	b := registerAgent(t, r, "b", "root")
 	startDial(t, r, target("root"))
@@ -141,8 +133,7 @@ func TestDialGoesToAnotherAgentWhenOneIsAtItsLimit(t *testing.T) {
 
 func TestLimitsCountPerAgent(t *testing.T) {
 	// One agent's dials do not count against another's limit.
-	r := New()
-	r.Limits = Limits{MaxPendingPerCluster: 1}
+	r := New(Limits{MaxPendingPerCluster: 1})
 	a := registerAgent(t, r, "a", "root")
 	b := registerAgent(t, r, "b", "other")
 	orderedDial(t, r, "root", a)
@@ -151,8 +142,8 @@ func TestLimitsCountPerAgent(t *testing.T) {
 	nextOrder(t, b)
 }
 
-func TestZeroLimitsBoundNothing(t *testing.T) {
-	r := New()
+func TestNegativeLimitsBoundNothing(t *testing.T) {
+	r := New(Limits{MaxPendingPerCluster: -1, MaxTunnelsPerAgent: -1})
 	a := registerAgent(t, r, "a", "root")
 	for range 3 {
 		claimedTunnel(t, r, "root", a)
@@ -162,6 +153,13 @@ func TestZeroLimitsBoundNothing(t *testing.T) {
 	}
 	if n := a.Tunnels(); n != 3 {
 		t.Errorf("agent carries %d tunnels, want 3", n)
+	}
+}
+
+func TestZeroLimitsAreTheDefaults(t *testing.T) {
+	want := Limits{MaxPendingPerCluster: DefaultMaxPendingPerCluster, MaxTunnelsPerAgent: DefaultMaxTunnelsPerAgent}
+	if got := New(Limits{}).limits; got != want {
+		t.Errorf("limits %+v, want %+v", got, want)
 	}
 }
 

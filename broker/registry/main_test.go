@@ -8,16 +8,14 @@ import (
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"go.uber.org/goleak"
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
 // This file holds what the registry's tests share: agents, dials run in the
-// background, and a stand-in for an agent's Tunnel stream.
+// background, and a stand-in for the tunnel an agent's Tunnel RPC hands over.
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
@@ -52,8 +50,8 @@ func target(cluster string) *tunnelv1.Target {
 
 // outcome is what a Dial returned.
 type outcome struct {
-	tunnel *Tunnel
-	err    error
+	claim *Claim
+	err   error
 }
 
 // dialing is a Dial running in the background.
@@ -64,15 +62,19 @@ type dialing struct {
 	out    outcome
 }
 
+// dialTimeout is the deadline of the tests' dials: long enough that only a
+// hang reaches it.
+const dialTimeout = 2 * waitLong
+
 // startDial runs r.Dial in the background with a context the test cancels
 // through the returned dialing, or that ends when the test does.
 func startDial(t *testing.T, r *Registry, tgt *tunnelv1.Target) *dialing {
 	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
+	ctx, cancel := context.WithTimeout(context.Background(), dialTimeout)
 	d := &dialing{t: t, cancel: cancel, done: make(chan struct{})}
 	go func() {
 		defer close(d.done)
-		d.out.tunnel, d.out.err = r.Dial(ctx, tgt, 1234)
+		d.out.claim, d.out.err = r.Dial(ctx, tgt)
 	}()
 	// A failed test must not leave the dial running for goleak to find, nor
 	// a tunnel open.
@@ -80,8 +82,8 @@ func startDial(t *testing.T, r *Registry, tgt *tunnelv1.Target) *dialing {
 		cancel()
 		select {
 		case <-d.done:
-			if d.out.tunnel != nil {
-				d.out.tunnel.Finish(nil)
+			if d.out.claim != nil {
+				d.out.claim.Release()
 			}
 		case <-time.After(waitLong):
 			t.Errorf("a dial did not end within %v of its cancellation", waitLong)
@@ -102,14 +104,14 @@ func (d *dialing) wait() outcome {
 	}
 }
 
-// connected is the tunnel the dial got; a failed dial fails the test.
-func (d *dialing) connected() *Tunnel {
+// connected is the claim the dial got; a failed dial fails the test.
+func (d *dialing) connected() *Claim {
 	d.t.Helper()
 	out := d.wait()
 	if out.err != nil {
 		d.t.Fatalf("dial: %v", out.err)
 	}
-	return out.tunnel
+	return out.claim
 }
 
 // running checks that the dial has not ended.
@@ -167,19 +169,23 @@ func orderedDial(t *testing.T, r *Registry, cluster string, a *Agent) (*dialing,
 	return d, nextOrder(t, a)
 }
 
-// claim claims dial dialID for the agent of SPIFFE ID agentID; a refused
-// claim fails the test, what naming it.
-func claim(t *testing.T, what string, r *Registry, dialID uint64, agentID spiffeid.ID) *Tunnel {
+// claim claims dial dialID for the agent of SPIFFE ID agentID and hands over
+// a stand-in for its tunnel, which it returns; a refused claim fails the
+// test, what naming it.
+func claim(t *testing.T, what string, r *Registry, dialID uint64, agentID spiffeid.ID) *fakeTunnel {
 	t.Helper()
-	tun, err := r.Claim(dialID, agentID, newFakeTunnelStream())
+	c, err := r.Claim(dialID, agentID)
 	if err != nil {
 		t.Fatalf("%s: %v", what, err)
 	}
+	tun := newFakeTunnel()
+	c.HandOver(tun)
 	return tun
 }
 
-// claimedTunnel is a tunnel through a to cluster, as a dial gets it.
-func claimedTunnel(t *testing.T, r *Registry, cluster string, a *Agent) *Tunnel {
+// claimedTunnel is a claim of a dial through a to cluster, as the dial gets
+// it.
+func claimedTunnel(t *testing.T, r *Registry, cluster string, a *Agent) *Claim {
 	t.Helper()
 	d, o := orderedDial(t, r, cluster, a)
 	claim(t, "claim", r, o.GetDialId(), a.ID)
@@ -190,7 +196,7 @@ func claimedTunnel(t *testing.T, r *Registry, cluster string, a *Agent) *Tunnel 
 // ID agentID is refused as NotFound.
 func checkClaimRefused(t *testing.T, what string, r *Registry, dialID uint64, agentID spiffeid.ID) {
 	t.Helper()
-	_, err := r.Claim(dialID, agentID, newFakeTunnelStream())
+	_, err := r.Claim(dialID, agentID)
 	checkStatus(t, what, err, codes.NotFound,
 		fmt.Sprintf("no pending dial %d for %s (it timed out or was cancelled)", dialID, agentID))
 }
@@ -212,29 +218,28 @@ func checkStatus(t *testing.T, what string, err error, code codes.Code, msg stri
 	}
 }
 
-// fakeTunnelStream stands in for an agent's Tunnel stream: the registry only
-// hands it from Claim to the dial, so nothing here carries data.
-type fakeTunnelStream struct {
-	ctx context.Context
+// fakeTunnel stands in for the tunnel an agent's Tunnel RPC hands over: the
+// registry only passes it on, or ends it.
+type fakeTunnel struct{ ended chan error }
+
+func newFakeTunnel() *fakeTunnel { return &fakeTunnel{ended: make(chan error, 1)} }
+
+// End records the first end.
+func (f *fakeTunnel) End(err error) {
+	select {
+	case f.ended <- err:
+	default:
+	}
 }
 
-var _ tunnelv1.AgentService_TunnelServer = (*fakeTunnelStream)(nil)
-
-func newFakeTunnelStream() *fakeTunnelStream {
-	return &fakeTunnelStream{ctx: context.Background()}
+// waitEnded is the status the tunnel was ended with.
+func (f *fakeTunnel) waitEnded(t *testing.T) error {
+	t.Helper()
+	select {
+	case err := <-f.ended:
+		return err
+	case <-time.After(waitLong):
+		t.Fatalf("the tunnel was not ended within %v", waitLong)
+		return nil
+	}
 }
-
-func (*fakeTunnelStream) Recv() (*tunnelv1.TunnelRequest, error) {
-	return nil, status.Error(codes.Unimplemented, "fake stream")
-}
-func (*fakeTunnelStream) Send(*tunnelv1.TunnelResponse) error {
-	return status.Error(codes.Unimplemented, "fake stream")
-}
-func (*fakeTunnelStream) SetHeader(metadata.MD) error  { return nil }
-func (*fakeTunnelStream) SendHeader(metadata.MD) error { return nil }
-func (*fakeTunnelStream) SetTrailer(metadata.MD)       {}
-func (s *fakeTunnelStream) Context() context.Context   { return s.ctx }
-func (*fakeTunnelStream) SendMsg(any) error            { return status.Error(codes.Unimplemented, "fake stream") }
-func (*fakeTunnelStream) RecvMsg(any) error            { return status.Error(codes.Unimplemented, "fake stream") }
-
-var _ grpc.ServerStream = (*fakeTunnelStream)(nil)

@@ -1,34 +1,32 @@
 package registry
 
 import (
-	"context"
+	"cmp"
 	"crypto/rand"
 	"encoding/binary"
 	"maps"
 	"slices"
 	"sync"
 
-	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
-
-	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
 // Registry routes dials to agents. It holds no state shared across broker
 // replicas: every agent connects to every replica.
 type Registry struct {
-	Limits Limits
+	limits Limits
 
 	mu        sync.Mutex
 	agents    map[*Agent]struct{} // every registered agent, even one serving no cluster
 	byCluster map[string][]*Agent
 	next      map[string]int // round-robin cursor per cluster
-	pending   map[uint64]*Pending
+	pending   map[uint64]*pending
 	lastID    uint64
 }
 
-// Limits bound what one agent may be asked to carry; zero means no limit.
+// Limits bound what one agent may be asked to carry. As in every Config of
+// the broker, zero means the default, and a negative limit means none.
 //
 // No logical cluster's dials count against another's: a cluster whose
 // targets hang (the agent's connect never completes) fills its own queue of
@@ -37,15 +35,23 @@ type Registry struct {
 type Limits struct {
 	// MaxPendingPerCluster bounds the dials one agent has been ordered for
 	// one logical cluster and has not yet answered, so that a stuck target
-	// or agent cannot pile up waiting webhook calls.
+	// or agent cannot pile up waiting webhook calls; zero:
+	// DefaultMaxPendingPerCluster.
 	MaxPendingPerCluster int64
-	// MaxTunnelsPerAgent bounds the tunnels open through one agent. A
-	// cluster's own pending dials count against it too, since each may
-	// become a tunnel (otherwise dials that arrive together would all pass
-	// it), but other clusters' pending dials do not: the agent may exceed
-	// it by the dials of other clusters pending at that moment.
+	// MaxTunnelsPerAgent bounds the tunnels open through one agent; zero:
+	// DefaultMaxTunnelsPerAgent. A cluster's own pending dials count
+	// against it too, since each may become a tunnel (otherwise dials that
+	// arrive together would all pass it), but other clusters' pending dials
+	// do not: the agent may exceed it by the dials of other clusters
+	// pending at that moment.
 	MaxTunnelsPerAgent int64
 }
+
+// Defaults of Limits.
+const (
+	DefaultMaxPendingPerCluster = 256
+	DefaultMaxTunnelsPerAgent   = 20000
+)
 
 // Names of the limits, as LimitError and the limits_hit metric give them.
 const (
@@ -66,15 +72,18 @@ func (e *LimitError) Error() string { return e.status.Err().Error() }
 // GRPCStatus makes the error its status for grpc-go and package status.
 func (e *LimitError) GRPCStatus() *status.Status { return e.status }
 
-// New returns an empty registry.
-func New() *Registry {
+// New is an empty registry with limits, their defaults resolved.
+func New(limits Limits) *Registry {
+	limits.MaxPendingPerCluster = cmp.Or(limits.MaxPendingPerCluster, DefaultMaxPendingPerCluster)
+	limits.MaxTunnelsPerAgent = cmp.Or(limits.MaxTunnelsPerAgent, DefaultMaxTunnelsPerAgent)
 	var seed [8]byte
 	_, _ = rand.Read(seed[:])
 	return &Registry{
+		limits:    limits,
 		agents:    map[*Agent]struct{}{},
 		byCluster: map[string][]*Agent{},
 		next:      map[string]int{},
-		pending:   map[uint64]*Pending{},
+		pending:   map[uint64]*pending{},
 		// Dial IDs start at a random point so that IDs from an earlier
 		// incarnation of this replica are unlikely to match a new dial.
 		lastID: binary.BigEndian.Uint64(seed[:]) >> 1,
@@ -189,20 +198,25 @@ func (r *Registry) pick(cluster string) (*Agent, error) {
 	}
 	if limit == LimitPendingPerCluster {
 		return nil, &LimitError{Limit: limit, status: status.Newf(codes.ResourceExhausted,
-			"every agent of logical cluster %q has %d of its dials pending", cluster, r.Limits.MaxPendingPerCluster)}
+			"every agent of logical cluster %q has %d of its dials pending", cluster, r.limits.MaxPendingPerCluster)}
 	}
 	return nil, &LimitError{Limit: limit, status: status.Newf(codes.ResourceExhausted,
-		"every agent of logical cluster %q carries %d tunnels", cluster, r.Limits.MaxTunnelsPerAgent)}
+		"every agent of logical cluster %q carries %d tunnels", cluster, r.limits.MaxTunnelsPerAgent)}
 }
 
-// limitHit names the limit that keeps a from taking another dial for
-// cluster, or is "" if there is none. Only cluster's own pending dials
-// count, against both limits: they may become tunnels, and otherwise dials
-// that arrive together would all pass the tunnel limit. (A dial just
-// claimed counts twice until it returns, so the limit may refuse a moment
-// early, never late.) r.mu is held.
+// limitHit names the limit that keeps agent a from taking another dial for
+// cluster, or is "" if none does. The caller holds r.mu.
+//
+// Only the cluster's own pending dials count, against both limits. They
+// count against the tunnel limit because each may become a tunnel:
+// otherwise a burst of dials would all pass it at once. Other clusters'
+// pending dials do not count, so that no cluster uses up another's room.
+//
+// A dial that its agent has just claimed counts twice for a moment, as a
+// pending dial and as a tunnel, until its Dial returns: the limit may then
+// refuse a dial a moment early, but never let one through late.
 func (r *Registry) limitHit(a *Agent, cluster string) string {
-	l := r.Limits
+	l := r.limits
 	pending := a.pending[cluster]
 	switch {
 	case l.MaxPendingPerCluster > 0 && pending >= l.MaxPendingPerCluster:
@@ -211,132 +225,4 @@ func (r *Registry) limitHit(a *Agent, cluster string) string {
 		return LimitTunnelsPerAgent
 	}
 	return ""
-}
-
-// unpend ends a dial's place among a's pending dials for cluster.
-func (r *Registry) unpend(a *Agent, cluster string) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if a.pending[cluster]--; a.pending[cluster] <= 0 {
-		delete(a.pending, cluster)
-	}
-}
-
-// Dial orders an agent that serves target's cluster to connect, and waits
-// until the agent opens the tunnel, reports a failure, goes away, or ctx ends.
-// The returned tunnel must be finished with Tunnel.Finish.
-func (r *Registry) Dial(ctx context.Context, target *tunnelv1.Target, timeoutMS uint32) (*Tunnel, error) {
-	r.mu.Lock()
-	a, err := r.pick(target.GetCluster())
-	if err != nil {
-		r.mu.Unlock()
-		return nil, err
-	}
-	r.lastID++
-	p := &Pending{ID: r.lastID, Agent: a, Target: target, result: make(chan result, 1)}
-	r.pending[p.ID] = p
-	a.pending[target.GetCluster()]++
-	r.mu.Unlock()
-	defer r.unpend(a, target.GetCluster())
-
-	order := &tunnelv1.DialOrder{DialId: p.ID, Target: target, TimeoutMs: timeoutMS}
-	select {
-	case a.orders <- order:
-	case <-a.gone:
-		if r.forget(p) {
-			return nil, agentGone(p)
-		}
-		return r.abandon(p, agentGone(p))
-	case <-ctx.Done():
-		if r.forget(p) {
-			return nil, contextStatus(ctx, p)
-		}
-		return r.abandon(p, contextStatus(ctx, p))
-	}
-
-	select {
-	case res := <-p.result:
-		return res.tunnel, res.err
-	case <-a.gone:
-		if r.forget(p) {
-			return nil, agentGone(p)
-		}
-		return r.abandon(p, agentGone(p))
-	case <-ctx.Done():
-		if r.forget(p) {
-			return nil, contextStatus(ctx, p)
-		}
-		return r.abandon(p, contextStatus(ctx, p))
-	}
-}
-
-// forget drops a pending dial; false if it was already claimed, in which case
-// its result is on the way.
-func (r *Registry) forget(p *Pending) bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if _, ok := r.pending[p.ID]; !ok {
-		return false
-	}
-	delete(r.pending, p.ID)
-	return true
-}
-
-// abandon takes the result of a claimed dial that nobody will use, and ends
-// its tunnel, if any, so the agent's stream does not hang.
-func (r *Registry) abandon(p *Pending, err error) (*Tunnel, error) {
-	res := <-p.result
-	if res.tunnel != nil {
-		res.tunnel.Finish(err)
-	}
-	return nil, err
-}
-
-// Claim binds an agent's Tunnel stream to the pending dial it names. Only the
-// agent the order went to (by SPIFFE ID) may claim it.
-func (r *Registry) Claim(dialID uint64, agentID spiffeid.ID, stream tunnelv1.AgentService_TunnelServer) (*Tunnel, error) {
-	r.mu.Lock()
-	p, ok := r.pending[dialID]
-	if ok && p.Agent.ID != agentID {
-		ok = false
-	}
-	if ok {
-		delete(r.pending, dialID)
-	}
-	r.mu.Unlock()
-	if !ok {
-		return nil, status.Errorf(codes.NotFound, "no pending dial %d for %s (it timed out or was cancelled)", dialID, agentID)
-	}
-	t := newTunnel(p, stream)
-	p.result <- result{tunnel: t}
-	return t, nil
-}
-
-// Fail answers a pending dial with the agent's failure.
-func (r *Registry) Fail(a *Agent, f *tunnelv1.DialFailure) {
-	r.mu.Lock()
-	p, ok := r.pending[f.GetDialId()]
-	if ok && p.Agent != a {
-		ok = false
-	}
-	if ok {
-		delete(r.pending, p.ID)
-	}
-	r.mu.Unlock()
-	if ok {
-		p.result <- result{err: agentFailure(p, f)}
-	}
-}
-
-// Pending is a dial waiting for its agent.
-type Pending struct {
-	ID     uint64
-	Agent  *Agent
-	Target *tunnelv1.Target
-	result chan result // buffered: the sender never blocks
-}
-
-type result struct {
-	tunnel *Tunnel
-	err    error
 }

@@ -11,7 +11,7 @@ import (
 // round-robin, skipping agents that drain.
 
 func TestDialGoesToAnAgentServingTheCluster(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	other := registerAgent(t, r, "other", "other")
 	serving := registerAgent(t, r, "serving", "other", "root")
 
@@ -21,8 +21,8 @@ func TestDialGoesToAnAgentServingTheCluster(t *testing.T) {
 	if !proto.Equal(o.GetTarget(), tgt) {
 		t.Errorf("order names %v, want %v", o.GetTarget(), tgt)
 	}
-	if o.GetTimeoutMs() != 1234 {
-		t.Errorf("order gives %d ms, want the 1234 the dial was given", o.GetTimeoutMs())
+	if ms := o.GetTimeoutMs(); ms == 0 || ms > uint32(dialTimeout.Milliseconds()) {
+		t.Errorf("order gives %d ms, want what is left of the dial's %v", ms, dialTimeout)
 	}
 	noOrder(t, other)
 	if !d.running() {
@@ -31,15 +31,15 @@ func TestDialGoesToAnAgentServingTheCluster(t *testing.T) {
 }
 
 func TestDialWithNoAgentForTheClusterIsUnavailable(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	registerAgent(t, r, "a", "root")
 
-	_, err := r.Dial(t.Context(), target("elsewhere"), 1000)
+	_, err := r.Dial(t.Context(), target("elsewhere"))
 	checkStatus(t, "dial", err, codes.Unavailable, `no agent serves logical cluster "elsewhere"`)
 }
 
 func TestDialsTakeTurnsAmongTheAgentsOfACluster(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	b := registerAgent(t, r, "b", "root")
 
@@ -57,7 +57,7 @@ func TestDialsTakeTurnsAmongTheAgentsOfACluster(t *testing.T) {
 }
 
 func TestDrainingAgentGetsNoNewDials(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	draining := registerAgent(t, r, "draining", "root")
 	staying := registerAgent(t, r, "staying", "root")
 	draining.Drain()
@@ -76,7 +76,7 @@ func TestDrainingAgentGetsNoNewDials(t *testing.T) {
 }
 
 func TestDrainingAgentStillGetsDialsWhenNoOtherServesTheCluster(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	draining := registerAgent(t, r, "draining", "root")
 	draining.Drain()
 
@@ -85,8 +85,7 @@ func TestDrainingAgentStillGetsDialsWhenNoOtherServesTheCluster(t *testing.T) {
 }
 
 func TestDrainingAgentGetsDialsWhenTheOthersAreAtTheirLimit(t *testing.T) {
-	r := New()
-	r.Limits = Limits{MaxPendingPerCluster: 1}
+	r := New(Limits{MaxPendingPerCluster: 1})
 	draining := registerAgent(t, r, "draining", "root")
 	busy := registerAgent(t, r, "busy", "root")
 	draining.Drain()
@@ -97,17 +96,17 @@ func TestDrainingAgentGetsDialsWhenTheOthersAreAtTheirLimit(t *testing.T) {
 }
 
 func TestUnregisteredAgentGetsNoDials(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	r.Unregister(a)
 
-	_, err := r.Dial(t.Context(), target("root"), 1000)
+	_, err := r.Dial(t.Context(), target("root"))
 	checkStatus(t, "dial", err, codes.Unavailable, `no agent serves logical cluster "root"`)
 	noOrder(t, a)
 }
 
 func TestUnregisterLeavesTheOtherAgentsOfTheCluster(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	leaving := registerAgent(t, r, "leaving", "root")
 	staying := registerAgent(t, r, "staying", "root")
 	r.Unregister(leaving)
@@ -120,11 +119,11 @@ func TestUnregisterLeavesTheOtherAgentsOfTheCluster(t *testing.T) {
 }
 
 func TestUpdateRoutesTheNewClustersAndNotTheOldOnes(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "old", "kept")
 	r.Update(a, []string{"kept", "new"})
 
-	_, err := r.Dial(t.Context(), target("old"), 1000)
+	_, err := r.Dial(t.Context(), target("old"))
 	checkStatus(t, "dial to a cluster the agent no longer serves", err, codes.Unavailable, `no agent serves logical cluster "old"`)
 	for _, c := range []string{"kept", "new"} {
 		startDial(t, r, target(c))
@@ -135,18 +134,13 @@ func TestUpdateRoutesTheNewClustersAndNotTheOldOnes(t *testing.T) {
 }
 
 func TestUpdateLetsDialsAlreadyOrderedFinish(t *testing.T) {
-	r := New()
+	r := New(Limits{})
 	a := registerAgent(t, r, "a", "old")
 	d, o := orderedDial(t, r, "old", a)
 
 	r.Update(a, []string{"new"})
-	stream := newFakeTunnelStream()
-	if _, err := r.Claim(o.GetDialId(), a.ID, stream); err != nil {
-		t.Fatalf("claim of a dial ordered before the update: %v", err)
+	tun := claim(t, "claim of a dial ordered before the update", r, o.GetDialId(), a.ID)
+	if c := d.connected(); c.Tunnel() != tun {
+		t.Fatal("the dial got another tunnel than the claim handed over")
 	}
-	out := d.wait()
-	if out.err != nil || out.tunnel == nil || out.tunnel.Stream != stream {
-		t.Fatalf("dial: %v, tunnel %v; want the claimed tunnel", out.err, out.tunnel)
-	}
-	out.tunnel.Finish(nil)
 }

@@ -4,6 +4,7 @@
 package server
 
 import (
+	"cmp"
 	"context"
 	"log/slog"
 	"net"
@@ -11,10 +12,12 @@ import (
 
 	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/reflection"
+	"k8s.io/utils/clock"
 
 	adminv1 "github.com/kcp-dev/tunnel-broker/broker/api/admin/v1"
 	agentv1 "github.com/kcp-dev/tunnel-broker/broker/api/agent/v1"
@@ -22,36 +25,25 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/authz"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/fragments"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/opening"
-	"github.com/kcp-dev/tunnel-broker/broker/internal/quota"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
-
+	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	"github.com/kcp-dev/tunnel-broker/kcpplugin/coalesce"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
-// Defaults for Config's zero values.
+// Defaults of Config for what the server itself bounds; the services'
+// defaults are in their packages (dial, agent, registry, tunnel, opening).
 const (
-	DefaultGrace       = 20 * time.Second
-	DefaultIdleTimeout = 10 * time.Minute
+	DefaultGrace = 20 * time.Second
 	// DefaultMaxMessageSize fits the largest message any sender of the
 	// protocol makes: a data frame of 32 KiB - 16 bytes and its 4 bytes of
 	// tag and length (kcpplugin, the agent), or a Register of at most
 	// agent.ClustersPerRegister clusters. It bounds what an unfinished
 	// message can make gRPC hold (package opening).
 	DefaultMaxMessageSize = 32 << 10
-	// DefaultMaxOpeningStreamsPerPeer and DefaultMaxOpeningStreams bound
-	// the streams that have not sent their first message yet, per peer
-	// SPIFFE ID and in total (package opening). A well-behaved peer sends
-	// its first message with the stream's headers, so its streams wait
-	// microseconds; 32 unfinished messages of the largest size, in 8-byte
-	// frames (about 0.4 MiB each; smaller or padded frames close the
-	// connection, package fragments), hold about 13 MiB, and 128 about
-	// 52 MiB.
-	DefaultMaxOpeningStreamsPerPeer = 32
-	DefaultMaxOpeningStreams        = 128
 	// DefaultMaxConcurrentStreams bounds the streams of one connection,
 	// above --max-tunnels-per-caller (20000) so that kcp holds every
 	// tunnel it may on one connection; a gRPC client queues the streams
@@ -76,8 +68,8 @@ const (
 	// ones on a new connection. A connection keeps the SVID of its
 	// handshake, and RPCs of an expired one are refused; clients that
 	// reconnect every 10 minutes (gRPC adds a random tenth either way)
-	// present an SVID that SPIRE rotated at half its life, long before it
-	// expires, as long as SVIDs live more than 2 x 11 minutes. RPCs in
+	// present an SVID that SPIRE rotated at half its lifetime, long before
+	// it expires, as long as SVIDs live more than 2 x 11 minutes. RPCs in
 	// flight, tunnels and control streams, run on.
 	DefaultMaxConnectionAge = 10 * time.Minute
 	// DefaultWindowSize is a fixed per-stream window. gRPC's dynamic
@@ -95,55 +87,86 @@ const (
 	WriteBufferSize = 256 << 10
 )
 
-// Config is what a broker replica needs.
+// Config is what a broker replica needs. As in every Config of the broker,
+// a zero value means the default. A negative value means none where a bound
+// may be off: no limit, never (IdleTimeout, MaxConnectionAge), gRPC's
+// dynamic windows (WindowSize); for the bounds that may not be off
+// (DialTimeout, HandshakeTimeout, ExpiredPeerGrace), it means the default.
 type Config struct {
 	// ID names this replica to agents and in logs.
 	ID string
 	// Identity is the broker's SVID and the bundles it trusts.
 	Identity identity.SVIDSource
 	// Policy says which SPIFFE IDs may do what.
-	Policy      *policy.Policy
+	Policy *policy.Policy
+	// DialTimeout bounds a dial (dial.DefaultTimeout), and every stream's
+	// first message.
 	DialTimeout time.Duration
-	// Grace is how long tunnels in flight may run once shutdown begins.
+	// Grace is how long tunnels in flight may run once shutdown begins
+	// (DefaultGrace).
 	Grace time.Duration
-	// IdleTimeout ends tunnels that carry nothing for so long; <0: never.
+	// IdleTimeout ends tunnels that carry nothing for so long
+	// (tunnel.DefaultIdleTimeout).
 	IdleTimeout time.Duration
-	// Limits bound each agent; MaxTunnelsPerCaller each caller identity.
+	// Limits bound each agent (registry.Limits); MaxTunnelsPerCaller each
+	// caller identity (dial.DefaultMaxTunnelsPerCaller).
 	Limits              registry.Limits
 	MaxTunnelsPerCaller int64
-	// MaxMessageSize bounds a received message; 0 for
-	// DefaultMaxMessageSize.
+	// MaxMessageSize bounds a received message (DefaultMaxMessageSize).
 	MaxMessageSize int
 	// MaxOpeningStreamsPerPeer and MaxOpeningStreams bound the streams
 	// that have not sent their first message yet, per peer SPIFFE ID and
-	// in total; 0 for the defaults, <0 for no limit. Each must send it
-	// within DialTimeout.
+	// in total (package opening's defaults).
 	MaxOpeningStreamsPerPeer, MaxOpeningStreams int64
-	// MaxConcurrentStreams bounds the streams of one connection; 0 for
-	// DefaultMaxConcurrentStreams.
+	// MaxConcurrentStreams bounds the streams of one connection
+	// (DefaultMaxConcurrentStreams).
 	MaxConcurrentStreams uint32
 	// MaxRegistrationsPerAgent bounds the control streams of one agent
-	// SPIFFE ID, and MaxClustersPerRegistration the clusters one
-	// registration may serve; 0 for the defaults, <0 for no limit.
+	// SPIFFE ID, MaxClustersPerRegistration the clusters one registration
+	// may serve, and ProbeEvery is how often agents are probed (package
+	// agent's defaults).
 	MaxRegistrationsPerAgent   int64
 	MaxClustersPerRegistration int
-	// ProbeEvery is how often agents are probed; 0 for the default.
-	ProbeEvery time.Duration
-	// WindowSize is the HTTP/2 flow-control window of each stream; 0 for
-	// DefaultWindowSize, <0 for gRPC's dynamic (BDP-estimated) windows.
+	ProbeEvery                 time.Duration
+	// WindowSize is the HTTP/2 flow-control window of each stream
+	// (DefaultWindowSize).
 	WindowSize int32
-	// HandshakeTimeout bounds each connection's handshakes; 0 for
-	// DefaultHandshakeTimeout.
+	// HandshakeTimeout bounds each connection's handshakes
+	// (DefaultHandshakeTimeout).
 	HandshakeTimeout time.Duration
-	// MaxHandshakes bounds the TLS handshakes in progress; <= 0: no bound.
+	// MaxHandshakes bounds the TLS handshakes in progress
+	// (DefaultMaxHandshakes).
 	MaxHandshakes int
 	// ExpiredPeerGrace is how long a connection whose peer's SVID expired
-	// stays open for its RPCs in flight; 0 for DefaultExpiredPeerGrace.
+	// stays open for its RPCs in flight (DefaultExpiredPeerGrace).
 	ExpiredPeerGrace time.Duration
-	// MaxConnectionAge is how long a connection takes new RPCs; 0 for
-	// DefaultMaxConnectionAge, <0 for ever.
+	// MaxConnectionAge is how long a connection takes new RPCs
+	// (DefaultMaxConnectionAge).
 	MaxConnectionAge time.Duration
-	Log              *slog.Logger
+	// Clock times what time decides in the services: the idle limit,
+	// probes, first messages, registrations' SVID expiry; nil: the real
+	// clock.
+	Clock clock.WithTickerAndDelayedExecution
+	Log   *slog.Logger
+}
+
+// withDefaults is cfg with the server's own defaults resolved; the services
+// resolve theirs.
+func (cfg Config) withDefaults() Config {
+	cfg.DialTimeout = cmp.Or(max(cfg.DialTimeout, 0), dialv1.DefaultTimeout)
+	cfg.Grace = cmp.Or(cfg.Grace, DefaultGrace)
+	cfg.MaxMessageSize = cmp.Or(cfg.MaxMessageSize, DefaultMaxMessageSize)
+	cfg.MaxConcurrentStreams = cmp.Or(cfg.MaxConcurrentStreams, DefaultMaxConcurrentStreams)
+	cfg.WindowSize = cmp.Or(cfg.WindowSize, DefaultWindowSize)
+	cfg.HandshakeTimeout = cmp.Or(max(cfg.HandshakeTimeout, 0), DefaultHandshakeTimeout)
+	cfg.MaxHandshakes = cmp.Or(cfg.MaxHandshakes, DefaultMaxHandshakes)
+	cfg.ExpiredPeerGrace = cmp.Or(max(cfg.ExpiredPeerGrace, 0), DefaultExpiredPeerGrace)
+	cfg.MaxConnectionAge = cmp.Or(cfg.MaxConnectionAge, DefaultMaxConnectionAge)
+	if cfg.Clock == nil {
+		cfg.Clock = clock.RealClock{}
+	}
+	cfg.Log = cmp.Or(cfg.Log, slog.Default())
+	return cfg
 }
 
 // Server is one broker replica.
@@ -152,159 +175,121 @@ type Server struct {
 	grpc     *grpc.Server
 	health   *health.Server
 	dial     *dialv1.Service
-	draining chan struct{}
-	stopping context.Context
+	draining context.Context // ends when the replica stops taking dials
+	drain    context.CancelFunc
+	stopping context.Context // ends when the grace period is over
 	stop     context.CancelFunc
 	Registry *registry.Registry
 }
 
 // New builds a broker replica; Serve starts it.
 func New(cfg Config) *Server {
-	if cfg.Log == nil {
-		cfg.Log = slog.Default()
-	}
-	if cfg.Grace == 0 {
-		cfg.Grace = DefaultGrace
-	}
-	if cfg.IdleTimeout == 0 {
-		cfg.IdleTimeout = DefaultIdleTimeout
-	}
-	if cfg.MaxMessageSize == 0 {
-		cfg.MaxMessageSize = DefaultMaxMessageSize
-	}
-	if cfg.WindowSize == 0 {
-		cfg.WindowSize = DefaultWindowSize
-	}
-	if cfg.HandshakeTimeout <= 0 {
-		cfg.HandshakeTimeout = DefaultHandshakeTimeout
-	}
-	if cfg.ExpiredPeerGrace <= 0 {
-		cfg.ExpiredPeerGrace = DefaultExpiredPeerGrace
-	}
-	if cfg.MaxConnectionAge == 0 {
-		cfg.MaxConnectionAge = DefaultMaxConnectionAge
-	}
-	if cfg.DialTimeout <= 0 {
-		cfg.DialTimeout = dialv1.DefaultTimeout
-	}
-	if cfg.MaxConcurrentStreams == 0 {
-		cfg.MaxConcurrentStreams = DefaultMaxConcurrentStreams
-	}
-	cfg.MaxOpeningStreamsPerPeer = orDefault(cfg.MaxOpeningStreamsPerPeer, DefaultMaxOpeningStreamsPerPeer)
-	cfg.MaxOpeningStreams = orDefault(cfg.MaxOpeningStreams, DefaultMaxOpeningStreams)
-	cfg.MaxRegistrationsPerAgent = orDefault(cfg.MaxRegistrationsPerAgent, agentv1.DefaultMaxRegistrations)
-	cfg.MaxClustersPerRegistration = int(orDefault(int64(cfg.MaxClustersPerRegistration), agentv1.DefaultMaxClusters))
-	log := cfg.Log
-	s := &Server{
-		cfg:      cfg,
-		draining: make(chan struct{}),
-		Registry: registry.New(),
-	}
+	cfg = cfg.withDefaults()
+	s := &Server{cfg: cfg, Registry: registry.New(cfg.Limits), health: health.NewServer()}
+	s.draining, s.drain = context.WithCancel(context.Background())
 	s.stopping, s.stop = context.WithCancel(context.Background())
-	s.Registry.Limits = cfg.Limits
+	// Every stream must send its first message within the dial timeout,
+	// and only so many may be waiting for theirs.
+	guard := opening.New(opening.Config{
+		Timeout:    cfg.DialTimeout,
+		MaxPerPeer: cfg.MaxOpeningStreamsPerPeer,
+		MaxTotal:   cfg.MaxOpeningStreams,
+		First: map[string]string{
+			tunnelv1.DialService_Dial_FullMethodName:     "target",
+			tunnelv1.AgentService_Tunnel_FullMethodName:  "open",
+			tunnelv1.AgentService_Connect_FullMethodName: "register",
+		},
+		Clock: cfg.Clock,
+		Log:   cfg.Log,
+	})
+	s.grpc = grpc.NewServer(s.serverOptions(guard)...)
+	s.registerServices()
+	guard.Methods(s.grpc)
+	return s
+}
 
-	authorizer := &authz.Authorizer{Policy: cfg.Policy, Log: log}
+// credentials are the server's transport credentials: SPIFFE mTLS, with
+// its bounds on handshakes and on peers whose SVID has expired.
+func (s *Server) credentials() credentials.TransportCredentials {
+	cfg := s.cfg
 	// The handshake admits any SVID that chains to a trusted bundle; the
 	// policy then decides per RPC, so a refused peer gets PermissionDenied,
 	// not a bare TLS alert.
 	creds := identity.ServerCredentials(cfg.Identity, tlsconfig.AuthorizeAny(),
-		identity.ReportRefusals(&identity.Refusals{Log: log, Count: metrics.CountRefusedHandshake}),
+		identity.ReportRefusals(&identity.Refusals{Log: cfg.Log, Count: metrics.CountRefusedHandshake}),
 		identity.MaxConcurrentHandshakes(cfg.MaxHandshakes),
 		identity.CloseExpiredPeers(cfg.ExpiredPeerGrace))
 	// One write syscall per gRPC flush, not one per 16 KiB TLS record.
 	creds = coalesce.Writes(creds)
 	// A peer that sends its data in tiny or padded DATA frames would make
 	// gRPC hold some 40 times what it sends; its connection is closed.
-	creds = fragments.Refuse(creds, fragments.Report{Log: log, Count: metrics.ClosedFragmented.Inc})
+	return fragments.Refuse(creds, fragments.Report{Log: cfg.Log, Count: metrics.ClosedFragmented.Inc})
+}
+
+// serverOptions are the gRPC server's interceptors, in the order they run,
+// and its transport settings.
+func (s *Server) serverOptions(guard *opening.Guard) []grpc.ServerOption {
+	cfg := s.cfg
 	opts := []grpc.ServerOption{
 		// RPC metrics first, so that refused RPCs are counted too.
 		grpc.ChainUnaryInterceptor(metrics.GRPC.UnaryServerInterceptor()),
 		grpc.ChainStreamInterceptor(metrics.GRPC.StreamServerInterceptor()),
 	}
-	// A peer whose SVID has expired is refused before the policy is asked.
+	// A peer whose SVID has expired is refused before the policy is asked,
+	// and one the policy refuses before it counts against the opening
+	// streams' bounds.
 	opts = append(opts, identity.ExpiryInterceptors()...)
-	opts = append(opts, authorizer.ServerOptions()...)
-	// Every stream must send its first message within the dial timeout,
-	// and only so many may be waiting for theirs.
-	guard := &opening.Guard{
-		Timeout: cfg.DialTimeout,
-		Quota:   quota.Quota{PerID: cfg.MaxOpeningStreamsPerPeer, Total: cfg.MaxOpeningStreams},
-		First: map[string]string{
-			tunnelv1.DialService_Dial_FullMethodName:     "target",
-			tunnelv1.AgentService_Tunnel_FullMethodName:  "open",
-			tunnelv1.AgentService_Connect_FullMethodName: "register",
-		},
-		Log: log,
-	}
+	opts = append(opts, (&authz.Authorizer{Policy: cfg.Policy, Log: cfg.Log}).ServerOptions()...)
 	opts = append(opts, guard.ServerOptions()...)
 	opts = append(opts,
 		grpc.MaxConcurrentStreams(cfg.MaxConcurrentStreams),
 		grpc.MaxHeaderListSize(MaxHeaderListSize),
-		grpc.Creds(creds),
+		grpc.Creds(s.credentials()),
 		grpc.ConnectionTimeout(cfg.HandshakeTimeout),
 		grpc.WriteBufferSize(WriteBufferSize),
 		tunnelv1.FrameServerOption(),
 		grpc.MaxRecvMsgSize(cfg.MaxMessageSize),
 		// Agents ping to notice a dead broker quickly; allow it.
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}),
-		// And the broker pings quiet peers, so a vanished agent is dropped in seconds.
-		// Clients move to a new connection, with their current SVID, every
-		// MaxConnectionAge; RPCs in flight are not cut short.
+		// And the broker pings quiet peers, so a vanished agent is dropped
+		// in seconds. Clients move to a new connection, with their current
+		// SVID, every MaxConnectionAge; RPCs in flight are not cut short.
 		grpc.KeepaliveParams(keepalive.ServerParameters{Time: 10 * time.Second, Timeout: 5 * time.Second,
 			MaxConnectionAge: max(cfg.MaxConnectionAge, 0)}),
 	)
 	if cfg.WindowSize > 0 {
 		opts = append(opts, grpc.InitialWindowSize(cfg.WindowSize), grpc.InitialConnWindowSize(16*cfg.WindowSize))
 	}
-	s.grpc = grpc.NewServer(opts...)
-	idle := cfg.IdleTimeout
-	if idle < 0 {
-		idle = 0
-	}
-	s.dial = &dialv1.Service{
+	return opts
+}
+
+// registerServices registers the broker's services, health and reflection.
+func (s *Server) registerServices() {
+	cfg := s.cfg
+	s.dial = dialv1.New(dialv1.Config{
 		Registry: s.Registry, Policy: cfg.Policy, Timeout: cfg.DialTimeout,
-		IdleTimeout: idle, MaxTunnelsPerCaller: cfg.MaxTunnelsPerCaller,
-		Draining: s.draining, Stopping: s.stopping,
-		Log: log.With("service", "dial"),
-	}
-	s.dial.Register(s.grpc)
-	(&agentv1.Service{
+		MaxTunnelsPerCaller: cfg.MaxTunnelsPerCaller,
+		Tunnels:             tunnel.Config{IdleTimeout: cfg.IdleTimeout, Stopping: s.stopping, Clock: cfg.Clock},
+		Draining:            s.draining,
+		Log:                 cfg.Log.With("service", "dial"),
+	})
+	dialv1.RegisterService(s.grpc, s.dial)
+	agentv1.RegisterService(s.grpc, agentv1.New(agentv1.Config{
 		Registry: s.Registry, Policy: cfg.Policy, BrokerID: cfg.ID,
 		Draining: s.draining, Stopping: s.stopping, Grace: cfg.Grace,
-		ProbeEvery: cfg.ProbeEvery, Timeout: cfg.DialTimeout,
-		Registrations: quota.Quota{PerID: cfg.MaxRegistrationsPerAgent},
-		MaxClusters:   cfg.MaxClustersPerRegistration,
-		Log:           log.With("service", "agent"),
-	}).Register(s.grpc)
-	(&adminv1.Service{Registry: s.Registry, BrokerID: cfg.ID}).Register(s.grpc)
-	s.health = health.NewServer()
+		ProbeEvery: cfg.ProbeEvery, RegistrationTimeout: cfg.DialTimeout,
+		MaxRegistrations: cfg.MaxRegistrationsPerAgent, MaxClusters: cfg.MaxClustersPerRegistration,
+		Clock: cfg.Clock,
+		Log:   cfg.Log.With("service", "agent"),
+	}))
+	adminv1.RegisterService(s.grpc, adminv1.New(adminv1.Config{Registry: s.Registry, BrokerID: cfg.ID}))
 	healthpb.RegisterHealthServer(s.grpc, s.health)
 	reflection.Register(s.grpc)
 	metrics.GRPC.InitializeMetrics(s.grpc)
-	guard.Methods(s.grpc)
-	return s
-}
-
-// orDefault is v, or def for 0; a negative v means no limit (0).
-func orDefault(v, def int64) int64 {
-	switch {
-	case v == 0:
-		return def
-	case v < 0:
-		return 0
-	}
-	return v
 }
 
 // Ready reports whether the replica takes dials: it serves and does not drain.
-func (s *Server) Ready() bool {
-	select {
-	case <-s.draining:
-		return false
-	default:
-		return true
-	}
-}
+func (s *Server) Ready() bool { return s.draining.Err() == nil }
 
 // Serve serves on l until ctx ends, then shuts down: it stops taking dials
 // and says so (health NOT_SERVING, agents told to drain), lets tunnels in
@@ -324,7 +309,7 @@ func (s *Server) Serve(ctx context.Context, l net.Listener) error {
 func (s *Server) shutdown() {
 	log := s.cfg.Log
 	s.health.Shutdown()
-	close(s.draining)
+	s.drain()
 	log.Info("draining", "tunnels", s.dial.Active(), "grace", s.cfg.Grace)
 	deadline := time.NewTimer(s.cfg.Grace)
 	defer deadline.Stop()

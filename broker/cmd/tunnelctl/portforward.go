@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc"
 
 	"github.com/kcp-dev/tunnel-broker/kcpplugin"
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
 // portForward listens on a local port and tunnels every connection to a
@@ -30,7 +31,8 @@ func portForward(ctx context.Context, conn *grpc.ClientConn, args []string) erro
 	}
 	defer l.Close()
 	context.AfterFunc(ctx, func() { l.Close() })
-	fmt.Fprintf(os.Stderr, "Forwarding from %s -> %s/%s/%s:%d\n", l.Addr(), cluster, namespace, service, port)
+	target := &tunnelv1.Target{Cluster: cluster, Namespace: namespace, Service: service, Port: uint32(port)}
+	fmt.Fprintf(os.Stderr, "Forwarding from %s -> %s\n", l.Addr(), target.Key())
 	dialer := kcpplugin.NewDialer(conn)
 	for {
 		local, err := l.Accept()

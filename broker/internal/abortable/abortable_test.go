@@ -61,7 +61,7 @@ func serve(t *testing.T, block func(tunnelv1.DialService_DialServer) error) (con
 	if err := stream.Send(&tunnelv1.DialRequest{}); err != nil {
 		t.Fatal(err)
 	}
-	return wait(t, "handler start", h.started), h, stream
+	return brokertest.Wait(t, "handler start", h.started), h, stream
 }
 
 // blockInRecv waits for a message that never comes.
@@ -79,25 +79,13 @@ func recvEnd(t *testing.T, stream tunnelv1.DialService_DialClient) error {
 	}
 }
 
-func wait[T any](t *testing.T, what string, c <-chan T) T {
-	t.Helper()
-	select {
-	case v := <-c:
-		return v
-	case <-time.After(brokertest.WaitLong):
-		t.Fatalf("%s: timed out", what)
-		var zero T
-		return zero
-	}
-}
-
 func TestEndFreesAHandlerBlockedInRecvAndThePeerGetsTheStatus(t *testing.T) {
 	ctx, h, stream := serve(t, blockInRecv)
 	if !abortable.Supported(ctx) {
 		t.Fatal("Supported is false inside a handler")
 	}
 	abortable.End(ctx, status.Error(codes.Unavailable, "the other side went away"))
-	if err := wait(t, "blocked Recv", h.freed); err == nil {
+	if err := brokertest.Wait(t, "blocked Recv", h.freed); err == nil {
 		t.Error("the blocked Recv returned no error after End")
 	}
 	brokertest.CheckStatus(t, "client", recvEnd(t, stream), codes.Unavailable, "the other side went away")
@@ -119,7 +107,7 @@ func TestEndFreesAHandlerBlockedInSend(t *testing.T) {
 	case <-time.After(100 * time.Millisecond): // blocked, or about to be
 	}
 	abortable.End(ctx, status.Error(codes.DeadlineExceeded, "idle"))
-	if err := wait(t, "blocked Send", h.freed); err == nil {
+	if err := brokertest.Wait(t, "blocked Send", h.freed); err == nil {
 		t.Error("the blocked Send returned no error after End")
 	}
 	brokertest.CheckStatus(t, "client", recvEnd(t, stream), codes.DeadlineExceeded, "idle")
@@ -129,7 +117,7 @@ func TestEndOnAnEndedRPCChangesNothing(t *testing.T) {
 	ctx, h, stream := serve(t, blockInRecv)
 	abortable.End(ctx, status.Error(codes.Aborted, "first"))
 	abortable.End(ctx, status.Error(codes.Internal, "second"))
-	wait(t, "blocked Recv", h.freed)
+	brokertest.Wait(t, "blocked Recv", h.freed)
 	brokertest.CheckStatus(t, "client", recvEnd(t, stream), codes.Aborted, "first")
 }
 

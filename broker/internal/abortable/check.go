@@ -49,45 +49,69 @@ func check(ctx context.Context, timeout time.Duration, opts ...grpc.ServerOption
 func endsAnRPC(ctx context.Context, timeout time.Duration, opts ...grpc.ServerOption) error {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
+	h := &checkHandler{supported: make(chan bool, 1), freed: make(chan error, 1)}
+	conn, stop, err := h.serve(opts...)
+	if err != nil {
+		return err
+	}
+	defer stop()
+	return h.call(ctx, conn)
+}
+
+// checkHandler serves the RPC of Check, and reports what it saw.
+type checkHandler struct {
+	supported chan bool  // whether the RPC's context holds a stream End can end
+	freed     chan error // what the handler's blocked Recv returned
+}
+
+// handle ends its RPC with End from another goroutine, as a tunnel's first
+// failure does, while it is blocked in Recv.
+func (h *checkHandler) handle(_ any, stream grpc.ServerStream) error {
+	ok := Supported(stream.Context())
+	h.supported <- ok
+	if !ok {
+		return status.Error(codes.Unimplemented, "End is not supported")
+	}
+	go End(stream.Context(), checkStatus.Err())
+	h.freed <- stream.RecvMsg(new(emptypb.Empty))
+	return nil // moot: End has ended the RPC
+}
+
+// serve serves the check's RPC with opts on an in-memory listener, and
+// returns a client connection to it and what stops both.
+func (h *checkHandler) serve(opts ...grpc.ServerOption) (*grpc.ClientConn, func(), error) {
 	lis := bufconn.Listen(64 << 10)
 	srv := grpc.NewServer(opts...)
-	freed := make(chan error, 1)
-	supported := make(chan bool, 1)
 	srv.RegisterService(&grpc.ServiceDesc{
 		ServiceName: checkService,
 		HandlerType: (*any)(nil),
-		Streams: []grpc.StreamDesc{{
-			StreamName: "End", ServerStreams: true, ClientStreams: true,
-			Handler: func(_ any, stream grpc.ServerStream) error {
-				ok := Supported(stream.Context())
-				supported <- ok
-				if !ok {
-					return status.Error(codes.Unimplemented, "End is not supported")
-				}
-				// From another goroutine, as a tunnel's splice does.
-				go End(stream.Context(), checkStatus.Err())
-				freed <- stream.RecvMsg(new(emptypb.Empty))
-				return nil // moot: End has ended the RPC
-			},
-		}},
+		Streams:     []grpc.StreamDesc{{StreamName: "End", ServerStreams: true, ClientStreams: true, Handler: h.handle}},
 	}, struct{}{})
 	served := make(chan struct{})
 	go func() {
 		defer close(served)
 		_ = srv.Serve(lis)
 	}()
-	defer func() {
+	stopServer := func() {
 		srv.Stop()
 		<-served
-	}()
-
+	}
 	conn, err := grpc.NewClient("passthrough:///abortable-check",
 		grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) { return lis.DialContext(ctx) }),
 		grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
-		return err
+		stopServer()
+		return nil, nil, err
 	}
-	defer conn.Close()
+	return conn, func() {
+		_ = conn.Close()
+		stopServer()
+	}, nil
+}
+
+// call makes the check's RPC on conn, and checks that End ended it with its
+// status and freed the handler's blocked Recv.
+func (h *checkHandler) call(ctx context.Context, conn *grpc.ClientConn) error {
 	stream, err := conn.NewStream(ctx, &grpc.StreamDesc{ServerStreams: true, ClientStreams: true}, "/"+checkService+"/End")
 	if err != nil {
 		return fmt.Errorf("calling itself: %w", err)
@@ -95,7 +119,7 @@ func endsAnRPC(ctx context.Context, timeout time.Duration, opts ...grpc.ServerOp
 	// The client sends nothing: only End can end the RPC before ctx does.
 	got := status.Convert(stream.RecvMsg(new(emptypb.Empty)))
 	select {
-	case ok := <-supported:
+	case ok := <-h.supported:
 		if !ok {
 			return errors.New("a handler's context holds no stream with WriteStatus")
 		}
@@ -106,7 +130,7 @@ func endsAnRPC(ctx context.Context, timeout time.Duration, opts ...grpc.ServerOp
 		return fmt.Errorf("End did not end the RPC: the client got %v, want %v", got.Err(), checkStatus.Err())
 	}
 	select {
-	case err := <-freed:
+	case err := <-h.freed:
 		if err == nil {
 			return errors.New("the handler's blocked Recv returned a message after End")
 		}

@@ -24,6 +24,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/fragments"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
+	brokertunnel "github.com/kcp-dev/tunnel-broker/broker/tunnel"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -62,14 +63,14 @@ func startBroker(t *testing.T) *broker {
 		})
 	}
 	b.Server = brokertest.StartWithCredentials(t, testPolicy, refuse, nil, func(s *brokertest.Server, srv *grpc.Server) {
-		(&dialv1.Service{
+		dialv1.RegisterService(srv, dialv1.New(dialv1.Config{
 			Registry: s.Registry, Policy: s.Policy, Timeout: brokertest.WaitLong,
-			Draining: s.Draining, Stopping: s.Stopping, Log: s.Log,
-		}).Register(srv)
-		(&agentv1.Service{
+			Tunnels: brokertunnel.Config{Stopping: s.Stopping}, Draining: s.Draining, Log: s.Log,
+		}))
+		agentv1.RegisterService(srv, agentv1.New(agentv1.Config{
 			Registry: s.Registry, Policy: s.Policy, BrokerID: "test-broker",
 			Draining: s.Draining, Stopping: s.Stopping, ProbeEvery: time.Hour, Log: s.Log,
-		}).Register(srv)
+		}))
 	})
 	return b
 }

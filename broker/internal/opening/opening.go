@@ -12,8 +12,8 @@
 // (measured with tunnelbench -phases hostile -hostile-frame 8). A stream
 // that never finishes its first message would hold that for as long as the
 // peer keeps the stream open. With these bounds, what all such streams hold
-// is at most Total x that, and for one peer PerID x that, each for at most
-// Timeout.
+// is at most MaxTotal x that, and for one peer MaxPerPeer x that, each for
+// at most Timeout.
 //
 // A streaming RPC counts once it has waited Patience for its first message,
 // until that message arrives; the stream is ended with DeadlineExceeded once
@@ -28,6 +28,7 @@
 package opening
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"log/slog"
@@ -40,6 +41,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/grpc/tap"
+	"k8s.io/utils/clock"
 
 	"github.com/kcp-dev/tunnel-broker/broker/internal/abortable"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/quota"
@@ -47,28 +49,64 @@ import (
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 )
 
-// DefaultPatience is far longer than a burst of ordinary streams waits for
-// gRPC to read their first messages, and short enough that what streams
-// hold before they count stays small.
-const DefaultPatience = time.Second
+// Defaults of Config.
+const (
+	// DefaultPatience is far longer than a burst of ordinary streams waits
+	// for gRPC to read their first messages, and short enough that what
+	// streams hold before they count stays small.
+	DefaultPatience = time.Second
+	// DefaultMaxPerPeer and DefaultMaxTotal bound the streams that wait for
+	// their first message, per peer SPIFFE ID and in total. A well-behaved
+	// peer sends its first message with the stream's headers, so its
+	// streams wait microseconds; 32 unfinished messages of the largest size
+	// (32 KiB), in 8-byte frames (about 0.4 MiB each; smaller or padded
+	// frames close the connection, package fragments), hold about 13 MiB,
+	// and 128 about 52 MiB.
+	DefaultMaxPerPeer = 32
+	DefaultMaxTotal   = 128
+)
+
+// Config is what the guard needs. As in every Config of the broker, zero
+// means the default, and a negative limit means none.
+type Config struct {
+	// Timeout is how long a stream may take to send its first message: the
+	// broker's --dial-timeout.
+	Timeout time.Duration
+	// Patience is how long a stream may wait for its first message before
+	// it counts against the limits; zero: DefaultPatience.
+	Patience time.Duration
+	// MaxPerPeer and MaxTotal bound the streams waiting for their first
+	// message, per peer SPIFFE ID and in total; zero: DefaultMaxPerPeer and
+	// DefaultMaxTotal.
+	MaxPerPeer, MaxTotal int64
+	// First names the first message of methods by full name, for the status
+	// of a stream that does not send it in time ("target" for Dial).
+	First map[string]string
+	// Clock times the patience and the timeout; nil: the real clock.
+	Clock clock.WithDelayedExecution
+	Log   *slog.Logger
+}
 
 // Guard enforces the bounds on one gRPC server. Install ServerOptions when
 // building the server, and call Methods once its services are registered.
 type Guard struct {
-	// Timeout is how long a stream may take to send its first message.
-	Timeout time.Duration
-	// Patience is how long a stream may wait for its first message before
-	// it counts against Quota; 0 means DefaultPatience.
-	Patience time.Duration
-	// Quota bounds the streams waiting for their first message, per peer
-	// SPIFFE ID and in total.
-	Quota quota.Quota
-	// First names the first message of methods by full name, for the status
-	// of a stream that does not send it in time ("target" for Dial).
-	First map[string]string
-	Log   *slog.Logger
+	cfg   Config
+	quota quota.Quota
 
 	unary atomic.Pointer[map[string]bool]
+}
+
+// New is a guard with cfg, its defaults resolved.
+func New(cfg Config) *Guard {
+	cfg.Patience = cmp.Or(max(cfg.Patience, 0), DefaultPatience)
+	if cfg.Clock == nil {
+		cfg.Clock = clock.RealClock{}
+	}
+	cfg.Log = cmp.Or(cfg.Log, slog.Default())
+	return &Guard{
+		cfg:   cfg,
+		quota: quota.Quota{PerID: cmp.Or(cfg.MaxPerPeer, DefaultMaxPerPeer), Total: cmp.Or(cfg.MaxTotal, DefaultMaxTotal)},
+	}
 }
 
 // ServerOptions install the guard. Install them after the authorization
@@ -114,7 +152,7 @@ func (g *Guard) tap(ctx context.Context, info *tap.Info) (context.Context, error
 	if err != nil {
 		return nil, err
 	}
-	ctx, cancel := context.WithTimeout(ctx, g.Timeout)
+	ctx, cancel := context.WithTimeout(ctx, g.cfg.Timeout)
 	// Ends with the stream, or at the deadline: either way it no longer
 	// waits for its request.
 	context.AfterFunc(ctx, func() {
@@ -134,19 +172,12 @@ func (g *Guard) unaryArrived(ctx context.Context, req any, _ *grpc.UnaryServerIn
 
 func (g *Guard) stream(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
 	id, _ := identity.PeerID(ss.Context())
-	what := g.First[info.FullMethod]
-	if what == "" {
-		what = "request"
-	}
+	what := cmp.Or(g.cfg.First[info.FullMethod], "request")
 	w := &firstMessage{ServerStream: ss, guard: g, peer: id, method: info.FullMethod,
 		late: status.Error(codes.DeadlineExceeded,
-			fmt.Sprintf("no %s within %v: the first message of this stream must be its %s", what, g.Timeout, what))}
-	patience := g.Patience
-	if patience <= 0 {
-		patience = DefaultPatience
-	}
+			fmt.Sprintf("no %s within %v: the first message of this stream must be its %s", what, g.cfg.Timeout, what))}
 	w.mu.Lock()
-	w.timer = time.AfterFunc(min(patience, g.Timeout), w.count)
+	w.timer = g.cfg.Clock.AfterFunc(min(g.cfg.Patience, g.cfg.Timeout), w.count)
 	w.mu.Unlock()
 	defer w.done()
 	return handler(srv, w)
@@ -155,14 +186,14 @@ func (g *Guard) stream(srv any, ss grpc.ServerStream, info *grpc.StreamServerInf
 // take counts one more stream waiting for its first message, unless a limit
 // is reached.
 func (g *Guard) take(id spiffeid.ID) (release func(), err error) {
-	release, over := g.Quota.Take(id)
+	release, over := g.quota.Take(id)
 	switch over {
 	case quota.OverPerID:
 		metrics.LimitsHit.WithLabelValues("opening_streams_per_peer").Inc()
-		return nil, status.Errorf(codes.ResourceExhausted, "%s has %d streams open that have not sent their first message, the most a peer may", id, g.Quota.PerID)
+		return nil, status.Errorf(codes.ResourceExhausted, "%s has %d streams open that have not sent their first message, the most a peer may", id, g.quota.PerID)
 	case quota.OverTotal:
 		metrics.LimitsHit.WithLabelValues("opening_streams").Inc()
-		return nil, status.Errorf(codes.ResourceExhausted, "the broker has %d streams open that have not sent their first message, the most it holds: try again shortly", g.Quota.Total)
+		return nil, status.Errorf(codes.ResourceExhausted, "the broker has %d streams open that have not sent their first message, the most it holds: try again shortly", g.quota.Total)
 	}
 	return release, nil
 }
@@ -187,7 +218,7 @@ type firstMessage struct {
 	state atomic.Int32 // read without mu once the first message arrived
 
 	mu      sync.Mutex
-	timer   *time.Timer
+	timer   clock.Timer
 	release func() // set while the stream counts against the quota
 	status  error  // what the guard ended the stream with
 }
@@ -230,11 +261,7 @@ func (w *firstMessage) count() {
 		return
 	}
 	w.release = release
-	patience := g.Patience
-	if patience <= 0 {
-		patience = DefaultPatience
-	}
-	w.timer = time.AfterFunc(max(g.Timeout-patience, 0), w.expire)
+	w.timer = g.cfg.Clock.AfterFunc(max(g.cfg.Timeout-g.cfg.Patience, 0), w.expire)
 }
 
 // expire ends a stream whose first message did not come within the timeout.
@@ -245,7 +272,7 @@ func (w *firstMessage) expire() {
 		return
 	}
 	metrics.LimitsHit.WithLabelValues("first_message_timeout").Inc()
-	w.guard.Log.Info("stream ended: no first message in time", "peer", w.peer.String(), "method", w.method, "timeout", w.guard.Timeout)
+	w.guard.cfg.Log.Info("stream ended: no first message in time", "peer", w.peer.String(), "method", w.method, "timeout", w.guard.cfg.Timeout)
 	w.end(w.late)
 }
 

@@ -15,8 +15,8 @@ import (
 	agentv1 "github.com/kcp-dev/tunnel-broker/broker/api/agent/v1"
 	dialv1 "github.com/kcp-dev/tunnel-broker/broker/api/dial/v1"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
-	"github.com/kcp-dev/tunnel-broker/broker/internal/quota"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
+	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -38,31 +38,30 @@ var testPolicy = policy.File{
 	},
 }
 
-// startBroker serves the dial and agent services and health behind g.
-func startBroker(t *testing.T, g *Guard) *brokertest.Server {
+// startBroker serves the dial and agent services and health behind a guard
+// with cfg, and returns both.
+func startBroker(t *testing.T, cfg Config) (*Guard, *brokertest.Server) {
 	t.Helper()
-	g.Log = slog.New(slog.DiscardHandler)
-	if g.Patience == 0 {
-		// Count silent streams at once, so that the tests need not wait.
-		g.Patience = time.Millisecond
-	}
-	g.First = map[string]string{
+	cfg.Log = slog.New(slog.DiscardHandler)
+	cfg.First = map[string]string{
 		tunnelv1.DialService_Dial_FullMethodName:     "target",
 		tunnelv1.AgentService_Tunnel_FullMethodName:  "open",
 		tunnelv1.AgentService_Connect_FullMethodName: "register",
 	}
-	return brokertest.StartWithOptions(t, testPolicy, g.ServerOptions(), func(s *brokertest.Server, srv *grpc.Server) {
-		(&dialv1.Service{
+	g := New(cfg)
+	b := brokertest.StartWithOptions(t, testPolicy, g.ServerOptions(), func(s *brokertest.Server, srv *grpc.Server) {
+		dialv1.RegisterService(srv, dialv1.New(dialv1.Config{
 			Registry: s.Registry, Policy: s.Policy, Timeout: brokertest.WaitLong,
-			Draining: s.Draining, Stopping: s.Stopping, Log: s.Log,
-		}).Register(srv)
-		(&agentv1.Service{
+			Tunnels: tunnel.Config{Stopping: s.Stopping}, Draining: s.Draining, Log: s.Log,
+		}))
+		agentv1.RegisterService(srv, agentv1.New(agentv1.Config{
 			Registry: s.Registry, Policy: s.Policy, BrokerID: "test-broker",
 			Draining: s.Draining, Stopping: s.Stopping, ProbeEvery: time.Hour, Log: s.Log,
-		}).Register(srv)
+		}))
 		healthpb.RegisterHealthServer(srv, health.NewServer())
 		g.Methods(srv)
 	})
+	return g, b
 }
 
 // silentStream opens a stream of method as path and sends nothing.
@@ -89,25 +88,40 @@ func end(s grpc.ClientStream) error {
 
 var eventually = brokertest.Eventually
 
+// timedStream opens a silent stream of method as path, and waits until its
+// timer is set on clk, the timers of the streams before it included: once
+// the clock has timers.
+func timedStream(t *testing.T, b *brokertest.Server, clk brokertest.Clock, timers int, path, method string) grpc.ClientStream {
+	t.Helper()
+	s := silentStream(t, b, path, method)
+	clk.WaitForTimers(t, timers)
+	return s
+}
+
 func TestAStreamThatSendsNoFirstMessageEndsWithDeadlineExceeded(t *testing.T) {
-	g := &Guard{Timeout: 200 * time.Millisecond}
-	b := startBroker(t, g)
+	clk := brokertest.NewClock()
+	g, b := startBroker(t, Config{Timeout: 5 * time.Second, Clock: clk})
 	for _, tc := range []struct {
 		path, method, what string
 	}{
-		{kcpPath, tunnelv1.DialService_Dial_FullMethodName, "no target within 200ms"},
-		{agentPath, tunnelv1.AgentService_Tunnel_FullMethodName, "no open within 200ms"},
-		{agentPath, tunnelv1.AgentService_Connect_FullMethodName, "no register within 200ms"},
+		{kcpPath, tunnelv1.DialService_Dial_FullMethodName, "no target within 5s"},
+		{agentPath, tunnelv1.AgentService_Tunnel_FullMethodName, "no open within 5s"},
+		{agentPath, tunnelv1.AgentService_Connect_FullMethodName, "no register within 5s"},
 	} {
-		err := end(silentStream(t, b, tc.path, tc.method))
-		brokertest.CheckStatus(t, tc.method, err, codes.DeadlineExceeded, tc.what)
+		s := timedStream(t, b, clk, 1, tc.path, tc.method)
+		// After its patience the stream counts; at the timeout it ends.
+		clk.Step(g.cfg.Patience)
+		eventually(t, "the stream to be counted", func() bool { return g.quota.TotalHeld() == 1 })
+		clk.WaitForTimers(t, 1)
+		clk.Step(g.cfg.Timeout - g.cfg.Patience)
+		brokertest.CheckStatus(t, tc.method, end(s), codes.DeadlineExceeded, tc.what)
+		eventually(t, "nothing to be counted", func() bool { return g.quota.TotalHeld() == 0 })
 	}
-	eventually(t, "nothing to be counted", func() bool { return g.Quota.TotalHeld() == 0 })
 }
 
 func TestAStreamThatSentItsFirstMessageIsNotEndedByTheDeadline(t *testing.T) {
-	g := &Guard{Timeout: 100 * time.Millisecond}
-	b := startBroker(t, g)
+	clk := brokertest.NewClock()
+	g, b := startBroker(t, Config{Timeout: 5 * time.Second, Clock: clk})
 	ctx, _ := brokertest.StreamContext(t)
 	control, err := tunnelv1.NewAgentServiceClient(b.Conn(t, agentPath)).Connect(ctx)
 	if err != nil {
@@ -120,73 +134,79 @@ func TestAStreamThatSentItsFirstMessageIsNotEndedByTheDeadline(t *testing.T) {
 	if msg, err := control.Recv(); err != nil || msg.GetRegistered() == nil {
 		t.Fatalf("registering: %v %v", msg, err)
 	}
-	eventually(t, "the registration to stop counting", func() bool { return g.Quota.TotalHeld() == 0 })
-	// Well past the deadline, the registration is still in force: a dial
-	// of root reaches the agent.
-	time.Sleep(300 * time.Millisecond)
-	stream, _ := b.StartDial(t, kcpPath, brokertest.Target("root"))
+	// The registration stopped its timer.
+	if n := clk.Waiters(); n != 0 {
+		t.Errorf("%d timers wait on the clock after the first message, want none", n)
+	}
+	clk.Step(2 * g.cfg.Timeout)
+	// Past the deadline, the registration is still in force: a dial of
+	// root reaches the agent.
+	b.StartDial(t, kcpPath, brokertest.Target("root"))
 	if msg, err := control.Recv(); err != nil || msg.GetDialOrder() == nil {
 		t.Fatalf("after the deadline the agent got %v %v, want a dial order", msg, err)
 	}
-	_ = stream
 }
 
 func TestStreamsWaitingForTheirFirstMessageAreLimitedPerPeer(t *testing.T) {
-	g := &Guard{Timeout: brokertest.WaitLong, Quota: quota.Quota{PerID: 2}}
-	b := startBroker(t, g)
-	for range 2 {
-		silentStream(t, b, kcpPath, tunnelv1.DialService_Dial_FullMethodName)
-	}
-	eventually(t, "two streams to be counted", func() bool { return g.Quota.Held(brokertest.ID(kcpPath)) == 2 })
-	err := end(silentStream(t, b, kcpPath, tunnelv1.DialService_Dial_FullMethodName))
-	brokertest.CheckStatus(t, "a third stream", err, codes.ResourceExhausted, "2 streams open that have not sent their first message")
+	clk := brokertest.NewClock()
+	g, b := startBroker(t, Config{Timeout: brokertest.WaitLong, MaxPerPeer: 2, Clock: clk})
+	dial := tunnelv1.DialService_Dial_FullMethodName
+	timedStream(t, b, clk, 1, kcpPath, dial)
+	timedStream(t, b, clk, 2, kcpPath, dial)
+	clk.Step(g.cfg.Patience)
+	eventually(t, "two streams to be counted", func() bool { return g.quota.Held(brokertest.ID(kcpPath)) == 2 })
+	third := timedStream(t, b, clk, 3, kcpPath, dial)
+	clk.Step(g.cfg.Patience)
+	brokertest.CheckStatus(t, "a third stream", end(third), codes.ResourceExhausted, "2 streams open that have not sent their first message")
 	// Another peer is not held back by this one.
-	other := silentStream(t, b, shardPath, tunnelv1.DialService_Dial_FullMethodName)
-	eventually(t, "the other peer's stream to be counted", func() bool { return g.Quota.Held(brokertest.ID(shardPath)) == 1 })
-	_ = other
+	timedStream(t, b, clk, 3, shardPath, dial)
+	clk.Step(g.cfg.Patience)
+	eventually(t, "the other peer's stream to be counted", func() bool { return g.quota.Held(brokertest.ID(shardPath)) == 1 })
 }
 
 func TestStreamsWaitingForTheirFirstMessageAreLimitedInTotal(t *testing.T) {
-	g := &Guard{Timeout: brokertest.WaitLong, Quota: quota.Quota{Total: 2}}
-	b := startBroker(t, g)
-	silentStream(t, b, kcpPath, tunnelv1.DialService_Dial_FullMethodName)
-	silentStream(t, b, agentPath, tunnelv1.AgentService_Tunnel_FullMethodName)
-	eventually(t, "two streams to be counted", func() bool { return g.Quota.TotalHeld() == 2 })
-	err := end(silentStream(t, b, shardPath, tunnelv1.DialService_Dial_FullMethodName))
-	brokertest.CheckStatus(t, "a third stream", err, codes.ResourceExhausted, "the broker has 2 streams open that have not sent their first message")
+	clk := brokertest.NewClock()
+	g, b := startBroker(t, Config{Timeout: brokertest.WaitLong, MaxTotal: 2, Clock: clk})
+	timedStream(t, b, clk, 1, kcpPath, tunnelv1.DialService_Dial_FullMethodName)
+	timedStream(t, b, clk, 2, agentPath, tunnelv1.AgentService_Tunnel_FullMethodName)
+	clk.Step(g.cfg.Patience)
+	eventually(t, "two streams to be counted", func() bool { return g.quota.TotalHeld() == 2 })
+	third := timedStream(t, b, clk, 3, shardPath, tunnelv1.DialService_Dial_FullMethodName)
+	clk.Step(g.cfg.Patience)
+	brokertest.CheckStatus(t, "a third stream", end(third), codes.ResourceExhausted, "the broker has 2 streams open that have not sent their first message")
 }
 
 func TestAStreamEndedByItsPeerStopsCounting(t *testing.T) {
-	g := &Guard{Timeout: brokertest.WaitLong, Quota: quota.Quota{PerID: 1}}
-	b := startBroker(t, g)
+	clk := brokertest.NewClock()
+	g, b := startBroker(t, Config{Timeout: brokertest.WaitLong, MaxPerPeer: 1, Clock: clk})
 	ctx, cancel := context.WithCancel(t.Context())
 	desc := &grpc.StreamDesc{ClientStreams: true, ServerStreams: true}
 	if _, err := b.Conn(t, kcpPath).NewStream(ctx, desc, tunnelv1.DialService_Dial_FullMethodName); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "the stream to be counted", func() bool { return g.Quota.Held(brokertest.ID(kcpPath)) == 1 })
+	clk.WaitForTimers(t, 1)
+	clk.Step(g.cfg.Patience)
+	eventually(t, "the stream to be counted", func() bool { return g.quota.Held(brokertest.ID(kcpPath)) == 1 })
 	cancel()
-	eventually(t, "the cancelled stream to stop counting", func() bool { return g.Quota.Held(brokertest.ID(kcpPath)) == 0 })
+	eventually(t, "the cancelled stream to stop counting", func() bool { return g.quota.Held(brokertest.ID(kcpPath)) == 0 })
 }
 
 func TestAUnaryCallCountsUntilItsRequestArrives(t *testing.T) {
-	g := &Guard{Timeout: brokertest.WaitLong, Quota: quota.Quota{PerID: 1}}
-	b := startBroker(t, g)
+	g, b := startBroker(t, Config{Timeout: brokertest.WaitLong, MaxPerPeer: 1})
 	client := healthpb.NewHealthClient(b.Conn(t, kcpPath))
 	for range 3 {
 		if _, err := client.Check(t.Context(), &healthpb.HealthCheckRequest{}); err != nil {
 			t.Fatal(err)
 		}
 	}
-	eventually(t, "the calls to stop counting", func() bool { return g.Quota.TotalHeld() == 0 })
+	eventually(t, "the calls to stop counting", func() bool { return g.quota.TotalHeld() == 0 })
 }
 
 func TestABurstOfStreamsWhoseFirstMessagesComeWithThemIsNotRefused(t *testing.T) {
 	// The default patience, and room for two streams waiting: a burst of
 	// dials that send their targets at once must all be heard, however
 	// many headers gRPC reads before their messages.
-	g := &Guard{Timeout: brokertest.WaitLong, Patience: DefaultPatience, Quota: quota.Quota{PerID: 2, Total: 2}}
-	b := startBroker(t, g)
+	_, b := startBroker(t, Config{Timeout: brokertest.WaitLong, Patience: DefaultPatience, MaxPerPeer: 2, MaxTotal: 2})
 	const burst = 2000
 	client := tunnelv1.NewDialServiceClient(b.Conn(t, kcpPath))
 	ctx, _ := brokertest.StreamContext(t)

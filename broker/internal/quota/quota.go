@@ -9,7 +9,8 @@ import (
 )
 
 // Quota bounds what one SPIFFE ID may hold at once, and optionally what all
-// IDs together may. A limit of 0 means none. The zero Quota admits anything.
+// IDs together may. A limit of 0 or less means none. The zero Quota admits
+// anything.
 type Quota struct {
 	PerID int64
 	Total int64

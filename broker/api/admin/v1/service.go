@@ -16,22 +16,33 @@ import (
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
+// Config is what the admin service needs.
+type Config struct {
+	Registry *registry.Registry
+	// BrokerID names this replica in listings.
+	BrokerID string
+}
+
 // Service implements AdminService.
 type Service struct {
 	tunnelv1.UnimplementedAdminServiceServer
 
-	Registry *registry.Registry
-	BrokerID string
+	cfg Config
 }
 
-// Register adds the service to s.
-func (s *Service) Register(srv *grpc.Server) { tunnelv1.RegisterAdminServiceServer(srv, s) }
+// New is an admin service with cfg.
+func New(cfg Config) *Service { return &Service{cfg: cfg} }
+
+// RegisterService registers s on srv.
+func RegisterService(srv grpc.ServiceRegistrar, s *Service) {
+	tunnelv1.RegisterAdminServiceServer(srv, s)
+}
 
 // ListAgents implements AdminService.ListAgents.
 func (s *Service) ListAgents(_ context.Context, req *tunnelv1.ListAgentsRequest) (*tunnelv1.ListAgentsResponse, error) {
-	resp := &tunnelv1.ListAgentsResponse{BrokerId: s.BrokerID}
-	for _, a := range s.Registry.Agents() {
-		clusters := s.Registry.ClustersOf(a)
+	resp := &tunnelv1.ListAgentsResponse{BrokerId: s.cfg.BrokerID}
+	for _, a := range s.cfg.Registry.Agents() {
+		clusters := s.cfg.Registry.ClustersOf(a)
 		if req.GetCluster() != "" && !slices.Contains(clusters, req.GetCluster()) {
 			continue
 		}

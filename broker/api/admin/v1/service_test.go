@@ -64,18 +64,24 @@ func sessions(resp *tunnelv1.ListAgentsResponse) []string {
 	return out
 }
 
+// noTunnel stands in for the tunnel an agent's Tunnel RPC hands over.
+type noTunnel struct{}
+
+func (noTunnel) End(error) {}
+
 // openTunnel opens a tunnel through a for cluster, as a caller's dial and
-// the agent's Tunnel RPC do, and returns it for the test to finish.
-func openTunnel(t *testing.T, r *registry.Registry, a *registry.Agent, cluster string) *registry.Tunnel {
+// the agent's Tunnel RPC do, and returns the dial's claim for the test to
+// release.
+func openTunnel(t *testing.T, r *registry.Registry, a *registry.Agent, cluster string) *registry.Claim {
 	t.Helper()
 	type outcome struct {
-		tun *registry.Tunnel
-		err error
+		claim *registry.Claim
+		err   error
 	}
 	done := make(chan outcome, 1)
 	go func() {
-		tun, err := r.Dial(context.Background(), &tunnelv1.Target{Cluster: cluster, Namespace: "default", Service: "webhook", Port: 443}, 1000)
-		done <- outcome{tun, err}
+		c, err := r.Dial(context.Background(), &tunnelv1.Target{Cluster: cluster, Namespace: "default", Service: "webhook", Port: 443})
+		done <- outcome{c, err}
 	}()
 	var order *tunnelv1.DialOrder
 	select {
@@ -83,16 +89,18 @@ func openTunnel(t *testing.T, r *registry.Registry, a *registry.Agent, cluster s
 	case <-time.After(waitLong):
 		t.Fatalf("agent %s got no order within %v", a, waitLong)
 	}
-	if _, err := r.Claim(order.GetDialId(), a.ID, nil); err != nil {
+	c, err := r.Claim(order.GetDialId(), a.ID)
+	if err != nil {
 		t.Fatalf("claim: %v", err)
 	}
+	c.HandOver(noTunnel{})
 	select {
 	case o := <-done:
 		if o.err != nil {
 			t.Fatalf("dial: %v", o.err)
 		}
-		t.Cleanup(func() { o.tun.Finish(nil) })
-		return o.tun
+		t.Cleanup(o.claim.Release)
+		return o.claim
 	case <-time.After(waitLong):
 		t.Fatalf("the claimed dial did not end within %v", waitLong)
 		return nil
@@ -100,7 +108,7 @@ func openTunnel(t *testing.T, r *registry.Registry, a *registry.Agent, cluster s
 }
 
 func TestListAgentsNamesTheReplica(t *testing.T) {
-	s := &Service{Registry: registry.New(), BrokerID: "broker-0"}
+	s := New(Config{Registry: registry.New(registry.Limits{}), BrokerID: "broker-0"})
 	resp := list(t, s, "")
 	if resp.GetBrokerId() != "broker-0" {
 		t.Errorf("broker_id %q, want broker-0", resp.GetBrokerId())
@@ -111,9 +119,9 @@ func TestListAgentsNamesTheReplica(t *testing.T) {
 }
 
 func TestListAgentsDescribesEachRegistration(t *testing.T) {
-	r := registry.New()
+	r := registry.New(registry.Limits{})
 	a := register(t, r, "s1", "sync-target-1", "/agent/a", "zeta", "alpha")
-	s := &Service{Registry: r, BrokerID: "broker-0"}
+	s := New(Config{Registry: r, BrokerID: "broker-0"})
 
 	resp := list(t, s, "")
 	want := &tunnelv1.AgentInfo{
@@ -133,11 +141,11 @@ func TestListAgentsDescribesEachRegistration(t *testing.T) {
 }
 
 func TestListAgentsReportsTheLastProbeAnswered(t *testing.T) {
-	r := registry.New()
+	r := registry.New(registry.Limits{})
 	a := register(t, r, "s1", "a", "/agent/a", "root")
 	at := time.Date(2026, 3, 4, 5, 6, 7, 0, time.UTC)
 	a.Probed(at, 1500*time.Microsecond)
-	s := &Service{Registry: r}
+	s := New(Config{Registry: r})
 
 	info := list(t, s, "").GetAgents()[0]
 	if !proto.Equal(info.GetLastProbe(), timestamppb.New(at)) || !proto.Equal(info.GetLastProbeRtt(), durationpb.New(1500*time.Microsecond)) {
@@ -146,27 +154,27 @@ func TestListAgentsReportsTheLastProbeAnswered(t *testing.T) {
 }
 
 func TestListAgentsCountsOpenTunnels(t *testing.T) {
-	r := registry.New()
+	r := registry.New(registry.Limits{})
 	a := register(t, r, "s1", "a", "/agent/a", "root")
-	s := &Service{Registry: r}
+	s := New(Config{Registry: r})
 	first := openTunnel(t, r, a, "root")
 	openTunnel(t, r, a, "root")
 
 	if n := list(t, s, "").GetAgents()[0].GetActiveTunnels(); n != 2 {
 		t.Errorf("active_tunnels %d, want 2", n)
 	}
-	first.Finish(nil)
+	first.Release()
 	if n := list(t, s, "").GetAgents()[0].GetActiveTunnels(); n != 1 {
 		t.Errorf("active_tunnels %d after one tunnel finished, want 1", n)
 	}
 }
 
 func TestListAgentsShowsWhichAgentsDrain(t *testing.T) {
-	r := registry.New()
+	r := registry.New(registry.Limits{})
 	register(t, r, "s1", "a", "/agent/a", "root")
 	draining := register(t, r, "s2", "b", "/agent/b", "root")
 	draining.Drain()
-	s := &Service{Registry: r}
+	s := New(Config{Registry: r})
 
 	got := map[string]bool{}
 	for _, info := range list(t, s, "").GetAgents() {
@@ -178,12 +186,12 @@ func TestListAgentsShowsWhichAgentsDrain(t *testing.T) {
 }
 
 func TestListAgentsFiltersByCluster(t *testing.T) {
-	r := registry.New()
+	r := registry.New(registry.Limits{})
 	register(t, r, "s1", "a", "/agent/a", "root", "other")
 	register(t, r, "s2", "b", "/agent/b", "other")
 	register(t, r, "s3", "c", "/agent/c", "root")
 	register(t, r, "s4", "d", "/agent/d")
-	s := &Service{Registry: r}
+	s := New(Config{Registry: r})
 
 	for cluster, want := range map[string][]string{
 		"root":    {"s1", "s3"},
@@ -198,9 +206,9 @@ func TestListAgentsFiltersByCluster(t *testing.T) {
 }
 
 func TestListAgentsFollowsReRegistrations(t *testing.T) {
-	r := registry.New()
+	r := registry.New(registry.Limits{})
 	a := register(t, r, "s1", "a", "/agent/a", "old")
-	s := &Service{Registry: r}
+	s := New(Config{Registry: r})
 	r.Update(a, []string{"new"})
 
 	if got := sessions(list(t, s, "old")); len(got) != 0 {
@@ -213,9 +221,9 @@ func TestListAgentsFollowsReRegistrations(t *testing.T) {
 }
 
 func TestListAgentsListsAgentsServingNoCluster(t *testing.T) {
-	r := registry.New()
+	r := registry.New(registry.Limits{})
 	register(t, r, "s1", "idle", "/agent/idle")
-	s := &Service{Registry: r}
+	s := New(Config{Registry: r})
 
 	resp := list(t, s, "")
 	if len(resp.GetAgents()) != 1 || resp.GetAgents()[0].GetSessionId() != "s1" || len(resp.GetAgents()[0].GetClusters()) != 0 {
@@ -224,11 +232,11 @@ func TestListAgentsListsAgentsServingNoCluster(t *testing.T) {
 }
 
 func TestListAgentsLeavesOutUnregisteredAgents(t *testing.T) {
-	r := registry.New()
+	r := registry.New(registry.Limits{})
 	gone := register(t, r, "s1", "a", "/agent/a", "root")
 	register(t, r, "s2", "b", "/agent/b", "root")
 	r.Unregister(gone)
-	s := &Service{Registry: r}
+	s := New(Config{Registry: r})
 
 	if got := sessions(list(t, s, "")); !slices.Equal(got, []string{"s2"}) {
 		t.Errorf("ListAgents lists %v, want [s2]", got)
@@ -236,13 +244,13 @@ func TestListAgentsLeavesOutUnregisteredAgents(t *testing.T) {
 }
 
 func TestListAgentsOrdersByNameThenSession(t *testing.T) {
-	r := registry.New()
+	r := registry.New(registry.Limits{})
 	// One SPIFFE ID may hold several registrations at once.
 	register(t, r, "s-2", "b", "/agent/b", "root")
 	register(t, r, "s-1", "b", "/agent/b", "root")
 	register(t, r, "s-9", "a-b", "/agent/ab", "root")
 	register(t, r, "s-3", "a", "/agent/a", "root")
-	s := &Service{Registry: r}
+	s := New(Config{Registry: r})
 
 	want := []string{"s-3", "s-9", "s-1", "s-2"} // a, a-b, b, b
 	if got := sessions(list(t, s, "")); !slices.Equal(got, want) {
@@ -251,14 +259,14 @@ func TestListAgentsOrdersByNameThenSession(t *testing.T) {
 }
 
 func TestListAgentsIsServedOverGRPC(t *testing.T) {
-	r := registry.New()
+	r := registry.New(registry.Limits{})
 	register(t, r, "s1", "sync-target-1", "/agent/a", "root")
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	srv := grpc.NewServer()
-	(&Service{Registry: r, BrokerID: "broker-0"}).Register(srv)
+	RegisterService(srv, New(Config{Registry: r, BrokerID: "broker-0"}))
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(lis) }()
 	defer func() {

@@ -15,9 +15,10 @@ import (
 )
 
 func TestAnAgentsRegistrationEndsWhenItsSVIDExpires(t *testing.T) {
-	b := startBroker(t, config{})
-	// x509 times are whole seconds: this SVID expires in 2 to 3 seconds.
-	src, err := b.CA.Source(devca.Leaf{SPIFFEID: agentA, NotAfter: time.Now().Add(3 * time.Second)})
+	clk := brokertest.NewClock()
+	// No probe is due before the expiry.
+	b := startBroker(t, config{clock: clk, probeEvery: 2 * time.Hour})
+	src, err := b.CA.Source(devca.Leaf{SPIFFEID: agentA, NotAfter: clk.Now().Add(time.Hour)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -45,6 +46,9 @@ func TestAnAgentsRegistrationEndsWhenItsSVIDExpires(t *testing.T) {
 	if b.registered("a") == nil {
 		t.Fatal("the agent is not routable")
 	}
+	// The probe ticker and the expiry's timer wait on the clock.
+	clk.WaitForTimers(t, 2)
+	clk.Step(time.Hour)
 
 	// Its control stream ends at the expiry, saying why, and nothing more
 	// is routed to it.

@@ -11,13 +11,14 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/protobuf/proto"
+	"k8s.io/utils/clock"
 
 	dialv1 "github.com/kcp-dev/tunnel-broker/broker/api/dial/v1"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
-	"github.com/kcp-dev/tunnel-broker/broker/internal/quota"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
+	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -54,6 +55,9 @@ type config struct {
 	registerTimeout  time.Duration
 	maxRegistrations int64
 	maxClusters      int
+	// clock times probes, the first registration and SVIDs' expiry; nil:
+	// the real clock.
+	clock clock.WithTickerAndDelayedExecution
 }
 
 const brokerID = "test-broker"
@@ -78,18 +82,18 @@ func startBroker(t *testing.T, cfg config) *broker {
 	}
 	b := &broker{}
 	b.Server = brokertest.Start(t, testPolicy, func(s *brokertest.Server, srv *grpc.Server) {
-		b.agents = &Service{
+		b.agents = New(Config{
 			Registry: s.Registry, Policy: s.Policy, BrokerID: brokerID,
 			Draining: s.Draining, Stopping: s.Stopping, Grace: cfg.grace,
-			ProbeEvery: cfg.probeEvery, Timeout: cfg.registerTimeout,
-			Registrations: quota.Quota{PerID: cfg.maxRegistrations}, MaxClusters: cfg.maxClusters,
-			Log: s.Log,
-		}
-		b.agents.Register(srv)
-		(&dialv1.Service{
+			ProbeEvery: cfg.probeEvery, RegistrationTimeout: cfg.registerTimeout,
+			MaxRegistrations: cfg.maxRegistrations, MaxClusters: cfg.maxClusters,
+			Clock: cfg.clock, Log: s.Log,
+		})
+		RegisterService(srv, b.agents)
+		dialv1.RegisterService(srv, dialv1.New(dialv1.Config{
 			Registry: s.Registry, Policy: s.Policy, Timeout: cfg.dialTimeout,
-			Draining: s.Draining, Stopping: s.Stopping, Log: s.Log,
-		}).Register(srv)
+			Tunnels: tunnel.Config{Stopping: s.Stopping}, Draining: s.Draining, Log: s.Log,
+		}))
 	})
 	return b
 }
@@ -139,8 +143,12 @@ func (b *broker) connectStatus(t *testing.T, path string, msgs ...*tunnelv1.Conn
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The broker may refuse the stream before it reads a message: Send
+	// then reports io.EOF, and Recv the status.
 	for _, m := range msgs {
-		if err := control.Send(m); err != nil {
+		if err := control.Send(m); errors.Is(err, io.EOF) {
+			break
+		} else if err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -4,14 +4,12 @@ import (
 	"sync"
 	"time"
 
+	"k8s.io/utils/clock"
+
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
-
-// DefaultProbeEvery is how often an agent is probed: often enough for an
-// alert within a minute, rare enough to cost nothing.
-const DefaultProbeEvery = 10 * time.Second
 
 // prober sends probes over an agent's control stream and records answers.
 // An agent that has not answered the previous probe when the next is due is
@@ -19,6 +17,7 @@ const DefaultProbeEvery = 10 * time.Second
 type prober struct {
 	agent  *registry.Agent
 	series *metrics.AgentSeries
+	clock  clock.PassiveClock
 
 	mu      sync.Mutex
 	seq     uint64
@@ -26,8 +25,8 @@ type prober struct {
 	waiting bool
 }
 
-func newProber(a *registry.Agent, series *metrics.AgentSeries) *prober {
-	return &prober{agent: a, series: series}
+func newProber(a *registry.Agent, series *metrics.AgentSeries, clk clock.PassiveClock) *prober {
+	return &prober{agent: a, series: series, clock: clk}
 }
 
 // next is the next probe to send.
@@ -38,7 +37,7 @@ func (p *prober) next() *tunnelv1.ConnectResponse {
 		p.series.Reachable(false)
 	}
 	p.seq++
-	p.sent = time.Now()
+	p.sent = p.clock.Now()
 	p.waiting = true
 	return &tunnelv1.ConnectResponse{Message: &tunnelv1.ConnectResponse_Probe{Probe: &tunnelv1.Probe{Sequence: p.seq}}}
 }
@@ -52,7 +51,7 @@ func (p *prober) answered(seq uint64) {
 		return
 	}
 	p.waiting = false
-	now := time.Now()
+	now := p.clock.Now()
 	rtt := now.Sub(p.sent)
 	p.agent.Probed(now, rtt)
 	p.series.Probed(now, rtt)

@@ -252,48 +252,71 @@ func TestTunnelForADialThatTimedOutIsNotFound(t *testing.T) {
 		codes.NotFound, fmt.Sprintf("no pending dial %d", order.GetDialId()))
 }
 
-func TestProbesAreAnsweredAndRecorded(t *testing.T) {
-	b := startBroker(t, config{probeEvery: 50 * time.Millisecond})
+// probedAgent registers an agent with a broker whose clock the test moves,
+// and waits until its probe ticker and its SVID's expiry wait on the clock.
+func probedAgent(t *testing.T, every time.Duration) (*broker, *agent, brokertest.Clock) {
+	t.Helper()
+	clk := brokertest.NewClock()
+	b := startBroker(t, config{probeEvery: every, clock: clk})
 	a := b.connectAgent(t, agentA, "a", "root")
+	clk.WaitForTimers(t, 2)
+	return b, a, clk
+}
+
+// probe checks that the next message is probe seq.
+func (a *agent) probe(t *testing.T, seq uint64) {
+	t.Helper()
+	msg := a.next(t)
+	if got := msg.GetProbe(); got == nil || got.GetSequence() != seq {
+		t.Fatalf("got %v, want probe %d", msg, seq)
+	}
+}
+
+// answer answers probe seq.
+func (a *agent) answer(t *testing.T, seq uint64) {
+	t.Helper()
+	a.send(t, &tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_Probe{Probe: &tunnelv1.Probe{Sequence: seq}}})
+}
+
+func TestProbesAreAnsweredAndRecorded(t *testing.T) {
+	const every = 10 * time.Second
+	b, a, clk := probedAgent(t, every)
 	reg := b.registered("a")
-	probe := func(want uint64) {
-		t.Helper()
-		msg := a.next(t)
-		if got := msg.GetProbe(); got == nil || got.GetSequence() != want {
-			t.Fatalf("got %v, want probe %d", msg, want)
-		}
-	}
-	answer := func(seq uint64) {
-		t.Helper()
-		a.send(t, &tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_Probe{Probe: &tunnelv1.Probe{Sequence: seq}}})
-	}
 
 	// Unanswered probes go on, numbered in sequence.
-	probe(1)
-	probe(2)
-	// Answer each probe until one lands before the next is due.
-	for seq := uint64(3); ; seq++ {
-		probe(seq)
-		answer(seq)
-		if at, _ := reg.LastProbe(); !at.IsZero() {
-			break
-		}
-		if seq > 1000 {
-			t.Fatal("no answer was recorded")
-		}
+	clk.Step(every)
+	a.probe(t, 1)
+	clk.Step(every)
+	a.probe(t, 2)
+	if v, _ := series(t, "kcp_tunnel_broker_agent_reachable", "a", agentA); v != 0 {
+		t.Errorf("reachable = %v with a probe due unanswered, want 0", v)
+	}
+	clk.Step(every)
+	a.probe(t, 3)
+	sent := clk.Now()
+	clk.Step(250 * time.Millisecond)
+	a.answer(t, 3)
+	brokertest.Eventually(t, "the answer to be recorded", func() bool {
+		at, _ := reg.LastProbe()
+		return !at.IsZero()
+	})
+	if at, rtt := reg.LastProbe(); !at.Equal(sent.Add(250*time.Millisecond)) || rtt != 250*time.Millisecond {
+		t.Errorf("last probe at %v, rtt %v; want %v, 250ms", at, rtt, sent.Add(250*time.Millisecond))
+	}
+	if v, _ := series(t, "kcp_tunnel_broker_agent_reachable", "a", agentA); v != 1 {
+		t.Errorf("reachable = %v once a probe was answered, want 1", v)
 	}
 }
 
 func TestStaleProbeAnswersAreNotRecorded(t *testing.T) {
-	b := startBroker(t, config{probeEvery: 50 * time.Millisecond})
-	a := b.connectAgent(t, agentA, "a", "root")
+	const every = 10 * time.Second
+	b, a, clk := probedAgent(t, every)
 	reg := b.registered("a")
-	for want := uint64(1); want <= 2; want++ {
-		if msg := a.next(t); msg.GetProbe().GetSequence() != want {
-			t.Fatalf("got %v, want probe %d", msg, want)
-		}
+	for seq := uint64(1); seq <= 2; seq++ {
+		clk.Step(every)
+		a.probe(t, seq)
 	}
-	a.send(t, &tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_Probe{Probe: &tunnelv1.Probe{Sequence: 1}}})
+	a.answer(t, 1)
 	// Messages are handled in order: once the stream has ended on the bad
 	// message after it, the stale answer has been handled.
 	a.send(t, &tunnelv1.ConnectRequest{})

@@ -3,11 +3,10 @@
 package dial
 
 import (
+	"cmp"
 	"context"
 	"errors"
-	"io"
 	"log/slog"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -16,139 +15,127 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/kcp-dev/tunnel-broker/broker/internal/quota"
+	"github.com/kcp-dev/tunnel-broker/broker/internal/receive"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
+	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
-// DefaultTimeout bounds a dial when the caller sets no shorter deadline. It
-// sits below the admission webhook default of 10s, so a dial that cannot
-// succeed fails with its own status, not the webhook's timeout.
-const DefaultTimeout = 5 * time.Second
+// Defaults of Config.
+const (
+	// DefaultTimeout bounds a dial when the caller sets no shorter
+	// deadline. It sits below the admission webhook default of 10s, so a
+	// dial that cannot succeed fails with its own status, not the
+	// webhook's timeout.
+	DefaultTimeout = 5 * time.Second
+	// DefaultMaxTunnelsPerCaller bounds the tunnels of one caller: kcp holds
+	// one per webhook call in flight.
+	DefaultMaxTunnelsPerCaller = 20000
+)
+
+// Config is what the dial service needs. As in every Config of the broker,
+// a zero value means the default, and a negative limit means none.
+type Config struct {
+	Registry *registry.Registry
+	Policy   *policy.Policy
+	// Timeout bounds a dial, from its target to its agent's open; zero or
+	// negative: DefaultTimeout.
+	Timeout time.Duration
+	// MaxTunnelsPerCaller bounds the tunnels one SPIFFE ID holds, its dials
+	// included from their stream's start; zero: DefaultMaxTunnelsPerCaller.
+	MaxTunnelsPerCaller int64
+	// Tunnels is what ends tunnels besides their peers: the idle limit and
+	// the broker's stop.
+	Tunnels tunnel.Config
+	// Draining ends when the broker stops taking dials; nil: never.
+	Draining context.Context
+	Log      *slog.Logger
+}
 
 // Service implements DialService.
 type Service struct {
 	tunnelv1.UnimplementedDialServiceServer
 
-	Registry *registry.Registry
-	Policy   *policy.Policy
-	Timeout  time.Duration
-	// IdleTimeout ends tunnels that carry nothing for this long; 0: never.
-	IdleTimeout time.Duration
-	// MaxTunnelsPerCaller bounds the tunnels one SPIFFE ID holds; 0: none.
-	MaxTunnelsPerCaller int64
-	// Draining closes when the broker stops taking dials; Stopping ends
-	// when its grace period for tunnels in flight is over.
-	Draining <-chan struct{}
-	Stopping context.Context
-	Log      *slog.Logger
+	cfg     Config
+	callers quota.Quota // tunnels and dials, per caller SPIFFE ID
+	active  atomic.Int64
+}
 
-	active    atomic.Int64
-	perCaller sync.Map // spiffeid.ID -> *atomic.Int64
+// New is a dial service with cfg, its defaults resolved.
+func New(cfg Config) *Service {
+	cfg.Timeout = cmp.Or(max(cfg.Timeout, 0), DefaultTimeout)
+	if cfg.Draining == nil {
+		cfg.Draining = context.Background()
+	}
+	cfg.Log = cmp.Or(cfg.Log, slog.Default())
+	return &Service{
+		cfg:     cfg,
+		callers: quota.Quota{PerID: cmp.Or(cfg.MaxTunnelsPerCaller, DefaultMaxTunnelsPerCaller)},
+	}
+}
+
+// RegisterService registers s on srv.
+func RegisterService(srv grpc.ServiceRegistrar, s *Service) {
+	tunnelv1.RegisterDialServiceServer(srv, s)
 }
 
 // Active is the number of tunnels spliced right now.
 func (s *Service) Active() int64 { return s.active.Load() }
 
-// Register adds the service to s.
-func (s *Service) Register(srv *grpc.Server) { tunnelv1.RegisterDialServiceServer(srv, s) }
-
-// Dial implements DialService.Dial.
+// Dial implements DialService.Dial: the caller's target, its agent's tunnel,
+// and the splice until the tunnel's end.
 func (s *Service) Dial(stream tunnelv1.DialService_DialServer) error {
 	caller, _ := identity.PeerID(stream.Context())
-	// A dial counts against its caller's tunnels from its start, so that
-	// dials that have not named their target yet count too.
-	held := s.callerTunnels(caller)
-	if n := held.Add(1); s.MaxTunnelsPerCaller > 0 && n > s.MaxTunnelsPerCaller {
-		held.Add(-1)
-		metrics.LimitsHit.WithLabelValues("tunnels_per_caller").Inc()
-		s.Log.Warn("dial refused: caller at its tunnel limit", "caller", caller.String(), "limit", s.MaxTunnelsPerCaller)
-		metrics.Dials.WithLabelValues(codes.ResourceExhausted.String()).Inc()
-		return status.Errorf(codes.ResourceExhausted, "%s already holds %d tunnels, the most a caller may", caller, s.MaxTunnelsPerCaller)
-	}
-	unhold := sync.OnceFunc(func() { held.Add(-1) })
-	defer unhold()
-
-	target, err := recvTarget(stream)
+	// A dial counts against its caller's tunnels from its stream's start,
+	// so that dials that have not named their target yet count too.
+	release, err := s.holdTunnel(caller)
 	if err != nil {
 		return err
 	}
-	if err := s.Policy.MayDial(caller, target.GetCluster()); err != nil {
-		metrics.Denied.WithLabelValues("Dial").Inc()
-		s.Log.Warn("permission denied", "peer", caller.String(), "cluster", target.GetCluster())
-		return status.Error(codes.PermissionDenied, err.Error())
-	}
-	log := s.Log.With("cluster", target.GetCluster(), "namespace", target.GetNamespace(),
-		"service", target.GetService(), "port", target.GetPort(), "caller", caller.String())
-	if isClosed(s.Draining) {
-		return status.Error(codes.Unavailable, "this broker replica is shutting down: dial another")
-	}
-
-	start := time.Now()
-	t, err := s.dial(stream.Context(), target)
-	took := time.Since(start)
-	code := status.Code(err)
-	metrics.Dials.WithLabelValues(code.String()).Inc()
-	metrics.DialSeconds.WithLabelValues(code.String()).Observe(took.Seconds())
+	defer release()
+	target, err := s.receiveTarget(stream, caller)
 	if err != nil {
-		if limit, ok := errors.AsType[*registry.LimitError](err); ok {
-			metrics.LimitsHit.WithLabelValues(limit.Limit).Inc()
-		}
-		if failed, ok := errors.AsType[*registry.DialError](err); ok {
-			log = log.With(failed.LogAttrs()...)
-		}
-		log.Info("dial failed", "code", code.String(), "error", status.Convert(err).Message(), "took", took)
+		return err
+	}
+	log := s.cfg.Log.With("cluster", target.GetCluster(), "namespace", target.GetNamespace(),
+		"service", target.GetService(), "port", target.GetPort(), "caller", caller.String())
+	t, took, err := s.dial(stream.Context(), target, log)
+	if err != nil {
 		return err
 	}
 	log = log.With("tunnel", t.ID, "agent", t.Agent.String())
 	established := &tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_Established{Established: &tunnelv1.Established{TunnelId: t.ID}}}
 	if err := stream.Send(established); err != nil {
-		t.Finish(status.Error(codes.Canceled, "caller went away"))
+		t.End(status.Error(codes.Canceled, "caller went away"))
 		return err
 	}
 	log.Debug("tunnel established", "took", took)
-
-	s.active.Add(1)
-	metrics.Tunnels.Inc()
-	// The tunnel stops counting (against the limits, in the listings)
-	// before its caller can learn that it ended and dial again.
-	uncount := sync.OnceFunc(func() {
-		t.Release()
-		unhold()
-		s.active.Add(-1)
-		metrics.Tunnels.Dec()
-	})
-	sp := &splice{caller: stream, agent: t.Stream, idle: s.IdleTimeout, ended: uncount}
-	callerStatus, agentStatus := sp.run(t.Start, s.Stopping)
-	uncount()
-	t.Finish(agentStatus)
-	if agentStatus != nil {
-		log.Info("tunnel ended", "caller_code", status.Code(callerStatus).String(), "agent_code", status.Code(agentStatus).String(), "error", status.Convert(agentStatus).Message())
-	} else {
-		log.Debug("tunnel closed")
-	}
-	return callerStatus
+	return s.splice(stream, t, release, log)
 }
 
-// recvTarget receives the first message of a dial, which must name a valid
-// target. It decodes the message itself, so that one that is not a
-// DialRequest is the caller's InvalidArgument, not gRPC's Internal.
-func recvTarget(stream tunnelv1.DialService_DialServer) (*tunnelv1.Target, error) {
-	var f tunnelv1.Frame
-	err := stream.RecvMsg(&f)
-	if errors.Is(err, io.EOF) {
-		return nil, status.Error(codes.InvalidArgument, "stream closed before naming a target")
+// holdTunnel counts one more tunnel against caller, unless it holds its
+// limit; release gives it back.
+func (s *Service) holdTunnel(caller spiffeid.ID) (release func(), err error) {
+	release, over := s.callers.Take(caller)
+	if over == quota.Under {
+		return release, nil
 	}
+	metrics.LimitsHit.WithLabelValues("tunnels_per_caller").Inc()
+	s.cfg.Log.Warn("dial refused: caller at its tunnel limit", "caller", caller.String(), "limit", s.callers.PerID)
+	metrics.Dials.WithLabelValues(codes.ResourceExhausted.String()).Inc()
+	return nil, status.Errorf(codes.ResourceExhausted, "%s already holds %d tunnels, the most a caller may", caller, s.callers.PerID)
+}
+
+// receiveTarget receives the first message of a dial, which must name a
+// valid target that the caller may dial, while the broker takes dials.
+func (s *Service) receiveTarget(stream tunnelv1.DialService_DialServer, caller spiffeid.ID) (*tunnelv1.Target, error) {
+	first, err := receive.First[tunnelv1.DialRequest](stream, "stream closed before naming a target")
 	if err != nil {
 		return nil, err
-	}
-	first := new(tunnelv1.DialRequest)
-	err = f.Decode(first)
-	f.Free()
-	if err != nil {
-		return nil, status.Errorf(codes.InvalidArgument, "not a DialRequest: %v", err)
 	}
 	target := first.GetTarget()
 	if target == nil {
@@ -157,32 +144,59 @@ func recvTarget(stream tunnelv1.DialService_DialServer) (*tunnelv1.Target, error
 	if err := target.Validate(); err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
+	if err := s.cfg.Policy.MayDial(caller, target.GetCluster()); err != nil {
+		metrics.Denied.WithLabelValues("Dial").Inc()
+		s.cfg.Log.Warn("permission denied", "peer", caller.String(), "cluster", target.GetCluster())
+		return nil, status.Error(codes.PermissionDenied, err.Error())
+	}
+	if s.cfg.Draining.Err() != nil {
+		return nil, status.Error(codes.Unavailable, "this broker replica is shutting down: dial another")
+	}
 	return target, nil
 }
 
-func (s *Service) dial(ctx context.Context, target *tunnelv1.Target) (*registry.Tunnel, error) {
-	timeout := s.Timeout
-	if timeout <= 0 {
-		timeout = DefaultTimeout
-	}
-	ctx, cancel := context.WithTimeout(ctx, timeout)
+// dial orders an agent to connect to target and waits for its tunnel, within
+// the dial timeout; it counts the dial's outcome and logs a failure.
+func (s *Service) dial(ctx context.Context, target *tunnelv1.Target, log *slog.Logger) (*tunnel.Tunnel, time.Duration, error) {
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
 	defer cancel()
-	deadline, _ := ctx.Deadline()
-	// At least 1ms: zero would mean "no timeout given" to the agent.
-	remaining := max(time.Until(deadline).Milliseconds(), 1)
-	return s.Registry.Dial(ctx, target, uint32(remaining))
-}
-
-func (s *Service) callerTunnels(id spiffeid.ID) *atomic.Int64 {
-	n, _ := s.perCaller.LoadOrStore(id, new(atomic.Int64))
-	return n.(*atomic.Int64)
-}
-
-func isClosed(c <-chan struct{}) bool {
-	select {
-	case <-c:
-		return true
-	default:
-		return false
+	start := time.Now()
+	t, err := tunnel.Dial(ctx, s.cfg.Registry, target)
+	took := time.Since(start)
+	code := status.Code(err)
+	metrics.Dials.WithLabelValues(code.String()).Inc()
+	metrics.DialSeconds.WithLabelValues(code.String()).Observe(took.Seconds())
+	if err == nil {
+		return t, took, nil
 	}
+	if limit, ok := errors.AsType[*registry.LimitError](err); ok {
+		metrics.LimitsHit.WithLabelValues(limit.Limit).Inc()
+	}
+	if failed, ok := errors.AsType[*registry.DialError](err); ok {
+		log = log.With(failed.LogAttrs()...)
+	}
+	log.Info("dial failed", "code", code.String(), "error", status.Convert(err).Message(), "took", took)
+	return nil, took, err
+}
+
+// splice splices the established tunnel t with the caller's stream until
+// the tunnel ends, and returns the caller's status.
+func (s *Service) splice(stream tunnelv1.DialService_DialServer, t *tunnel.Tunnel, release func(), log *slog.Logger) error {
+	s.active.Add(1)
+	metrics.Tunnels.Inc()
+	// The tunnel stops counting, against its caller's limit and in the
+	// listings, before its caller can learn that it ended and dial again.
+	ended := func() {
+		release()
+		s.active.Add(-1)
+		metrics.Tunnels.Dec()
+	}
+	callerStatus, agentStatus := t.Splice(stream, s.cfg.Tunnels, ended)
+	if agentStatus != nil {
+		log.Info("tunnel ended", "caller_code", status.Code(callerStatus).String(),
+			"agent_code", status.Code(agentStatus).String(), "error", status.Convert(agentStatus).Message())
+	} else {
+		log.Debug("tunnel closed")
+	}
+	return callerStatus
 }

@@ -21,7 +21,7 @@ func TestDialRefusesAFirstMessageThatIsNotATarget(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := stream.Send(dataUp([]byte("x"))); err != nil {
+		if err := stream.Send(brokertest.DataUp([]byte("x"))); err != nil {
 			t.Fatal(err)
 		}
 		_, err = stream.Recv()
@@ -78,8 +78,8 @@ func TestDialRefusesCallersOutsideTheirClusters(t *testing.T) {
 		codes.PermissionDenied, `spiffe://example.org/agent may not dial logical cluster "team-a"`)
 
 	// The same caller reaches the cluster it is allowed.
-	tn := a.establishAs(t, shardPath, brokertest.Target("team-a"))
-	tn.up("allowed")
+	tn := a.Establish(t, shardPath, brokertest.Target("team-a"))
+	tn.Up("allowed")
 }
 
 func TestDialWithoutAnAgentForTheClusterIsUnavailable(t *testing.T) {
@@ -96,14 +96,14 @@ func TestDialOrdersTheAgentAndEstablishes(t *testing.T) {
 	stream, _ := b.StartDial(t, kcpPath, brokertest.Target("root"))
 	// The caller may send data before established; the broker keeps it
 	// for the agent.
-	if err := stream.Send(dataUp([]byte("early"))); err != nil {
+	if err := stream.Send(brokertest.DataUp([]byte("early"))); err != nil {
 		t.Fatal(err)
 	}
-	order := a.order(t, brokertest.Target("root"))
+	order := a.Order(t, brokertest.Target("root"))
 	if ms := order.GetTimeoutMs(); ms == 0 || ms > uint32(timeout.Milliseconds()) {
 		t.Errorf("order's timeout_ms is %d, want in (0, %d]", ms, timeout.Milliseconds())
 	}
-	tun, _ := a.open(t, order.GetDialId())
+	tun, _ := a.Open(t, order.GetDialId())
 	msg, err := stream.Recv()
 	if err != nil {
 		t.Fatal(err)
@@ -124,7 +124,7 @@ func TestDialTimesOutWhenTheAgentDoesNotOpen(t *testing.T) {
 	b := startBroker(t, config{timeout: 200 * time.Millisecond})
 	a := b.connectAgent(t, "silent", "root")
 	stream, _ := b.StartDial(t, kcpPath, brokertest.Target("root"))
-	a.order(t, brokertest.Target("root")) // and never opened
+	a.Order(t, brokertest.Target("root")) // and never opened
 	_, err := stream.Recv()
 	brokertest.CheckStatus(t, "Dial", err, codes.DeadlineExceeded, "did not connect in time")
 }
@@ -140,22 +140,22 @@ func TestDialLimitsTunnelsPerCaller(t *testing.T) {
 	b := startBroker(t, config{maxTunnelsPerCaller: 1})
 	a := b.connectAgent(t, "a", "root", "team-a")
 
-	first := a.establish(t, brokertest.Target("root"))
+	first := a.Establish(t, kcpPath, brokertest.Target("root"))
 	brokertest.CheckStatus(t, "second dial", b.dialStatus(t, kcpPath, brokertest.Target("root")),
 		codes.ResourceExhausted, "spiffe://example.org/kcp already holds 1 tunnels, the most a caller may")
 
 	// The limit is per caller: another one still dials.
-	other := a.establishAs(t, shardPath, brokertest.Target("team-a"))
-	other.up("other caller")
+	other := a.Establish(t, shardPath, brokertest.Target("team-a"))
+	other.Up("other caller")
 
 	// A tunnel that ended no longer counts by the time its caller hears,
 	// whether it closed or failed.
-	first.closeBoth()
-	again := a.establish(t, brokertest.Target("root"))
-	again.up("again")
-	again.cancelAgent()
-	brokertest.CheckStatus(t, "caller", again.callerEnd(), codes.Unavailable, "tunnel lost on the agent's side")
-	a.establish(t, brokertest.Target("root")).up("and again")
+	first.CloseBoth()
+	again := a.Establish(t, kcpPath, brokertest.Target("root"))
+	again.Up("again")
+	again.CancelAgent()
+	brokertest.CheckStatus(t, "caller", again.CallerEnd(), codes.Unavailable, "tunnel lost on the agent's side")
+	a.Establish(t, kcpPath, brokertest.Target("root")).Up("and again")
 }
 
 func TestDialsThatHaveNotNamedATargetCountAgainstTheCaller(t *testing.T) {
@@ -167,8 +167,7 @@ func TestDialsThatHaveNotNamedATargetCountAgainstTheCaller(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	held := b.dial.callerTunnels(brokertest.ID(kcpPath))
-	brokertest.Eventually(t, "two dials to be counted", func() bool { return held.Load() == 2 })
+	brokertest.Eventually(t, "two dials to be counted", func() bool { return b.dial.callers.Held(brokertest.ID(kcpPath)) == 2 })
 	brokertest.CheckStatus(t, "a dial with a target", b.dialStatus(t, kcpPath, brokertest.Target("root")),
 		codes.ResourceExhausted, "already holds 2 tunnels, the most a caller may")
 }

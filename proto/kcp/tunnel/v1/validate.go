@@ -68,7 +68,10 @@ func (t *Target) Validate() error {
 	return nil
 }
 
-// Key is the target as namespace/service:port in cluster, for logs and maps.
+// Key is the target as cluster/namespace/service:port, the one way the
+// project writes a target (kcpplugin's errors, tunnelctl, logs), and a map
+// key: the parts of a valid target hold no '/', and the port follows the
+// last ':', so two valid targets never share a key.
 func (t *Target) Key() string {
-	return fmt.Sprintf("%s|%s/%s:%d", t.GetCluster(), t.GetNamespace(), t.GetService(), t.GetPort())
+	return fmt.Sprintf("%s/%s/%s:%d", t.GetCluster(), t.GetNamespace(), t.GetService(), t.GetPort())
 }

@@ -1,6 +1,7 @@
 package tunnelv1
 
 import (
+	"strconv"
 	"strings"
 	"testing"
 
@@ -83,7 +84,11 @@ func FuzzTargetValidate(f *testing.F) {
 	f.Fuzz(func(t *testing.T, cluster, namespace, service string, port uint32) {
 		target := &Target{Cluster: cluster, Namespace: namespace, Service: service, Port: port}
 		err := target.Validate()
-		_ = target.Key()
+		key := target.Key()
+		// A valid target's key gives it back: no two valid targets share one.
+		if err == nil && keyOf(key) != [4]string{cluster, namespace, service, strconv.FormatUint(uint64(port), 10)} {
+			t.Fatalf("Key() = %q, which does not split into the target %v", key, target)
+		}
 
 		if got, want := ValidateClusterName(cluster) == nil, isClusterName(cluster); got != want {
 			t.Fatalf("ValidateClusterName(%q) accepted=%v, want %v", cluster, got, want)
@@ -171,5 +176,23 @@ func checkDecodedTarget(t *testing.T, target *Target) {
 	}
 	if err := order.GetTarget().Validate(); err != nil {
 		t.Fatalf("target %v refused after a round trip: %v", target, err)
+	}
+}
+
+// keyOf splits a target's key, cluster/namespace/service:port, at the last
+// ':' and at the '/'s before it.
+func keyOf(key string) [4]string {
+	i := strings.LastIndex(key, ":")
+	parts := strings.Split(key[:max(i, 0)], "/")
+	if i < 0 || len(parts) != 3 {
+		return [4]string{}
+	}
+	return [4]string{parts[0], parts[1], parts[2], key[i+1:]}
+}
+
+func TestAKeyIsClusterNamespaceServicePort(t *testing.T) {
+	target := &Target{Cluster: "system:admin", Namespace: "default", Service: "webhook", Port: 443}
+	if got, want := target.Key(), "system:admin/default/webhook:443"; got != want {
+		t.Errorf("Key() = %q, want %q", got, want)
 	}
 }

@@ -1,0 +1,51 @@
+// Package receive reads the control messages of the broker's streams: the
+// first message of every stream, and an agent's messages on its control
+// stream. Data frames go through package tunnel, undecoded.
+//
+// A message is received raw (tunnelv1.Frame) and decoded here, so that one
+// that is not protobuf of the stream's request type is the peer's mistake,
+// InvalidArgument with the reason, and not gRPC's Internal.
+package receive
+
+import (
+	"errors"
+	"io"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+)
+
+// message is a request message type M, as a pointer.
+type message[M any] interface {
+	*M
+	proto.Message
+}
+
+// Message receives the next message of stream as an M. At the end of the
+// stream it returns io.EOF.
+func Message[M any, P message[M]](stream grpc.ServerStream) (P, error) {
+	var f tunnelv1.Frame
+	if err := stream.RecvMsg(&f); err != nil {
+		return nil, err
+	}
+	defer f.Free()
+	msg := P(new(M))
+	if err := f.Decode(msg); err != nil {
+		return nil, status.Errorf(codes.InvalidArgument, "not a %s: %v", msg.ProtoReflect().Descriptor().Name(), err)
+	}
+	return msg, nil
+}
+
+// First receives the first message of stream as an M. A stream that ends
+// before it is InvalidArgument, with closed as the message.
+func First[M any, P message[M]](stream grpc.ServerStream, closed string) (P, error) {
+	msg, err := Message[M, P](stream)
+	if errors.Is(err, io.EOF) {
+		return nil, status.Error(codes.InvalidArgument, closed)
+	}
+	return msg, err
+}

@@ -1,0 +1,115 @@
+package tunnel
+
+import (
+	"context"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/kcp-dev/tunnel-broker/broker/internal/abortable"
+)
+
+// side is whom a failure is laid to.
+type side int
+
+const (
+	callerSide side = iota
+	agentSide
+	// brokerSide: the broker's own reasons, its stop or the idle limit.
+	brokerSide
+)
+
+// failure is the end of a tunnel that did not end cleanly.
+type failure struct {
+	by  side
+	err error
+	// For the broker's own reasons, the statuses of both RPCs.
+	callerStatus, agentStatus error
+}
+
+// byBroker is a failure for the broker's own reasons.
+func byBroker(callerStatus, agentStatus error) *failure {
+	return &failure{by: brokerSide, callerStatus: callerStatus, agentStatus: agentStatus}
+}
+
+// statuses are the statuses that end the caller's and the agent's RPC
+// (nil: OK), as docs/protocol.md §4 gives them:
+//
+//	first failure                             caller's status   agent's status
+//	none: both directions half-closed         OK                OK
+//	the caller's leg (cancelled, gone)        Canceled          Canceled
+//	the caller sent something but data        InvalidArgument   Canceled
+//	the agent's leg, or it sent something
+//	but data                                  Unavailable       Aborted
+//	the broker's stop, the idle limit         the broker's, for each
+func (f *failure) statuses() (callerStatus, agentStatus error) {
+	switch {
+	case f == nil:
+		return nil, nil
+	case f.by == brokerSide:
+		return f.callerStatus, f.agentStatus
+	case f.by == callerSide && status.Code(f.err) == codes.InvalidArgument:
+		return f.err, status.Errorf(codes.Canceled, "caller broke the protocol: %v", f.err)
+	case f.by == callerSide:
+		return status.Error(codes.Canceled, "caller went away"),
+			status.Errorf(codes.Canceled, "caller went away: %v", f.err)
+	default:
+		return status.Errorf(codes.Unavailable, "tunnel lost on the agent's side: %v", f.err),
+			status.Errorf(codes.Aborted, "tunnel aborted: %v", f.err)
+	}
+}
+
+// fail ends the tunnel with f, unless its end is decided already: it ends
+// both RPCs with their statuses there and then, which frees both directions
+// whatever the peers do (package abortable).
+func (t *Tunnel) fail(f *failure) {
+	t.endMu.Lock()
+	first := !t.endDecided
+	if first {
+		t.endDecided, t.failure = true, f
+	}
+	t.endMu.Unlock()
+	if !first {
+		return
+	}
+	t.onEnd()
+	callerStatus, agentStatus := f.statuses()
+	abortable.End(t.caller.Context(), callerStatus)
+	abortable.End(t.agent.Context(), agentStatus)
+}
+
+// decideEnd decides the end once both directions have stopped: the first
+// failure, or nil for a clean end.
+func (t *Tunnel) decideEnd() *failure {
+	t.endMu.Lock()
+	defer t.endMu.Unlock()
+	t.endDecided = true
+	return t.failure
+}
+
+// watch fails the tunnel when either stream ends, when stopping ends, or when
+// the tunnel has carried nothing for its idle limit, until unwatch. A stream
+// may end while neither direction waits on it: a caller that cancels while
+// the up direction is blocked sending to an agent whose target does not
+// read, say.
+func (t *Tunnel) watch(stopping context.Context) (unwatch func()) {
+	callerCtx, agentCtx := t.caller.Context(), t.agent.Context()
+	// On contexts of the standard library, AfterFunc starts no goroutine
+	// until its context ends.
+	stopCaller := context.AfterFunc(callerCtx, func() { t.fail(&failure{by: callerSide, err: context.Cause(callerCtx)}) })
+	stopAgent := context.AfterFunc(agentCtx, func() { t.fail(&failure{by: agentSide, err: context.Cause(agentCtx)}) })
+	stopStopping := func() bool { return false }
+	if stopping != nil {
+		stopStopping = context.AfterFunc(stopping, func() {
+			t.fail(byBroker(status.Error(codes.Unavailable, "the broker is shutting down and its grace period is over"),
+				status.Error(codes.Unavailable, "the broker is shutting down")))
+		})
+	}
+	t.startIdleTimer()
+	return func() {
+		stopCaller()
+		stopAgent()
+		stopStopping()
+		t.stopIdleTimer()
+	}
+}

@@ -1,0 +1,64 @@
+package tunnel
+
+import (
+	"fmt"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/kcp-dev/tunnel-broker/broker/metrics"
+)
+
+// DefaultIdleTimeout ends a tunnel that carries nothing for 10 minutes: far
+// longer than any webhook call, and short enough that tunnels whose peers
+// forgot them do not pile up.
+const DefaultIdleTimeout = 10 * time.Minute
+
+// The idle limit ends a tunnel that carried no frame, either way, for
+// idleLimit. Rather than reset a timer for every frame, each frame only notes
+// its time, and the timer, when it fires, either ends the tunnel or waits for
+// the rest of the limit since the last frame.
+
+// touch notes that a frame passed.
+func (t *Tunnel) touch() { t.lastFrame.Store(t.clock.Now().UnixNano()) }
+
+// quiet is how long the tunnel has carried nothing.
+func (t *Tunnel) quiet() time.Duration {
+	return time.Duration(t.clock.Now().UnixNano() - t.lastFrame.Load())
+}
+
+func (t *Tunnel) startIdleTimer() {
+	if t.idleLimit <= 0 {
+		return
+	}
+	t.endMu.Lock()
+	defer t.endMu.Unlock()
+	t.idleTimer = t.clock.AfterFunc(t.idleLimit, t.checkIdle)
+}
+
+func (t *Tunnel) stopIdleTimer() {
+	t.endMu.Lock()
+	defer t.endMu.Unlock()
+	if t.idleTimer != nil {
+		t.idleTimer.Stop()
+		t.idleTimer = nil // so that a checkIdle running now does not reset it
+	}
+}
+
+// checkIdle ends the tunnel if it has carried nothing for its idle limit,
+// and otherwise looks again when it could have.
+func (t *Tunnel) checkIdle() {
+	quiet := t.quiet()
+	if quiet < t.idleLimit {
+		t.endMu.Lock()
+		if !t.endDecided && t.idleTimer != nil {
+			t.idleTimer.Reset(t.idleLimit - quiet)
+		}
+		t.endMu.Unlock()
+		return
+	}
+	metrics.LimitsHit.WithLabelValues("idle_timeout").Inc()
+	msg := fmt.Sprintf("tunnel carried nothing for %v", t.idleLimit)
+	t.fail(byBroker(status.Error(codes.DeadlineExceeded, msg), status.Error(codes.DeadlineExceeded, msg)))
+}

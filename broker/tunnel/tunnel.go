@@ -1,0 +1,149 @@
+// Package tunnel carries one tunneled connection through the broker, from the
+// moment its agent claims the dial to the tunnel's end.
+//
+// A tunnel is two gRPC streams, each served by its own RPC handler: the
+// caller's Dial stream and the agent's Tunnel stream. The agent's handler
+// claims the dial with Open and waits. The dial's handler gets the tunnel
+// from Dial, tells its caller, and calls Splice, which copies each direction
+// in one of the two handlers: the dial's handler copies up, from the caller
+// to the agent, and the agent's handler copies down, from the agent to the
+// caller (splice.go). That is two goroutines a tunnel, the least two gRPC
+// streams allow, and each data frame passes through in its wire encoding,
+// without a copy.
+//
+// A tunnel ends cleanly once both directions have half-closed. Otherwise it
+// ends at its first failure: either leg fails or breaks the protocol, either
+// stream ends, the broker stops, or the tunnel carries nothing for too long
+// (idle.go). The first failure ends both RPCs at once, each with its status
+// (end.go), so that a handler blocked on a silent peer is freed too. A
+// tunnel that no dial splices ends with End.
+package tunnel
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"k8s.io/utils/clock"
+
+	"github.com/kcp-dev/tunnel-broker/broker/registry"
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+)
+
+// Tunnel is one tunneled connection, from its agent's claim to its end.
+type Tunnel struct {
+	// ID names the tunnel in logs and in the caller's Established: its dial
+	// id in hex.
+	ID string
+	// Agent is the agent whose Tunnel RPC carries it.
+	Agent *registry.Agent
+
+	claim  *registry.Claim
+	agent  tunnelv1.AgentService_TunnelServer
+	caller tunnelv1.DialService_DialServer // set by Splice
+
+	// The hand-over from the Dial RPC to the agent's Tunnel RPC.
+	mu          sync.Mutex
+	spliced     bool          // a splice has begun: the agent's RPC copies down
+	agentLeft   bool          // the agent's RPC returned first: no splice may begin
+	splicing    chan struct{} // closed when a splice begins
+	ended       chan struct{} // closed by End: the agent's RPC returns agentStatus
+	endOnce     sync.Once
+	agentStatus error
+
+	// The splice (splice.go, end.go, idle.go).
+	clock      clock.WithDelayedExecution
+	idleLimit  time.Duration // <= 0: none
+	idleTimer  clock.Timer   // guarded by endMu
+	lastFrame  atomic.Int64  // when a frame last passed, as the clock's UnixNano
+	downDone   chan struct{} // closed when the down direction has stopped
+	onEnd      func()        // runs once, as soon as the end is known
+	endMu      sync.Mutex
+	endDecided bool     // the end is known: a later failure changes nothing
+	failure    *failure // the first failure; nil for a clean end
+}
+
+// Dial orders an agent that serves target's cluster to connect to it, and
+// returns the tunnel that the agent's Tunnel RPC opens for the dial (Open).
+// It waits for it until ctx ends; the order gives the agent what is left of
+// ctx's deadline. The tunnel must be spliced (Splice) or ended (End).
+func Dial(ctx context.Context, r *registry.Registry, target *tunnelv1.Target) (*Tunnel, error) {
+	claim, err := r.Dial(ctx, target)
+	if err != nil {
+		return nil, err
+	}
+	// Open hands over nothing but *Tunnel.
+	return claim.Tunnel().(*Tunnel), nil
+}
+
+// Open serves an agent's Tunnel RPC for dial dialID: it claims the dial for
+// the agent of SPIFFE ID agentID, hands the tunnel to the dial, copies down
+// once the dial splices it, and returns the status of the agent's RPC once
+// the tunnel has ended. A dial that is not pending for that agent is
+// NotFound.
+func Open(r *registry.Registry, dialID uint64, agentID spiffeid.ID, stream tunnelv1.AgentService_TunnelServer) error {
+	claim, err := r.Claim(dialID, agentID)
+	if err != nil {
+		return err
+	}
+	t := &Tunnel{
+		ID:       claim.TunnelID,
+		Agent:    claim.Agent,
+		claim:    claim,
+		agent:    stream,
+		splicing: make(chan struct{}),
+		ended:    make(chan struct{}),
+	}
+	claim.HandOver(t)
+	return t.serveAgent()
+}
+
+// serveAgent is the agent's Tunnel RPC once it has handed the tunnel over: it
+// copies down once the splice begins, and returns when the tunnel has ended.
+// If its stream ends before a splice begins, it returns at once, and no
+// splice will begin.
+func (t *Tunnel) serveAgent() error {
+	ctx := t.agent.Context()
+	select {
+	case <-t.splicing:
+	case <-t.ended:
+		return t.agentStatus
+	case <-ctx.Done():
+		t.mu.Lock()
+		t.agentLeft = !t.spliced
+		t.mu.Unlock()
+		if t.agentLeft {
+			return ctx.Err()
+		}
+		// The splice began meanwhile, and its down direction needs this
+		// goroutine: it stops at once on the ended stream.
+	}
+	t.copyDown()
+	<-t.ended
+	return t.agentStatus
+}
+
+// beginSplice lets the agent's RPC copy down; false if that RPC has returned.
+func (t *Tunnel) beginSplice() bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.agentLeft {
+		return false
+	}
+	t.spliced = true
+	close(t.splicing)
+	return true
+}
+
+// End ends the agent's Tunnel RPC with err as its status (nil: OK), and stops
+// counting the tunnel against its agent. Only the first End counts. A splice
+// ends its tunnel itself; End is for a tunnel that no dial will splice.
+func (t *Tunnel) End(err error) {
+	t.endOnce.Do(func() {
+		t.claim.Release()
+		t.agentStatus = err
+		close(t.ended)
+	})
+}
