@@ -23,7 +23,7 @@ var rowPattern = regexp.MustCompile(`^(\S+) +direct=(\S+) +(tunneled|relay|grpc|
 // no figure's size: these machines are shared and noisy.
 func TestTinyRunPrintsEveryFigure(t *testing.T) {
 	if testing.Short() {
-		t.Skip("runs the broker, agent and children for about 10s")
+		t.Skip("runs the brokers, agents and children for about 20s")
 	}
 	bin := filepath.Join(t.TempDir(), "tunnelbench")
 	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
@@ -31,7 +31,9 @@ func TestTinyRunPrintsEveryFigure(t *testing.T) {
 	}
 	cmd := exec.Command(bin, "-size", "8MiB", "-duration", "300ms", "-dials", "30", "-idle", "20",
 		"-conns", "4", "-webhook-conns", "4", "-flood", "64MiB",
-		"-hostile-streams", "20", "-hostile-wait", "20s")
+		"-hostile-streams", "20", "-hostile-wait", "20s",
+		"-scale-agents", "20", "-scale-clusters", "4", "-scale-big", "300", "-scale-dials", "20", "-scale-reregisters", "20",
+		"-scale-big-reregisters", "2", "-scale-idle", "1s", "-scale-restart", "2s", "-scale-vanish", "2", "-scale-vanish-watch", "1s")
 	cmd.Env = append(os.Environ(), "TUNNEL_BIN_DIR="+harness.Binaries(t))
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
@@ -64,6 +66,9 @@ func TestTinyRunPrintsEveryFigure(t *testing.T) {
 		"isolation_slowdown_p50", "tenants_dial_loaded_p50_us", "tenants_dial_loaded_failed", "webhook_1conn_per_s", "webhook_4conns_p99_us",
 		"idle_20_broker_rss_KiB_per_tunnel", "idle_20_broker_goroutines_per_tunnel",
 		"hostile_dial_most_broker_rss_MiB_peak", "hostile_connect_most_streams_not_ended",
+		"scale_register_all_s", "scale_broker_rss_KiB_per_agent", "scale_broker_goroutines_per_agent", "scale_metrics_series",
+		"scale_idle_wire_B_per_s_per_agent", "scale_dial_p99_us", "scale_reregister_4_routed_ms", "scale_reregister_300_broker_cpu_ms",
+		"scale_restart_dials", "scale_restart_dials_failed_agent_registered", "scale_vanish_dials_failed_agent_registered",
 	} {
 		v, ok := values[name]
 		if !ok {
