@@ -51,7 +51,7 @@ func init() {
 	flag.IntVar(&scaleCfg.big, "scale-big", 10000, "scale phase: logical clusters of the one large agent (the broker's --max-clusters-per-registration is 10000)")
 	flag.IntVar(&scaleCfg.inFlight, "scale-in-flight", 64, "scale phase: registrations under way at once (each agent connects, handshakes, registers)")
 	flag.IntVar(&scaleCfg.dials, "scale-dials", 1000, "scale phase: dials to the broker with one agent and as many to the broker with all, alternated")
-	flag.IntVar(&scaleCfg.reregisters, "scale-reregisters", 1000, "scale phase: re-registrations of a changed cluster list whose broker CPU is averaged")
+	flag.IntVar(&scaleCfg.reregisters, "scale-reregisters", 5000, "scale phase: re-registrations of a changed cluster list whose broker CPU is averaged")
 	flag.IntVar(&scaleCfg.bigRereg, "scale-big-reregisters", 10, "scale phase: the same for the large agent")
 	flag.DurationVar(&scaleCfg.idle, "scale-idle", 30*time.Second, "scale phase: how long the idle traffic and CPU are measured")
 	flag.DurationVar(&scaleCfg.restart, "scale-restart", time.Minute, "scale phase: the rolling restart (each agent disconnects and reconnects once) is spread over this long")
