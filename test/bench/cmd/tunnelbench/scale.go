@@ -437,8 +437,15 @@ func (r *runner) scaleDials(ctx context.Context, w *scaleWorld) {
 	stopProfile := r.scaleProfile(ctx, w.many, "dial", time.Duration(cfg.dials)*2*time.Millisecond)
 	deadline := time.Now().Add(time.Duration(cfg.dials) * 50 * time.Millisecond)
 	for i := 0; i < cfg.dials && time.Now().Before(deadline); i++ {
-		one = append(one, dial(w.one))
-		many = append(many, dial(w.many))
+		// Each broker goes first every other time, so that neither
+		// always follows the other's dial.
+		if i%2 == 0 {
+			one = append(one, dial(w.one))
+			many = append(many, dial(w.many))
+		} else {
+			many = append(many, dial(w.many))
+			one = append(one, dial(w.one))
+		}
 	}
 	stopProfile()
 	r.report.row("scale_dial_p50_us", bench.Micros(one.Quantile(0.5)), bench.Micros(many.Quantile(0.5)))
