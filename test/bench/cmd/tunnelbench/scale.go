@@ -16,6 +16,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -728,10 +729,14 @@ func (r *runner) scaleVanish(ctx context.Context, w *scaleWorld) {
 		}
 	}
 	wg.Wait()
-	var summary []string
+	summary := []string{}
 	for c, n := range codesSeen {
 		summary = append(summary, fmt.Sprintf("%d %s", n, c))
 	}
+	if len(summary) == 0 {
+		summary = append(summary, "none")
+	}
+	slices.Sort(summary)
 	r.report.note("scale vanish: %d agents hung (socket open, silent) and reconnected at once on a new connection; %d dials to their clusters over %v, all after the new registration: %d failed (%s); the last failed dial started %v after its agent hung",
 		len(indices), dials, cfg.vanishWatch, failed, strings.Join(summary, ", "), lastFailure.Round(time.Millisecond))
 	r.report.row("scale_vanish_dials", none, float64(dials))
