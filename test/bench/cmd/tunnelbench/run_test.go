@@ -79,6 +79,11 @@ func TestTinyRunPrintsEveryFigure(t *testing.T) {
 			t.Errorf("%s: value %q is not a number", name, v)
 		}
 	}
+	// The one figure with a required value (issue 16): during the rolling
+	// restart, no dial to a cluster whose agent was registered failed.
+	if v := values["scale_restart_dials_failed_agent_registered"]; v != "0.000" {
+		t.Errorf("scale_restart_dials_failed_agent_registered = %s, want 0: a dial failed while its agent was registered", v)
+	}
 	if t.Failed() {
 		t.Logf("output:\n%s", out)
 	}
