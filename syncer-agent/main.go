@@ -3,19 +3,20 @@
 package main
 
 import (
-	"strings"
-	"time"
-
 	"context"
 	"flag"
 	"fmt"
-	"github.com/prometheus/client_golang/prometheus"
+	"log/slog"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
+	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
+	"google.golang.org/grpc/credentials"
 
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	"github.com/kcp-dev/tunnel-broker/internal/ops"
@@ -31,39 +32,63 @@ func main() {
 	}
 }
 
+// options are the agent's flags.
+type options struct {
+	brokers, dns      string
+	resolveEvery      time.Duration
+	grace             time.Duration
+	metricsListen     string
+	pprofListen       string
+	brokerID          string
+	name              string
+	jsonLogs, verbose bool
+	showVersion       bool
+	identity          *identity.Options
+	resolver          *resolverFlags
+}
+
+func addFlags(fs *flag.FlagSet) *options {
+	o := &options{}
+	fs.StringVar(&o.brokers, "broker", "", "broker replica addresses, host:port, comma-separated")
+	fs.StringVar(&o.dns, "broker-dns", "", "host:port whose host resolves to every broker replica (a headless Service)")
+	fs.DurationVar(&o.resolveEvery, "resolve-interval", 30*time.Second, "how often --broker-dns is resolved again")
+	fs.DurationVar(&o.grace, "grace", agent.DefaultGrace, "on SIGTERM, how long tunnels in flight may still run")
+	fs.StringVar(&o.metricsListen, "metrics-listen", ":9091", "address for /metrics, /healthz and /readyz (empty: off)")
+	fs.StringVar(&o.pprofListen, "pprof-listen", "", "address for /debug/pprof (empty: off; keep it on loopback)")
+	fs.StringVar(&o.brokerID, "broker-spiffe-id", "", "SPIFFE ID the broker must present (default: any ID in the agent's trust domain)")
+	fs.StringVar(&o.name, "name", "", "name shown in the broker's logs and metrics, e.g. the sync target: a DNS-1123 label")
+	fs.BoolVar(&o.jsonLogs, "log-json", false, "log JSON lines instead of text")
+	fs.BoolVar(&o.verbose, "v", false, "log every tunnel, not only failures")
+	fs.BoolVar(&o.showVersion, "version", false, "print the version and exit")
+	o.identity = identity.AddFlags(fs)
+	o.resolver = addResolverFlags(fs)
+	return o
+}
+
+func (o *options) validate() error {
+	if o.brokers == "" && o.dns == "" {
+		return fmt.Errorf("--broker or --broker-dns is required")
+	}
+	if err := tunnelv1.ValidateAgentName(o.name); err != nil {
+		return fmt.Errorf("--name: %w", err)
+	}
+	return nil
+}
+
 func run() error {
-	var (
-		brokers  = flag.String("broker", "", "broker replica addresses, host:port, comma-separated")
-		dns      = flag.String("broker-dns", "", "host:port whose host resolves to every broker replica (a headless Service)")
-		every    = flag.Duration("resolve-interval", 30*time.Second, "how often --broker-dns is resolved again")
-		grace    = flag.Duration("grace", agent.DefaultGrace, "on SIGTERM, how long tunnels in flight may still run")
-		metricsL = flag.String("metrics-listen", ":9091", "address for /metrics, /healthz and /readyz (empty: off)")
-		pprofL   = flag.String("pprof-listen", "", "address for /debug/pprof (empty: off; keep it on loopback)")
-		brokerID = flag.String("broker-spiffe-id", "", "SPIFFE ID the broker must present (default: any ID in the agent's trust domain)")
-		name     = flag.String("name", "", "name shown in the broker's logs and metrics, e.g. the sync target: a DNS-1123 label")
-		jsonLogs = flag.Bool("log-json", false, "log JSON lines instead of text")
-		verbose  = flag.Bool("v", false, "log every tunnel, not only failures")
-		idOpts   = identity.AddFlags(flag.CommandLine)
-		showVer  = flag.Bool("version", false, "print the version and exit")
-	)
-	resolverFlags := addResolverFlags(flag.CommandLine)
+	o := addFlags(flag.CommandLine)
 	flag.Parse()
-	if *showVer {
+	if o.showVersion {
 		fmt.Println("syncer-agent", version.Get())
 		return nil
 	}
-
-	log := ops.NewLogger(*jsonLogs, *verbose)
-
-	if *brokers == "" && *dns == "" {
-		return fmt.Errorf("--broker or --broker-dns is required")
-	}
-	if err := tunnelv1.ValidateAgentName(*name); err != nil {
-		return fmt.Errorf("--name: %w", err)
+	log := ops.NewLogger(o.jsonLogs, o.verbose)
+	if err := o.validate(); err != nil {
+		return err
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	src, err := identity.Open(ctx, *idOpts, log)
+	src, err := identity.Open(ctx, *o.identity, log)
 	if err != nil {
 		return err
 	}
@@ -72,16 +97,11 @@ func run() error {
 	if err != nil {
 		return err
 	}
-	authorize := tlsconfig.AuthorizeMemberOf(self.TrustDomain())
-	if *brokerID != "" {
-		id, err := spiffeid.FromString(*brokerID)
-		if err != nil {
-			return fmt.Errorf("--broker-spiffe-id: %w", err)
-		}
-		authorize = tlsconfig.AuthorizeID(id)
+	authorize, err := o.authorizeBroker(self)
+	if err != nil {
+		return err
 	}
-
-	resolver, err := resolverFlags.newResolver(ctx, log)
+	resolver, err := o.resolver.newResolver(ctx, log)
 	if err != nil {
 		return err
 	}
@@ -94,38 +114,57 @@ func run() error {
 	}
 	// A broker that fails the handshake is named in the log, a few lines a
 	// second at most, and counted.
-	credentials := identity.ClientCredentials(src, authorize,
+	creds := identity.ClientCredentials(src, authorize,
 		identity.ReportRefusals(&identity.Refusals{Log: log, Count: agent.CountRefusedHandshake}))
-	fleet := &agent.Fleet{
-		Addresses:    splitList(*brokers),
-		DNS:          *dns,
-		ResolveEvery: *every,
-		// New connections, with the new SVID, each time it rotates: the
-		// brokers end a registration when the SVID it was made with expires.
-		Renew: identity.Rotations(ctx, src, idOpts.Reload),
-		Log:   log,
-		Agent: func(addr string) *agent.Agent {
-			return &agent.Agent{
-				Broker:      addr,
-				Credentials: credentials,
-				Name:        *name,
-				Resolver:    resolver.forAgent(),
-				Grace:       *grace,
-				Log:         log,
-			}
-		},
-	}
+	fleet := o.fleet(src, creds, resolver, log)
 	reg := prometheus.NewRegistry()
 	agent.RegisterMetrics(reg)
 	reg.MustRegister(version.Collector("kcp_tunnel_agent"))
-	if err := ops.Serve(ctx, ops.Options{Listen: *metricsL, Pprof: *pprofL, Ready: fleet.Ready, Metrics: reg}, log); err != nil {
+	if err := ops.Serve(ctx, ops.Options{Listen: o.metricsListen, Pprof: o.pprofListen, Ready: fleet.Ready, Metrics: reg}, log); err != nil {
 		return err
 	}
-	log.Info("agent starting", "brokers", *brokers, "broker_dns", *dns, "id", self.String(), "clusters", resolver.Clusters(), "version", version.Get().String())
+	log.Info("agent starting", "brokers", o.brokers, "broker_dns", o.dns, "id", self.String(), "clusters", resolver.Clusters(), "version", version.Get().String())
 	if len(resolver.Clusters()) == 0 {
 		log.Warn("no logical cluster to serve yet: registering with none, and again when one appears")
 	}
 	return fleet.Run(ctx)
+}
+
+// authorizeBroker accepts any broker in the agent's trust domain, or
+// exactly --broker-spiffe-id.
+func (o *options) authorizeBroker(self spiffeid.ID) (tlsconfig.Authorizer, error) {
+	if o.brokerID == "" {
+		return tlsconfig.AuthorizeMemberOf(self.TrustDomain()), nil
+	}
+	id, err := spiffeid.FromString(o.brokerID)
+	if err != nil {
+		return nil, fmt.Errorf("--broker-spiffe-id: %w", err)
+	}
+	return tlsconfig.AuthorizeID(id), nil
+}
+
+// fleet is the agent of every broker replica the flags name.
+func (o *options) fleet(svids identity.Source, creds credentials.TransportCredentials, resolver *resolver, log *slog.Logger) *agent.Fleet {
+	return &agent.Fleet{
+		Addresses:    splitList(o.brokers),
+		DNS:          o.dns,
+		ResolveEvery: o.resolveEvery,
+		// New connections, with the new SVID, each time it rotates: the
+		// brokers end a registration when the SVID it was made with expires.
+		SVID:           svids,
+		CheckSVIDEvery: o.identity.Reload,
+		Log:            log,
+		Agent: func(addr string) *agent.Agent {
+			return &agent.Agent{
+				Broker:      addr,
+				Credentials: creds,
+				Name:        o.name,
+				Resolver:    resolver.forAgent(),
+				Grace:       o.grace,
+				Log:         log,
+			}
+		},
+	}
 }
 
 func splitList(s string) []string {

@@ -88,6 +88,16 @@ var (
 		Namespace: ns, Name: "handshakes_refused_total",
 		Help: "TLS handshakes refused or failed, by reason (untrusted, expired, invalid_id, timeout, over_limit, ...).",
 	}, []string{"reason"})
+
+	// ConnectionsClosed counts connections the broker closed for what
+	// their peer sent, by reason.
+	ConnectionsClosed = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: ns, Name: "connections_closed_total",
+		Help: "Connections closed for what their peer sent, by reason (fragmented_data: HTTP/2 DATA frames too small to hold a whole gRPC message, or padded).",
+	}, []string{"reason"})
+	// ClosedFragmented counts connections whose peer sent data in
+	// fragments (package fragments).
+	ClosedFragmented = ConnectionsClosed.WithLabelValues("fragmented_data")
 )
 
 // CountRefusedHandshake counts one failed TLS handshake.
@@ -97,7 +107,7 @@ func CountRefusedHandshake(reason identity.Reason) {
 
 func init() {
 	Registry.MustRegister(GRPC, Denied, Dials, DialSeconds, Tunnels, Bytes, LimitsHit,
-		Registrations, ProbeRTT, ProbeSuccess, Reachable, HandshakesRefused)
+		Registrations, ProbeRTT, ProbeSuccess, Reachable, HandshakesRefused, ConnectionsClosed)
 	for _, r := range identity.Reasons {
 		HandshakesRefused.WithLabelValues(string(r))
 	}

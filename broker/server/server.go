@@ -20,6 +20,7 @@ import (
 	agentv1 "github.com/kcp-dev/tunnel-broker/broker/api/agent/v1"
 	dialv1 "github.com/kcp-dev/tunnel-broker/broker/api/dial/v1"
 	"github.com/kcp-dev/tunnel-broker/broker/authz"
+	"github.com/kcp-dev/tunnel-broker/broker/internal/fragments"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/opening"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/quota"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
@@ -45,8 +46,10 @@ const (
 	// the streams that have not sent their first message yet, per peer
 	// SPIFFE ID and in total (package opening). A well-behaved peer sends
 	// its first message with the stream's headers, so its streams wait
-	// microseconds; 32 unfinished messages of the largest size, in 1-byte
-	// frames (about 1.3 MiB each), hold about 42 MiB, and 128 about 170 MiB.
+	// microseconds; 32 unfinished messages of the largest size, in 8-byte
+	// frames (about 0.4 MiB each; smaller or padded frames close the
+	// connection, package fragments), hold about 13 MiB, and 128 about
+	// 52 MiB.
 	DefaultMaxOpeningStreamsPerPeer = 32
 	DefaultMaxOpeningStreams        = 128
 	// DefaultMaxConcurrentStreams bounds the streams of one connection,
@@ -210,6 +213,9 @@ func New(cfg Config) *Server {
 		identity.CloseExpiredPeers(cfg.ExpiredPeerGrace))
 	// One write syscall per gRPC flush, not one per 16 KiB TLS record.
 	creds = coalesce.Writes(creds)
+	// A peer that sends its data in tiny or padded DATA frames would make
+	// gRPC hold some 40 times what it sends; its connection is closed.
+	creds = fragments.Refuse(creds, fragments.Report{Log: log, Count: metrics.ClosedFragmented.Inc})
 	opts := []grpc.ServerOption{
 		// RPC metrics first, so that refused RPCs are counted too.
 		grpc.ChainUnaryInterceptor(metrics.GRPC.UnaryServerInterceptor()),

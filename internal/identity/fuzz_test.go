@@ -45,6 +45,7 @@ func FuzzHandshakeURISAN(f *testing.F) {
 		f.Fatal(err)
 	}
 	own := newSource(f, ca, devca.Leaf{SPIFFEID: "/self"})
+	pairs := newConnPairs(f)
 	server := ServerCredentials(own, tlsconfig.AuthorizeAny())
 	client := ClientCredentials(own, tlsconfig.AuthorizeMemberOf(spiffeid.RequireTrustDomainFromString("example.org")))
 
@@ -67,7 +68,7 @@ func FuzzHandshakeURISAN(f *testing.F) {
 		}
 
 		// The broker's side: a client presents the leaf.
-		ours, theirs := net.Pipe()
+		ours, theirs := pairs.next(t)
 		peer := runPeer(tls.Client(theirs, attackerConfig(cert)))
 		conn, info, err := server.ServerHandshake(ours)
 		checkAdmitted(t, conn, info, err)
@@ -75,7 +76,7 @@ func FuzzHandshakeURISAN(f *testing.F) {
 		peer.Wait()
 
 		// The agent's side: a server presents the leaf.
-		ours, theirs = net.Pipe()
+		ours, theirs = pairs.next(t)
 		peer = runPeer(tls.Server(theirs, &tls.Config{Certificates: []tls.Certificate{cert}, NextProtos: []string{"h2"}, ClientAuth: tls.RequireAnyClientCert}))
 		conn, info, err = client.ClientHandshake(context.Background(), "broker", ours)
 		checkAdmitted(t, conn, info, err)
@@ -84,8 +85,36 @@ func FuzzHandshakeURISAN(f *testing.F) {
 	})
 }
 
+// connPairs makes connected pairs of loopback TCP connections. Not
+// net.Pipe: its writes wait for a reader, and a side that refuses a
+// handshake writes its alert while the other is still writing its flight,
+// which a socket's buffers absorb and a pipe does not.
+type connPairs struct{ l net.Listener }
+
+func newConnPairs(f *testing.F) *connPairs {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Cleanup(func() { l.Close() })
+	return &connPairs{l: l}
+}
+
+func (p *connPairs) next(t *testing.T) (ours, theirs net.Conn) {
+	t.Helper()
+	theirs, err := net.Dial("tcp", p.l.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ours, err = p.l.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ours, theirs
+}
+
 // runPeer runs the other side's handshake, then reads until the
-// connection closes (net.Pipe writes wait for a reader).
+// connection closes.
 func runPeer(c *tls.Conn) *sync.WaitGroup {
 	var wg sync.WaitGroup
 	wg.Add(1)

@@ -1,7 +1,6 @@
 package identity
 
 import (
-	"context"
 	"os"
 	"path/filepath"
 	"testing"
@@ -186,38 +185,5 @@ func TestFileSourceTrustsFederatedBundles(t *testing.T) {
 	}
 	if _, err := s.GetX509BundleForTrustDomain(spiffeid.RequireTrustDomainFromString("other.org")); err == nil {
 		t.Fatal("a bundle for a trust domain nobody configured")
-	}
-}
-
-func TestRotationsDeliverWhenTheSVIDChanges(t *testing.T) {
-	ca, d, _, s := loadRotating(t)
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	rotations := Rotations(ctx, s, 10*time.Millisecond)
-
-	// The same SVID, re-read: nothing to do.
-	if s.Reload() {
-		t.Fatal("Reload reported new material while nothing changed")
-	}
-	second := issue(t, ca, "/agent")
-	d.rotate(second.CertPEM, second.KeyPEM, ca.BundlePEM())
-	if !s.Reload() {
-		t.Fatal("Reload did not pick up the rotation")
-	}
-	select {
-	case <-rotations:
-	case <-time.After(waitLong):
-		t.Fatal("the rotation was not delivered")
-	}
-	// A bundle that changes alone is no rotation of the SVID.
-	ca2 := newCA(t, "ca2")
-	d.rotate(second.CertPEM, second.KeyPEM, append(ca.BundlePEM(), ca2.BundlePEM()...))
-	if !s.Reload() {
-		t.Fatal("Reload did not pick up the bundle")
-	}
-	select {
-	case <-rotations:
-		t.Fatal("a bundle update was delivered as an SVID rotation")
-	case <-time.After(100 * time.Millisecond):
 	}
 }

@@ -60,6 +60,7 @@ func TestAgentReconnectsAfterBrokerEndsControlStream(t *testing.T) {
 			p := newPKI(t)
 			b := startBroker(t, p)
 			a := newAgent(t, p, b, staticResolver(t, "127.0.0.1:1"))
+			clk := fakeClock(a)
 			registered := make(chan string, 4)
 			a.Registered = func(brokerID string) { registered <- brokerID }
 			run(t, a)
@@ -68,6 +69,8 @@ func TestAgentReconnectsAfterBrokerEndsControlStream(t *testing.T) {
 			wait(t, registered, "the first registration")
 			first.finish(end)
 			first.ended(t)
+			waitUntilWaiting(t, clk, "its backoff")
+			clk.Step(30 * time.Second) // the longest backoff
 
 			second := b.nextSession(t)
 			if got := second.register.GetClusters(); !slices.Equal(got, []string{testCluster}) {
@@ -89,10 +92,13 @@ func TestAgentRetriesRefusedRegistration(t *testing.T) {
 	b := startBroker(t, p)
 	b.refusals <- status.Error(codes.PermissionDenied, "not yet")
 	a := newAgent(t, p, b, staticResolver(t, "127.0.0.1:1"))
+	clk := fakeClock(a)
 	registered := make(chan string, 4)
 	a.Registered = func(brokerID string) { registered <- brokerID }
 	run(t, a)
 
+	waitUntilWaiting(t, clk, "its backoff after the refusal")
+	clk.Step(30 * time.Second)
 	s := b.nextSession(t)
 	if len(b.refusals) != 0 {
 		t.Error("the agent registered without being refused first")
@@ -234,7 +240,8 @@ func TestDrainRefusesNewOrdersAndWaitsForTunnelsInFlight(t *testing.T) {
 	b := startBroker(t, p)
 	tg := listenTarget(t)
 	a := newAgent(t, p, b, staticResolver(t, tg.addr()))
-	a.Grace = time.Minute // longer than waitLong: Run must not wait it out
+	a.Grace = time.Minute
+	fakeClock(a) // which the test never moves: the grace period never runs out
 	stop := run(t, a)
 	s := b.nextSession(t)
 	s.order(t, dialOrder(1))
@@ -295,7 +302,8 @@ func TestDrainEndsTunnelsAfterGrace(t *testing.T) {
 	b := startBroker(t, p)
 	tg := listenTarget(t)
 	a := newAgent(t, p, b, staticResolver(t, tg.addr()))
-	a.Grace = 50 * time.Millisecond
+	a.Grace = time.Minute
+	clk := fakeClock(a)
 	stop := run(t, a)
 	s := b.nextSession(t)
 	s.order(t, dialOrder(1))
@@ -304,6 +312,11 @@ func TestDrainEndsTunnelsAfterGrace(t *testing.T) {
 
 	// Neither end closes the tunnel.
 	stopped := stopAsync(stop)
+	waitUntilWaiting(t, clk, "the grace period")
+	if err := tu.stream.Context().Err(); err != nil {
+		t.Fatalf("the tunnel ended before the grace period was over: %v", err)
+	}
+	clk.Step(time.Minute)
 	select {
 	case <-tu.stream.Context().Done():
 	case <-time.After(waitLong):
@@ -351,9 +364,36 @@ func TestStoppingAgentThatCannotReachItsBrokerReturns(t *testing.T) {
 		Credentials: p.agentCredentials(),
 		Name:        "test-agent",
 		Resolver:    staticResolver(t, "127.0.0.1:1"),
-		Grace:       50 * time.Millisecond,
 		Log:         slog.New(slog.NewTextHandler(t.Output(), nil)),
 	}
+	fakeClock(a) // which the test never moves: no wait may hold the agent up
 	stop := run(t, a)
 	wait(t, stopAsync(stop), "Run to return")
+}
+
+// A broker that does not end a registration whose agent closed its send
+// direction does not hold the stopping agent up for long.
+func TestStoppingAgentCancelsItsControlStreamIfTheBrokerDoesNotEndIt(t *testing.T) {
+	p := newPKI(t)
+	b := startBroker(t, p)
+	b.keepsClosedStreams = true
+	a := newAgent(t, p, b, staticResolver(t, "127.0.0.1:1"))
+	clk := fakeClock(a)
+	registered := make(chan string, 1)
+	a.Registered = func(brokerID string) { registered <- brokerID }
+	stop := run(t, a)
+	s := b.nextSession(t)
+	wait(t, registered, "the agent to read its registration")
+
+	stopped := stopAsync(stop)
+	wait(t, s.closedSend, "the agent to close its send direction")
+	waitUntilWaiting(t, clk, "the broker to end the registration")
+	select {
+	case <-stopped:
+		t.Fatal("Run returned before the broker ended the registration or the agent stopped waiting for it")
+	default:
+	}
+	clk.Step(unregisterTimeout)
+	wait(t, stopped, "Run to return")
+	s.ended(t)
 }

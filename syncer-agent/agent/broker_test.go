@@ -7,8 +7,10 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -19,6 +21,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/status"
+	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/kcp-dev/tunnel-broker/internal/devca"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
@@ -51,6 +54,7 @@ func testTarget() *tunnelv1.Target {
 
 // pki is one trust domain with an SVID for the broker and one for the agent.
 type pki struct {
+	ca            *devca.CA
 	broker, agent *devca.Source
 	agentID       spiffeid.ID
 }
@@ -71,6 +75,7 @@ func newPKI(t *testing.T) *pki {
 		return src
 	}
 	return &pki{
+		ca:      ca,
 		broker:  source("/broker"),
 		agent:   source("/agent"),
 		agentID: spiffeid.RequireFromString("spiffe://" + trustDomain + "/agent"),
@@ -95,7 +100,11 @@ type fakeBroker struct {
 	// refusals, when it holds an error, ends the next Connect with it
 	// instead of registered.
 	refusals chan error
-	readers  sync.WaitGroup
+	// keepsClosedStreams, if set, makes the broker keep a Connect stream
+	// open after the agent closed its send direction, instead of ending
+	// the registration.
+	keepsClosedStreams bool
+	readers            sync.WaitGroup
 }
 
 // startBroker serves a fake broker on a loopback port until the test ends.
@@ -185,10 +194,14 @@ func (b *fakeBroker) Connect(stream tunnelv1.AgentService_ConnectServer) error {
 	case <-ctx.Done():
 		return ctx.Err()
 	}
+	closedSend := s.closedSend
+	if b.keepsClosedStreams {
+		closedSend = nil
+	}
 	select {
 	case err := <-s.end:
 		return err
-	case <-s.closedSend:
+	case <-closedSend:
 		// As the broker does: an agent that closes its send direction
 		// has ended its registration cleanly.
 		return nil
@@ -447,6 +460,25 @@ func run(t *testing.T, a *Agent) (stop func()) {
 	return stop
 }
 
+// fakeClock gives a a fake clock, which only the test moves.
+func fakeClock(a *Agent) *clocktesting.FakeClock {
+	c := clocktesting.NewFakeClock(time.Now())
+	a.Clock = c
+	return c
+}
+
+// waitUntilWaiting returns once something waits on c: a timer, a ticker.
+func waitUntilWaiting(t *testing.T, c *clocktesting.FakeClock, what string) {
+	t.Helper()
+	deadline := time.Now().Add(waitLong)
+	for !c.HasWaiters() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for the agent to wait for %s", what)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
 // staticResolver resolves the test target to addr.
 func staticResolver(t *testing.T, addr string) *lookup.Static {
 	t.Helper()
@@ -567,16 +599,24 @@ func (c *capturedLog) line(t *testing.T, what string) string {
 	return ""
 }
 
-// refusedAddr is a loopback address where nothing listens.
+// refusedAddr is a loopback address where nothing listens: its port is
+// bound, without listening, until the test ends, so that connections to it
+// are refused and no other test or process can take it meanwhile.
 func refusedAddr(t *testing.T) string {
 	t.Helper()
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	addr := lis.Addr().String()
-	lis.Close()
-	return addr
+	t.Cleanup(func() { _ = syscall.Close(fd) })
+	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+		t.Fatal(err)
+	}
+	bound, err := syscall.Getsockname(fd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return net.JoinHostPort("127.0.0.1", strconv.Itoa(bound.(*syscall.SockaddrInet4).Port))
 }
 
 // dialOrder is an order for the test target.

@@ -7,6 +7,9 @@ import (
 	"slices"
 	"sync"
 	"time"
+
+	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
+	"k8s.io/utils/clock"
 )
 
 // Fleet keeps the agent registered with every broker replica, so any replica
@@ -25,18 +28,22 @@ type Fleet struct {
 	Agent func(address string) *Agent
 	// LookupHost resolves DNS's host; nil means the system resolver.
 	LookupHost func(ctx context.Context, host string) ([]string, error)
-	// Renew, each time it delivers, moves the agent to new connections:
-	// for every replica a new agent registers, and then the one it
-	// replaces drains as if its replica had left. It is sent when the
-	// agent's SVID rotates: a broker holds a connection to the SVID it
-	// was opened with, and ends the registration on it once that SVID
-	// expires.
-	Renew <-chan struct{}
+	// SVID, if set, is the agent's SVID source, looked at every
+	// CheckSVIDEvery (5s if not positive). Each time its SVID rotates, the
+	// fleet moves to new connections: for every replica a new agent
+	// registers, and then the one it replaces drains as if its replica had
+	// left. A broker holds a connection to the SVID it was opened with,
+	// and ends the registration on it once that SVID expires.
+	SVID           x509svid.Source
+	CheckSVIDEvery time.Duration
+	// Clock times the resolving and the SVID checks; nil means the real
+	// clock.
+	Clock clock.WithTicker
 	Log   *slog.Logger
 
 	mu      sync.Mutex
 	members map[string]*member
-	// successors are agents started by Renew, by address, that take the
+	// successors are agents started by an SVID rotation, by address, that take the
 	// member's place once registered.
 	successors map[string]*member
 	leaving    []*member // draining, awaited when the fleet ends
@@ -45,33 +52,54 @@ type Fleet struct {
 type member struct {
 	agent *Agent
 	stop  context.CancelFunc
-	done  chan struct{}
+	done  chan struct{} // closed when the agent's Run has returned
 }
 
 // Run follows the replicas until ctx ends, then drains every agent at once.
 func (f *Fleet) Run(ctx context.Context) error {
-	every := f.ResolveEvery
-	if every <= 0 {
-		every = 30 * time.Second
+	resolve, stopResolving := f.ticker(f.DNS != "", f.ResolveEvery, 30*time.Second)
+	defer stopResolving()
+	var svid *svidWatch
+	if f.SVID != nil {
+		svid = watchSVID(f.SVID)
 	}
+	checkSVID, stopChecking := f.ticker(svid != nil, f.CheckSVIDEvery, 5*time.Second)
+	defer stopChecking()
 	f.update(ctx, f.resolve(ctx))
-	var resolve <-chan time.Time
-	if f.DNS != "" {
-		t := time.NewTicker(every)
-		defer t.Stop()
-		resolve = t.C
-	}
-loop:
 	for {
 		select {
 		case <-resolve:
 			f.update(ctx, f.resolve(ctx))
-		case <-f.Renew:
-			f.renew(ctx)
+		case <-checkSVID:
+			if svid.rotated() {
+				f.renew(ctx)
+			}
 		case <-ctx.Done():
-			break loop
+			f.stopAll()
+			return nil
 		}
 	}
+}
+
+// ticker ticks every d, or every byDefault if d is not positive; when not
+// on, it never ticks.
+func (f *Fleet) ticker(on bool, d, byDefault time.Duration) (ticks <-chan time.Time, stop func()) {
+	if !on {
+		return nil, func() {}
+	}
+	if d <= 0 {
+		d = byDefault
+	}
+	clk := f.Clock
+	if clk == nil {
+		clk = clock.RealClock{}
+	}
+	t := clk.NewTicker(d)
+	return t.C(), t.Stop
+}
+
+// stopAll stops every agent and waits for them to return.
+func (f *Fleet) stopAll() {
 	f.mu.Lock()
 	members := f.leaving
 	for _, m := range f.members {
@@ -88,7 +116,6 @@ loop:
 	for _, m := range members {
 		<-m.done
 	}
-	return nil
 }
 
 // resolve returns the replicas' addresses now; on a DNS failure it keeps
@@ -142,8 +169,6 @@ func (f *Fleet) update(ctx context.Context, addrs []string) {
 			}
 		}
 	}
-	// Forget those that have left, or they pile up with every rollout.
-	f.leaving = slices.DeleteFunc(f.leaving, func(m *member) bool { return isClosed(m.done) })
 	for _, addr := range addrs {
 		if _, ok := f.members[addr]; ok {
 			continue
@@ -152,7 +177,7 @@ func (f *Fleet) update(ctx context.Context, addrs []string) {
 	}
 }
 
-// renew starts a successor for every member (see Renew).
+// renew starts a successor for every member (see SVID).
 func (f *Fleet) renew(ctx context.Context) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -185,9 +210,18 @@ func (f *Fleet) start(ctx context.Context, addr string) *member {
 	}
 	go func() {
 		defer close(m.done)
+		defer f.forget(m)
 		_ = a.Run(mctx)
 	}()
 	return m
+}
+
+// forget drops a member whose agent has returned from those leaving, or
+// they would pile up with every rollout.
+func (f *Fleet) forget(m *member) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.leaving = slices.DeleteFunc(f.leaving, func(l *member) bool { return l == m })
 }
 
 // promote makes a registered successor the member for addr; the member it

@@ -8,14 +8,18 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	clocktesting "k8s.io/utils/clock/testing"
 )
 
 // fleetHarness runs a Fleet whose DNS answers come from the test, one
-// lookup at a time, and whose agents register with a fake broker per
-// replica address.
+// lookup at a time, whose clock only the test moves, and whose agents
+// register with a fake broker per replica address.
 type fleetHarness struct {
 	t       *testing.T
+	pki     *pki
 	fleet   *Fleet
+	clock   *clocktesting.FakeClock
 	brokers map[string]*fakeBroker // by the replica address the fleet uses
 	// registered receives the replica address of each registration.
 	registered chan string
@@ -23,6 +27,7 @@ type fleetHarness struct {
 	calls   chan struct{} // a lookup started and waits for its answer
 	answers chan lookupAnswer
 	pending bool // a call was received and not yet answered
+	lookups int  // calls received
 
 	mu   sync.Mutex
 	made []string // addresses the fleet made agents for, in order
@@ -35,6 +40,9 @@ type lookupAnswer struct {
 
 const fleetDNS = "brokers.test:8443"
 
+// resolveEvery is the fleet's ResolveEvery, on its fake clock.
+const resolveEvery = 30 * time.Second
+
 // newFleet makes a fleet of the given fixed addresses and, if dns, of
 // fleetDNS's answers, with a fake broker for each address in replicas.
 func newFleet(t *testing.T, fixed []string, dns bool, replicas ...string) *fleetHarness {
@@ -42,10 +50,12 @@ func newFleet(t *testing.T, fixed []string, dns bool, replicas ...string) *fleet
 	p := newPKI(t)
 	h := &fleetHarness{
 		t:          t,
+		pki:        p,
 		brokers:    map[string]*fakeBroker{},
 		registered: make(chan string, 64),
 		calls:      make(chan struct{}),
 		answers:    make(chan lookupAnswer, 1),
+		clock:      clocktesting.NewFakeClock(time.Now()),
 	}
 	for _, addr := range replicas {
 		h.brokers[addr] = startBroker(t, p)
@@ -53,7 +63,8 @@ func newFleet(t *testing.T, fixed []string, dns bool, replicas ...string) *fleet
 	resolver := staticResolver(t, "127.0.0.1:1")
 	h.fleet = &Fleet{
 		Addresses:    fixed,
-		ResolveEvery: time.Millisecond,
+		ResolveEvery: resolveEvery,
+		Clock:        h.clock,
 		Log:          slog.New(slog.NewTextHandler(t.Output(), nil)),
 		Agent: func(addr string) *Agent {
 			h.mu.Lock()
@@ -117,12 +128,19 @@ func (h *fleetHarness) run() (stop func()) {
 
 // parked waits until the fleet is in a lookup, waiting for its answer: it
 // has applied every earlier answer and changes nothing until the next.
+// Lookups after the first wait for the resolve interval, which parked
+// moves the fleet's clock by.
 func (h *fleetHarness) parked() {
 	h.t.Helper()
-	if !h.pending {
-		wait(h.t, h.calls, "the fleet to resolve "+fleetDNS)
-		h.pending = true
+	if h.pending {
+		return
 	}
+	if h.lookups > 0 {
+		h.clock.Step(resolveEvery)
+	}
+	wait(h.t, h.calls, "the fleet to resolve "+fleetDNS)
+	h.pending = true
+	h.lookups++
 }
 
 // answer answers the fleet's next lookup.

@@ -68,76 +68,112 @@ func (p *endpointPicker) addresses(svc *corev1.Service, sp corev1.ServicePort, a
 		return nil, status.Errorf(codes.PermissionDenied,
 			"%s: the Service has no selector, so nothing vouches for its endpoints: the agent dials only Pods a Service selects (%s)", what, trustHint)
 	}
-	selector := labels.Set(svc.Spec.Selector).AsSelectorPreValidated()
 	objs, err := p.slices.ByIndex(byService, svc.Namespace+"/"+svc.Name)
 	if err != nil {
 		return nil, status.Errorf(codes.Internal, "endpointslice index: %v", err)
 	}
-	var (
-		ready   = map[string]bool{}
-		refused refusals
-		unready int
-	)
+	c := &endpointChoice{
+		pods: p.pods, svc: svc, selector: labels.Set(svc.Spec.Selector).AsSelectorPreValidated(),
+		apiServer: apiServer, trusted: trusted, ready: map[string]bool{},
+	}
 	for _, obj := range objs {
-		slice := obj.(*discoveryv1.EndpointSlice)
-		if !trusted {
-			if why := unvouchedSlice(slice, svc); why != "" {
-				refused.add("%s", why)
-				continue
-			}
-		}
-		port, ok := slicePort(slice, sp.Name)
-		if !ok {
-			continue
-		}
-		for _, ep := range slice.Endpoints {
-			if !isReady(ep.Conditions) {
-				unready++
-				continue
-			}
-			var pod *cachedPod
-			if !trusted {
-				var why string
-				if pod, why = podOf(p.pods, ep.TargetRef, svc, selector); why != "" {
-					refused.add("%s of EndpointSlice %s %s", firstAddress(ep), slice.Name, why)
-					continue
-				}
-			}
-			for _, a := range ep.Addresses {
-				if slice.AddressType != discoveryv1.AddressTypeIPv4 && slice.AddressType != discoveryv1.AddressTypeIPv6 {
-					refused.add("%s is not an IP address (address type %s)", a, slice.AddressType)
-					continue
-				}
-				ip, err := netip.ParseAddr(a)
-				if err != nil {
-					refused.add("%s is not an IP address", a)
-					continue
-				}
-				addr := netip.AddrPortFrom(ip.Unmap(), port).String()
-				if why := refusedAddress(ip, apiServer); why != "" {
-					refused.add("%s is %s", addr, why)
-					continue
-				}
-				if pod != nil && !pod.has(ip) {
-					refused.add("%s of EndpointSlice %s is not an address of Pod %s", a, slice.Name, pod.Name)
-					continue
-				}
-				ready[addr] = true
-			}
+		c.addSlice(obj.(*discoveryv1.EndpointSlice), sp.Name)
+	}
+	if len(c.ready) > 0 {
+		return p.rotate(c.ready), nil
+	}
+	return nil, c.none(what)
+}
+
+// endpointChoice is one dial's choice among a Service's endpoints: the
+// addresses it may connect to, and why it may not connect to the others.
+type endpointChoice struct {
+	pods      cache.Indexer
+	svc       *corev1.Service
+	selector  labels.Selector
+	apiServer map[netip.Addr]bool
+	trusted   bool
+
+	ready   map[string]bool // host:port
+	refused refusals
+	unready int
+}
+
+// addSlice takes the ready endpoints of slice for the Service port named
+// portName.
+func (c *endpointChoice) addSlice(slice *discoveryv1.EndpointSlice, portName string) {
+	if !c.trusted {
+		if why := unvouchedSlice(slice, c.svc); why != "" {
+			c.refused.add("%s", why)
+			return
 		}
 	}
+	port, ok := slicePort(slice, portName)
+	if !ok {
+		return
+	}
+	for _, ep := range slice.Endpoints {
+		c.addEndpoint(slice, port, ep)
+	}
+}
+
+// addEndpoint takes the addresses of ep if it is ready and, unless
+// trusted, a Pod the Service selects.
+func (c *endpointChoice) addEndpoint(slice *discoveryv1.EndpointSlice, port uint16, ep discoveryv1.Endpoint) {
+	if !isReady(ep.Conditions) {
+		c.unready++
+		return
+	}
+	var pod *cachedPod
+	if !c.trusted {
+		var why string
+		if pod, why = podOf(c.pods, ep.TargetRef, c.svc, c.selector); why != "" {
+			c.refused.add("%s of EndpointSlice %s %s", firstAddress(ep), slice.Name, why)
+			return
+		}
+	}
+	for _, a := range ep.Addresses {
+		c.addAddress(slice, port, pod, a)
+	}
+}
+
+// addAddress takes the address a of an endpoint of pod (nil if trusted),
+// unless it is no IP address, one the agent must not connect to, or not
+// the Pod's.
+func (c *endpointChoice) addAddress(slice *discoveryv1.EndpointSlice, port uint16, pod *cachedPod, a string) {
+	if slice.AddressType != discoveryv1.AddressTypeIPv4 && slice.AddressType != discoveryv1.AddressTypeIPv6 {
+		c.refused.add("%s is not an IP address (address type %s)", a, slice.AddressType)
+		return
+	}
+	ip, err := netip.ParseAddr(a)
+	if err != nil {
+		c.refused.add("%s is not an IP address", a)
+		return
+	}
+	addr := netip.AddrPortFrom(ip.Unmap(), port).String()
+	if why := refusedAddress(ip, c.apiServer); why != "" {
+		c.refused.add("%s is %s", addr, why)
+		return
+	}
+	if pod != nil && !pod.has(ip) {
+		c.refused.add("%s of EndpointSlice %s is not an address of Pod %s", a, slice.Name, pod.Name)
+		return
+	}
+	c.ready[addr] = true
+}
+
+// none is the error for a dial that found no endpoint to connect to.
+func (c *endpointChoice) none(what string) error {
 	switch {
-	case len(ready) > 0:
-		return p.rotate(ready), nil
-	case !refused.empty() && trusted:
-		return nil, status.Errorf(codes.PermissionDenied, "%s: refusing its endpoints: %s", what, &refused)
-	case !refused.empty():
-		return nil, status.Errorf(codes.PermissionDenied, "%s: refusing its endpoints: %s; the agent dials only Pods the Service selects, as Kubernetes' EndpointSlice controller lists them (%s)",
-			what, &refused, trustHint)
-	case unready > 0:
-		return nil, status.Errorf(codes.Unavailable, "%s: none of its %d endpoints is ready", what, unready)
+	case !c.refused.empty() && c.trusted:
+		return status.Errorf(codes.PermissionDenied, "%s: refusing its endpoints: %s", what, &c.refused)
+	case !c.refused.empty():
+		return status.Errorf(codes.PermissionDenied, "%s: refusing its endpoints: %s; the agent dials only Pods the Service selects, as Kubernetes' EndpointSlice controller lists them (%s)",
+			what, &c.refused, trustHint)
+	case c.unready > 0:
+		return status.Errorf(codes.Unavailable, "%s: none of its %d endpoints is ready", what, c.unready)
 	}
-	return nil, status.Errorf(codes.Unavailable, "%s: the Service has no endpoints", what)
+	return status.Errorf(codes.Unavailable, "%s: the Service has no endpoints", what)
 }
 
 // trustHint tells an operator how to let the agent take a namespace's

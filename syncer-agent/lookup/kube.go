@@ -48,9 +48,9 @@ type KubeOptions struct {
 }
 
 // Kube resolves Services of the physical cluster from shared informers on
-// namespaces, Services, EndpointSlices and Pods: a dial makes no API call, and the
-// agent keeps serving from its caches while the API server is away (the
-// informers reconnect with backoff by themselves).
+// namespaces, Services, EndpointSlices and Pods: a dial makes no API call,
+// and the agent keeps serving from its caches while the API server is away
+// (the informers reconnect with backoff by themselves).
 type Kube struct {
 	factory    informers.SharedInformerFactory
 	namespaces cache.SharedIndexInformer
@@ -66,27 +66,18 @@ type Kube struct {
 	changed      chan struct{}
 	mu           sync.Mutex
 	subscribers  []chan struct{} // see Subscribe
-	watching     bool            // set once the caches synced: the baseline is known
+	watching     bool            // set once the caches synced: changes count from then
 	lastClusters []string
 }
 
 // NewKube sets up the informers; Start runs them.
 func NewKube(client kubernetes.Interface, opts KubeOptions) (*Kube, error) {
-	syncer, plain := opts.SyncTarget.Name != "", opts.PlainCluster != ""
-	switch {
-	case syncer == plain:
-		return nil, errors.New("give either a sync target name (syncer mode) or a plain cluster (plain mode)")
-	case syncer && opts.SyncTarget.Cluster == "" && opts.SyncTarget.UID == "":
-		return nil, errors.New("a sync target name is unique only within its workspace: give its cluster or its UID as well")
-	case plain:
-		if err := tunnelv1.ValidateClusterName(opts.PlainCluster); err != nil {
-			return nil, err
-		}
+	if err := opts.validate(); err != nil {
+		return nil, err
 	}
 	if opts.Log == nil {
 		opts.Log = slog.New(slog.NewTextHandler(io.Discard, nil))
 	}
-
 	factory := informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithTransform(slim))
 	k := &Kube{
 		factory:    factory,
@@ -103,22 +94,54 @@ func NewKube(client kubernetes.Interface, opts KubeOptions) (*Kube, error) {
 		return nil, err
 	}
 	k.picker = &endpointPicker{slices: k.slices.GetIndexer(), pods: k.pods.GetIndexer()}
-	if plain {
-		k.mapper = &plainNamespaces{indexer: k.namespaces.GetIndexer(), cluster: opts.PlainCluster}
-	} else {
-		if err := k.namespaces.AddIndexers(namespaceIndexers(opts.SyncTarget)); err != nil {
-			return nil, err
-		}
-		k.mapper = &syncerNamespaces{indexer: k.namespaces.GetIndexer(), syncTarget: opts.SyncTarget}
-		notify := func(any) { k.noteClusters() }
-		if _, err := k.namespaces.AddEventHandler(cache.ResourceEventHandlerFuncs{
-			AddFunc:    notify,
-			UpdateFunc: func(_, obj any) { notify(obj) },
-			DeleteFunc: notify,
-		}); err != nil {
-			return nil, err
-		}
+	if err := k.mapNamespaces(opts); err != nil {
+		return nil, err
 	}
+	if err := k.logWatchErrors(); err != nil {
+		return nil, err
+	}
+	return k, nil
+}
+
+// validate checks that the options choose one mode, and name what it
+// needs.
+func (opts KubeOptions) validate() error {
+	syncer, plain := opts.SyncTarget.Name != "", opts.PlainCluster != ""
+	switch {
+	case syncer == plain:
+		return errors.New("give either a sync target name (syncer mode) or a plain cluster (plain mode)")
+	case syncer && opts.SyncTarget.Cluster == "" && opts.SyncTarget.UID == "":
+		return errors.New("a sync target name is unique only within its workspace: give its cluster or its UID as well")
+	case plain:
+		return tunnelv1.ValidateClusterName(opts.PlainCluster)
+	}
+	return nil
+}
+
+// mapNamespaces sets up the namespace mapper of the mode the options
+// choose. In syncer mode the clusters served come and go with the syncer's
+// namespaces, so it watches them.
+func (k *Kube) mapNamespaces(opts KubeOptions) error {
+	if opts.PlainCluster != "" {
+		k.mapper = &plainNamespaces{indexer: k.namespaces.GetIndexer(), cluster: opts.PlainCluster}
+		return nil
+	}
+	if err := k.namespaces.AddIndexers(namespaceIndexers(opts.SyncTarget)); err != nil {
+		return err
+	}
+	k.mapper = &syncerNamespaces{indexer: k.namespaces.GetIndexer(), syncTarget: opts.SyncTarget}
+	notify := func(any) { k.noteClusters() }
+	_, err := k.namespaces.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    notify,
+		UpdateFunc: func(_, obj any) { notify(obj) },
+		DeleteFunc: notify,
+	})
+	return err
+}
+
+// logWatchErrors logs, per resource, why a watch of the physical cluster
+// failed; the informers retry by themselves.
+func (k *Kube) logWatchErrors() error {
 	for resource, inf := range map[string]cache.SharedIndexInformer{
 		"namespaces": k.namespaces, "services": k.services, "endpointslices": k.slices, "pods": k.pods,
 	} {
@@ -127,10 +150,10 @@ func NewKube(client kubernetes.Interface, opts KubeOptions) (*Kube, error) {
 				k.log.Warn("watching the physical cluster failed; serving from cache and retrying", "resource", resource, "error", err)
 			}
 		}); err != nil {
-			return nil, err
+			return err
 		}
 	}
-	return k, nil
+	return nil
 }
 
 // slim keeps the caches small: it drops the managed fields, which the agent

@@ -12,11 +12,12 @@ import (
 
 // Scope is a set of logical clusters and of namespaces of logical clusters,
 // as dials name them (in syncer mode, the upstream namespace, not the
-// physical cluster's). It is written as a comma-separated list of entries:
+// physical cluster's). It is written as a comma-separated list of entries,
+// each one of:
 //
-//   - every namespace of every logical cluster
-//     CLUSTER            every namespace of that logical cluster
-//     CLUSTER/NAMESPACE  that namespace only
+//	CLUSTER            every namespace of that logical cluster
+//	CLUSTER/NAMESPACE  that namespace only
+//	*                  every namespace of every logical cluster
 //
 // The zero Scope holds nothing.
 type Scope struct {

@@ -27,3 +27,33 @@ func BenchmarkDial(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkDialFirstEcho is one dial and its first 64-byte round trip per
+// op, closed right after: what tunnelbench's dial_first_echo figures
+// measure across processes, and what a peer's dial is compared on (a dial
+// can return before its far end has connected; a round trip cannot). It
+// also reports p50 and p99.
+func BenchmarkDialFirstEcho(b *testing.B) {
+	for _, p := range paths {
+		b.Run(p.name, func(b *testing.B) {
+			msg, buf := make([]byte, 64), make([]byte, 64)
+			dial(b, p.dial, "echo").Close() // warm up
+			s := make(Samples, 0, b.N)
+			b.ReportAllocs()
+			b.ResetTimer()
+			for range b.N {
+				start := time.Now()
+				c := dial(b, p.dial, "echo")
+				_ = c.SetDeadline(time.Now().Add(time.Minute))
+				if err := RoundTrip(c, msg, buf); err != nil {
+					b.Fatal(err)
+				}
+				s = append(s, time.Since(start))
+				c.Close()
+			}
+			b.StopTimer()
+			b.ReportMetric(float64(s.Quantile(0.5)), "p50-ns")
+			b.ReportMetric(float64(s.Quantile(0.99)), "p99-ns")
+		})
+	}
+}

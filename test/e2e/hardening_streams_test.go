@@ -66,16 +66,20 @@ func mostOf(n int) []byte {
 
 func TestHardeningStreamsThatNeverSendTheirFirstMessageEnd(t *testing.T) {
 	env := harness.NewEnv(t)
-	_, addr := env.StartBrokerProcess("--dial-timeout", "1s")
+	broker, addr := env.StartBrokerProcess("--dial-timeout", "1s")
 	kcp := env.RawConn(addr, "/kcp")
 	agent := env.RawConn(addr, agentID)
 
 	silent := open(t, kcp, dialMethod)
 	most := open(t, kcp, dialMethod)
 	write(t, most, mostOf(32<<10), 16384)
-	// In 1-byte frames, the costliest for the broker to hold.
-	tiny := open(t, kcp, dialMethod)
-	write(t, tiny, mostOf(4<<10), 1)
+	// In 1-byte frames, the costliest for the broker to hold, on a
+	// connection of its own: the broker closes that connection (package
+	// fragments), and the peer's other connections go on.
+	fragmented := env.RawConn(addr, "/kcp")
+	tiny := open(t, fragmented, dialMethod)
+	// The write may fail: the broker closes the connection on the way.
+	_ = tiny.Write(t.Context(), mostOf(4<<10), 1)
 	tunnel := open(t, agent, tunnelMethod)
 	write(t, tunnel, mostOf(32<<10), 16384)
 	connect := open(t, agent, connectMethod)
@@ -83,12 +87,50 @@ func TestHardeningStreamsThatNeverSendTheirFirstMessageEnd(t *testing.T) {
 	unary := open(t, kcp, healthCheckMethod)
 	write(t, unary, mostOf(1<<10), 16384)
 
-	for _, s := range []*harness.RawStream{silent, most, tiny} {
+	for _, s := range []*harness.RawStream{silent, most} {
 		checkStatus(t, "Dial", ended(t, s), codes.DeadlineExceeded, "no target within 1s")
 	}
+	checkStatus(t, "Dial in 1-byte frames", ended(t, tiny), codes.Unavailable, "GOAWAY ENHANCE_YOUR_CALM: fragmented data")
 	checkStatus(t, "Tunnel", ended(t, tunnel), codes.DeadlineExceeded, "no open within 1s")
 	checkStatus(t, "Connect", ended(t, connect), codes.DeadlineExceeded, "no register within 1s")
 	checkStatus(t, "health Check", ended(t, unary), codes.DeadlineExceeded, "deadline exceeded")
+	if v, _ := scrape(t, broker, `kcp_tunnel_broker_connections_closed_total{reason="fragmented_data"}`); v != 1 {
+		t.Errorf("connections closed for fragmented data: %v, want 1", v)
+	}
+}
+
+func TestHardeningAPeerThatSendsDataInFragmentsLosesOnlyThatConnection(t *testing.T) {
+	env := harness.NewEnv(t)
+	broker, addr := env.StartBrokerProcess()
+	echo := harness.StartEcho(t)
+	env.StartAgentProcess(addr, agentID, lookup.StaticFile{Services: []lookup.StaticService{
+		{Cluster: "root", Namespace: "default", Name: "echo", Ports: map[string]string{"80": echo}}}})
+	d := env.Dialer(addr, "/kcp")
+	conn, err := dialEchoConn(d)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	roundTrip(t, conn, "before")
+
+	// The agent's identity, on a connection of its own, sends a whole
+	// message in 1-byte frames.
+	hostile := env.RawConn(addr, agentID)
+	s := open(t, hostile, tunnelMethod)
+	_ = s.Write(t.Context(), harness.GRPCMessage(make([]byte, 2000)), 1)
+	checkStatus(t, "Tunnel in 1-byte frames", ended(t, s), codes.Unavailable, "GOAWAY ENHANCE_YOUR_CALM: fragmented data")
+	if v, _ := scrape(t, broker, `kcp_tunnel_broker_connections_closed_total{reason="fragmented_data"}`); v != 1 {
+		t.Errorf("connections closed for fragmented data: %v, want 1", v)
+	}
+
+	// The agent's own connection, its tunnel and its registration go on.
+	roundTrip(t, conn, "after")
+	again, err := dialEchoConn(d)
+	if err != nil {
+		t.Fatalf("dialing after: %v", err)
+	}
+	defer again.Close()
+	roundTrip(t, again, "a new tunnel")
 }
 
 func TestHardeningStreamsWaitingForTheirFirstMessageAreBounded(t *testing.T) {

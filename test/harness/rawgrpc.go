@@ -27,6 +27,11 @@ import (
 // control and answers SETTINGS and PINGs, so the server sees a well-behaved
 // connection carrying ill-behaved streams.
 type RawConn struct {
+	// Padding is how many bytes of padding (0-255) each DATA frame
+	// carries, which no gRPC client sends; flow control counts them. Set it
+	// before writing.
+	Padding uint8
+
 	conn net.Conn
 
 	wmu sync.Mutex // one writer of frames at a time; stream ids in order
@@ -51,6 +56,7 @@ type RawStream struct {
 	c      *RawConn
 	id     uint32
 	window int64 // guarded by c.mu
+	sent   int64 // bytes of data written to the connection, guarded by c.mu
 	ended  chan struct{}
 	status *status.Status // set before ended closes
 	data   bytes.Buffer   // what the server sent, guarded by c.mu
@@ -195,15 +201,26 @@ func (s *RawStream) Write(ctx context.Context, p []byte, frameSize int) error {
 		}
 		// Take what the windows allow now, and send it in frameSize
 		// frames with one flush.
-		n := min(int64(len(p)), c.connWindow, s.window)
-		c.connWindow -= n
-		s.window -= n
+		n, cost := c.fits(p, frameSize, min(c.connWindow, s.window))
+		if n == 0 {
+			// Not even a byte of data fits with its padding: wait for
+			// more window.
+			c.cond.Wait()
+			c.mu.Unlock()
+			continue
+		}
+		c.connWindow -= cost
+		s.window -= cost
 		c.mu.Unlock()
 		c.wmu.Lock()
 		var err error
 		for chunk := p[:n]; len(chunk) > 0 && err == nil; {
-			m := min(len(chunk), frameSize, http2MaxFrame)
-			err = c.fr.WriteData(s.id, false, chunk[:m])
+			m := min(len(chunk), c.frameData(frameSize))
+			if c.Padding > 0 {
+				err = c.fr.WriteDataPadded(s.id, false, chunk[:m], make([]byte, c.Padding))
+			} else {
+				err = c.fr.WriteData(s.id, false, chunk[:m])
+			}
 			chunk = chunk[m:]
 		}
 		if err == nil {
@@ -213,9 +230,54 @@ func (s *RawStream) Write(ctx context.Context, p []byte, frameSize int) error {
 		if err != nil {
 			return err
 		}
+		c.mu.Lock()
+		s.sent += int64(n)
+		c.mu.Unlock()
 		p = p[n:]
 	}
 	return nil
+}
+
+// frameData is the most data a DATA frame carries: frameSize, less the
+// padding and its length if that would not fit HTTP/2's frame size.
+func (c *RawConn) frameData(frameSize int) int {
+	overhead := 0
+	if c.Padding > 0 {
+		overhead = 1 + int(c.Padding)
+	}
+	return max(1, min(frameSize, http2MaxFrame-overhead))
+}
+
+// fits says how much of p goes out in frames of frameSize bytes of data
+// within window bytes of flow control, and what that costs of the window
+// (padding included).
+func (c *RawConn) fits(p []byte, frameSize int, window int64) (n int, cost int64) {
+	if c.Padding == 0 {
+		n := min(int64(len(p)), max(window, 0))
+		return int(n), n
+	}
+	overhead := 1 + int64(c.Padding)
+	per := c.frameData(frameSize)
+	for n < len(p) {
+		m := min(len(p)-n, per)
+		if left := window - cost - overhead; int64(m) > left {
+			m = int(max(left, 0))
+		}
+		if m == 0 {
+			break
+		}
+		n += m
+		cost += int64(m) + overhead
+	}
+	return n, cost
+}
+
+// Sent is how many bytes of data the stream has written to the connection
+// so far.
+func (s *RawStream) Sent() int64 {
+	s.c.mu.Lock()
+	defer s.c.mu.Unlock()
+	return s.sent
 }
 
 // http2MaxFrame is the largest DATA payload a server takes unless it says

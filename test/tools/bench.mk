@@ -1,5 +1,7 @@
-# Benchmarks of issue 7: the tunnel against the direct path on loopback.
-# See BENCHMARKS.md for the figures and how each is measured.
+# Benchmarks of issues 7 and 18: the tunnel against the direct path, two
+# plain TLS relays, a bare gRPC stream and a real peer (rancher's
+# remotedialer), on loopback. See BENCHMARKS.md for the figures and how each
+# is measured.
 
 # This file is included before the main Makefile's first target: keep its
 # default goal.
@@ -9,12 +11,18 @@ BENCH_FLAGS ?=
 BENCH_COUNT ?= 1
 BENCH_TIME  ?= 1s
 
-.PHONY: bench bench-go
+.PHONY: bench bench-go bench-peers
 
-## bench: broker and agent binaries on loopback, every figure tunneled vs direct (BENCH_FLAGS=-quick for a smoke run)
+## bench: broker and agent binaries on loopback, every figure tunneled vs direct, the relays and the remotedialer peer (BENCH_FLAGS=-quick for a smoke run)
 bench: build
-	$(GO) run ./test/bench/cmd/tunnelbench $(BENCH_FLAGS)
+	@peer=$$(GO="$(GO)" test/bench/peers/remotedialer/build.sh) && \
+	  echo "$(GO) run ./test/bench/cmd/tunnelbench -peer-remotedialer $$peer $(BENCH_FLAGS)" && \
+	  $(GO) run ./test/bench/cmd/tunnelbench -peer-remotedialer "$$peer" $(BENCH_FLAGS)
 	$(GO) run ./test/bench/cmd/streamfloor
+
+## bench-peers: the remotedialer peer's binary (test/bench/peers/remotedialer, its own module and Go) into .cache/, if missing
+bench-peers:
+	@GO="$(GO)" test/bench/peers/remotedialer/build.sh >/dev/null
 
 ## bench-go: the Go benchmarks of the hot paths, in process (benchstat-friendly; BENCH_COUNT, BENCH_TIME)
 bench-go:

@@ -10,6 +10,7 @@ package brokertest
 
 import (
 	"context"
+	"crypto/tls"
 	"log/slog"
 	"net"
 	"strings"
@@ -21,6 +22,7 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/mem"
 	"google.golang.org/grpc/status"
 
@@ -76,6 +78,15 @@ func Start(t *testing.T, pol policy.File, register func(s *Server, srv *grpc.Ser
 // interceptors under test.
 func StartWithOptions(t *testing.T, pol policy.File, opts []grpc.ServerOption, register func(s *Server, srv *grpc.Server)) *Server {
 	t.Helper()
+	return StartWithCredentials(t, pol, nil, opts, register)
+}
+
+// StartWithCredentials is StartWithOptions with the server's transport
+// credentials wrapped by wrap (if not nil), e.g. in a guard of its
+// connections under test.
+func StartWithCredentials(t *testing.T, pol policy.File, wrap func(credentials.TransportCredentials) credentials.TransportCredentials,
+	opts []grpc.ServerOption, register func(s *Server, srv *grpc.Server)) *Server {
+	t.Helper()
 	ca, err := devca.New("test", TrustDomain)
 	if err != nil {
 		t.Fatal(err)
@@ -95,8 +106,12 @@ func StartWithOptions(t *testing.T, pol policy.File, opts []grpc.ServerOption, r
 	}
 	s.Stopping, s.stop = context.WithCancel(context.Background())
 	t.Cleanup(s.stop)
+	creds := identity.ServerCredentials(source(t, ca, BrokerPath), tlsconfig.AuthorizeAny())
+	if wrap != nil {
+		creds = wrap(creds)
+	}
 	srv := grpc.NewServer(append([]grpc.ServerOption{
-		grpc.Creds(identity.ServerCredentials(source(t, ca, BrokerPath), tlsconfig.AuthorizeAny())),
+		grpc.Creds(creds),
 		tunnelv1.FrameServerOption(),
 		// Stop returns once every handler has: nothing outlives the test.
 		grpc.WaitForHandlers(true),
@@ -144,6 +159,16 @@ func (s *Server) Conn(t *testing.T, path string) *grpc.ClientConn {
 	s.t.Cleanup(func() { _ = cc.Close() })
 	s.conns[path] = cc
 	return cc
+}
+
+// ClientTLS is the TLS configuration of a client of the broker as the
+// identity path, offering HTTP/2: for a peer that speaks HTTP/2 by hand.
+func (s *Server) ClientTLS(t *testing.T, path string) *tls.Config {
+	t.Helper()
+	src := source(t, s.CA, path)
+	cfg := tlsconfig.MTLSClientConfig(src, src, tlsconfig.AuthorizeID(ID(BrokerPath)))
+	cfg.NextProtos = []string{"h2"}
+	return cfg
 }
 
 func source(t *testing.T, ca *devca.CA, path string) *devca.Source {

@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/kcp-dev/tunnel-broker/test/harness"
@@ -29,6 +30,19 @@ func startChild(m *harness.Main, role string, env ...string) (addr string, pid i
 	}
 	cmd := exec.Command(self)
 	cmd.Env = append(append(os.Environ(), roleEnv+"="+role), env...)
+	line, pid, _ := startProcess(m, role, cmd)
+	addr, ok := strings.CutPrefix(line, "listening ")
+	if !ok || addr == "" {
+		m.Fatalf("%s process did not start: it said %q", role, line)
+	}
+	return addr, pid
+}
+
+// startProcess starts cmd, which follows the children's rules (one line on
+// stdout once it is ready, then serve until stdin closes), and returns that
+// line, its pid and stop. stop closes its stdin and waits for it to exit,
+// killing it if it has not 5s later; m's cleanups call stop too.
+func startProcess(m *harness.Main, name string, cmd *exec.Cmd) (line string, pid int, stop func()) {
 	cmd.Stderr = os.Stderr
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
@@ -43,7 +57,7 @@ func startChild(m *harness.Main, role string, env ...string) (addr string, pid i
 	}
 	done := make(chan struct{})
 	go func() { _ = cmd.Wait(); close(done) }()
-	m.Cleanup(func() {
+	stop = sync.OnceFunc(func() {
 		stdin.Close()
 		select {
 		case <-done:
@@ -52,20 +66,21 @@ func startChild(m *harness.Main, role string, env ...string) (addr string, pid i
 			<-done
 		}
 	})
+	m.Cleanup(stop)
 	lines := make(chan string, 1)
 	go func() {
 		line, _ := bufio.NewReader(stdout).ReadString('\n')
-		lines <- strings.TrimSpace(strings.TrimPrefix(line, "listening "))
+		lines <- strings.TrimSpace(line)
 		_, _ = io.Copy(io.Discard, stdout)
 	}()
 	select {
-	case a := <-lines:
-		if a == "" {
-			m.Fatalf("%s process did not start", role)
+	case l := <-lines:
+		if l == "" {
+			m.Fatalf("%s process did not start", name)
 		}
-		return a, cmd.Process.Pid
+		return l, cmd.Process.Pid, stop
 	case <-time.After(20 * time.Second):
-		m.Fatalf("%s process did not start within 20s", role)
-		return "", 0
+		m.Fatalf("%s process did not start within 20s", name)
+		return "", 0, nil
 	}
 }

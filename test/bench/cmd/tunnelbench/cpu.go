@@ -8,12 +8,16 @@ import (
 )
 
 // cpuTimes is the CPU time used so far by this process (callers and
-// targets), the main pair's broker and its agent, and relays 1 and 2 when
-// they run (the processes of the paths not being measured idle meanwhile).
+// targets), the main pair's broker and its agent, relays 1 and 2 and the
+// peer's server and client when they run (the processes of the paths not
+// being measured idle meanwhile).
 // Differences of two readings say what a measurement cost, which is steadier
 // than its rate on a loaded machine. The resolution is 10ms: measurements
 // long enough to use seconds of CPU are needed.
-type cpuTimes struct{ self, broker, agent, relay1, relay2 time.Duration }
+type cpuTimes struct {
+	self, broker, agent, relay1, relay2 time.Duration
+	peerServer, peerClient              time.Duration
+}
 
 func (r *runner) cpu() cpuTimes {
 	var t cpuTimes
@@ -30,15 +34,35 @@ func (r *runner) cpu() cpuTimes {
 		read(r.relay.pids[0], &t.relay1)
 		read(r.relay.pids[1], &t.relay2)
 	}
+	if r.peer != nil {
+		read(r.peer.serverPID, &t.peerServer)
+		read(r.peer.clientPID, &t.peerClient)
+	}
 	return t
 }
 
 func (t cpuTimes) sub(u cpuTimes) cpuTimes {
 	return cpuTimes{self: t.self - u.self, broker: t.broker - u.broker, agent: t.agent - u.agent,
-		relay1: t.relay1 - u.relay1, relay2: t.relay2 - u.relay2}
+		relay1: t.relay1 - u.relay1, relay2: t.relay2 - u.relay2,
+		peerServer: t.peerServer - u.peerServer, peerClient: t.peerClient - u.peerClient}
 }
 
 // total is what all the processes used.
 func (t cpuTimes) total() time.Duration {
-	return t.self + t.broker + t.agent + t.relay1 + t.relay2
+	return t.self + t.middle("tunneled") + t.middle("relay") + t.middle(peerName)
+}
+
+// middle is what the middle processes of path used: those between the
+// caller and the target (the broker and agent, the relays, the peer's
+// server and client); none for the direct path.
+func (t cpuTimes) middle(path string) time.Duration {
+	switch path {
+	case "tunneled":
+		return t.broker + t.agent
+	case "relay":
+		return t.relay1 + t.relay2
+	case peerName:
+		return t.peerServer + t.peerClient
+	}
+	return 0
 }

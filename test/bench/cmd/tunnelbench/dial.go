@@ -8,11 +8,16 @@ import (
 )
 
 // dialLatency times cfg.dials dials per path, one after another, alternating
-// direct and tunneled so that load on the machine hits both alike. A
-// tunneled dial is DialService: the Dial RPC until the broker's established,
-// which comes after the agent connected to the target, so the stream is
-// usable; there is no TLS inside. A direct dial is a TCP connect. Each
-// connection is closed before the next dial.
+// the paths so that load on the machine hits all alike; after each dial, one
+// 64-byte round trip. A tunneled dial is DialService: the Dial RPC until the
+// broker's established, which comes after the agent connected to the
+// target, so the stream is usable; there is no TLS inside. A direct dial is
+// a TCP connect. Each connection is closed before the next dial.
+//
+// dial_first_echo_* times the dial and the first round trip together, which
+// is what every path can be compared on: a peer's dial may return before
+// its far end has connected to the target (remotedialer's does, see
+// peer.go), so the peer has only these rows.
 //
 // A relay dial (when the relay path runs) is more than a tunneled one: the
 // tunnel reuses its long-lived gRPC connections, while the relay path makes
@@ -21,8 +26,9 @@ import (
 // rows say so (relay_dial_2handshakes_*), and relay_handshake_* is the
 // caller's TCP connect and handshake to relay 1 alone, from the same dials.
 func (r *runner) dialLatency(ctx context.Context) {
-	paths := r.withRelay()
-	samples := make([]bench.Samples, len(paths))
+	paths := r.allPaths()
+	dials := make(map[string]bench.Samples, len(paths))
+	firstEchoes := make(map[string]bench.Samples, len(paths))
 	var handshakes bench.Samples
 	// Warm up: the first dial of each path pays for lazy setup.
 	for _, p := range paths {
@@ -30,12 +36,19 @@ func (r *runner) dialLatency(ctx context.Context) {
 	}
 	// About a millisecond a dial and path: the profile covers most dials.
 	stop := r.profile(ctx, "dial", time.Duration(r.cfg.dials*len(paths))*time.Millisecond)
+	msg, buf := make([]byte, msgSize), make([]byte, msgSize)
 	deadline := time.Now().Add(time.Duration(r.cfg.dials) * 50 * time.Millisecond)
 	for i := 0; i < r.cfg.dials && time.Now().Before(deadline); i++ {
-		for j, p := range paths {
+		for _, p := range paths {
 			start := time.Now()
 			c := r.dialOrFatal(ctx, p, svcDial)
-			samples[j] = append(samples[j], time.Since(start))
+			dialed := time.Since(start)
+			_ = c.SetDeadline(time.Now().Add(30 * time.Second))
+			if err := bench.RoundTrip(c, msg, buf); err != nil {
+				r.m.Fatalf("%s: first round trip: %v", p.name, err)
+			}
+			firstEchoes[p.name] = append(firstEchoes[p.name], time.Since(start))
+			dials[p.name] = append(dials[p.name], dialed)
 			if rc, ok := c.(*relayConn); ok {
 				handshakes = append(handshakes, rc.handshake)
 			}
@@ -43,17 +56,28 @@ func (r *runner) dialLatency(ctx context.Context) {
 		}
 	}
 	stop()
-	for j, p := range paths {
-		r.logf("%s: %d dials", p.name, len(samples[j]))
+	for _, p := range paths {
+		r.logf("%s: %d dials", p.name, len(dials[p.name]))
 	}
-	d, t := samples[0], samples[1]
-	r.report.row("dial_p50_us", bench.Micros(d.Quantile(0.5)), bench.Micros(t.Quantile(0.5)))
-	r.report.row("dial_p99_us", bench.Micros(d.Quantile(0.99)), bench.Micros(t.Quantile(0.99)))
+	us := func(s bench.Samples, q float64) float64 { return bench.Micros(s.Quantile(q)) }
+	d, t := dials["direct"], dials["tunneled"]
+	r.report.row("dial_p50_us", us(d, 0.5), us(t, 0.5))
+	r.report.row("dial_p99_us", us(d, 0.99), us(t, 0.99))
+	de, te := firstEchoes["direct"], firstEchoes["tunneled"]
+	r.report.row("dial_first_echo_p50_us", us(de, 0.5), us(te, 0.5))
+	r.report.row("dial_first_echo_p99_us", us(de, 0.99), us(te, 0.99))
 	if r.relay != nil {
-		rl := samples[2]
-		r.report.relayRow("dial_2handshakes_p50_us", bench.Micros(d.Quantile(0.5)), bench.Micros(rl.Quantile(0.5)))
-		r.report.relayRow("dial_2handshakes_p99_us", bench.Micros(d.Quantile(0.99)), bench.Micros(rl.Quantile(0.99)))
-		r.report.relayRow("handshake_p50_us", bench.Micros(d.Quantile(0.5)), bench.Micros(handshakes.Quantile(0.5)))
-		r.report.relayRow("handshake_p99_us", bench.Micros(d.Quantile(0.99)), bench.Micros(handshakes.Quantile(0.99)))
+		rl, rle := dials["relay"], firstEchoes["relay"]
+		r.report.relayRow("dial_2handshakes_p50_us", us(d, 0.5), us(rl, 0.5))
+		r.report.relayRow("dial_2handshakes_p99_us", us(d, 0.99), us(rl, 0.99))
+		r.report.relayRow("handshake_p50_us", us(d, 0.5), us(handshakes, 0.5))
+		r.report.relayRow("handshake_p99_us", us(d, 0.99), us(handshakes, 0.99))
+		r.report.relayRow("dial_2handshakes_first_echo_p50_us", us(de, 0.5), us(rle, 0.5))
+		r.report.relayRow("dial_2handshakes_first_echo_p99_us", us(de, 0.99), us(rle, 0.99))
+	}
+	if r.peer != nil {
+		pe := firstEchoes[peerName]
+		r.report.floorRow(peerName, "dial_first_echo_p50_us", us(de, 0.5), us(pe, 0.5))
+		r.report.floorRow(peerName, "dial_first_echo_p99_us", us(de, 0.99), us(pe, 0.99))
 	}
 }

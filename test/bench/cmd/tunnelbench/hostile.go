@@ -47,6 +47,9 @@ func (r *runner) hostile(ctx context.Context) {
 	for _, c := range hostileCases {
 		r.hostileRun(ctx, c)
 	}
+	for _, c := range hostileTunnelCases {
+		r.hostileTunnels(ctx, c)
+	}
 }
 
 func (r *runner) hostileRun(ctx context.Context, c hostileCase) {
@@ -56,6 +59,7 @@ func (r *runner) hostileRun(ctx context.Context, c hostileCase) {
 	pid := broker.Cmd.Process.Pid
 	conn := r.env.RawConn(addr, c.as)
 	defer conn.Close()
+	conn.Padding = cfg.hostilePad
 	time.Sleep(settle)
 	before := r.rssMiB(pid)
 
@@ -142,9 +146,9 @@ func (r *runner) hostileRun(ctx context.Context, c hostileCase) {
 	if left > 0 {
 		summary = append(summary, fmt.Sprintf("%d not ended within %v", left, cfg.hostileWait))
 	}
-	r.report.note("hostile %s: %d streams as %s, %s each in %d-byte frames: %s", c.name, len(streams), c.as,
+	r.report.note("hostile %s: %d streams as %s, %s each in %d-byte frames with %d bytes of padding: %s", c.name, len(streams), c.as,
 		map[bool]string{true: fmt.Sprintf("all but the last byte of a %d-byte message", cfg.hostileMessage), false: "nothing"}[c.most],
-		cfg.hostileFrame, strings.Join(summary, ", "))
+		cfg.hostileFrame, cfg.hostilePad, strings.Join(summary, ", "))
 	name := "hostile_" + c.name + "_"
 	r.report.hostileRow(name+"broker_rss_MiB_before", before)
 	r.report.hostileRow(name+"broker_rss_MiB_peak", peak)

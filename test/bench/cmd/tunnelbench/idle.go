@@ -24,10 +24,14 @@ const settle = 2 * time.Second
 // growth of the processes' resident memory (VmRSS of /proc/<pid>/status) and
 // of their goroutines (read from their pprof endpoints, when the binaries
 // have --pprof-listen), divided by the number of tunnels, and the broker's
-// threads.
+// threads. With the peer, the same through a fresh remotedialer server and
+// client each time (peeridle.go).
 func (r *runner) idleTunnels(ctx context.Context) {
 	for _, n := range r.cfg.idle {
 		r.idle(ctx, n)
+		if r.cfg.peerBin != "" {
+			r.peerIdle(ctx, n)
+		}
 	}
 }
 
@@ -60,15 +64,33 @@ func (r *runner) read(ctx context.Context, pid int, pprof string) reading {
 	return rd
 }
 
-func (r *runner) idle(ctx context.Context, n int) {
-	p := r.startPair()
-	defer p.stop()
-	path := p.tunneled()
+// middleProc is a process between the caller and the target, whose growth
+// the idle figures measure.
+type middleProc struct {
+	name  string // in the rows: broker, agent, server, client
+	pid   int
+	pprof string // "" without pprof
+}
+
+// idleRun is what holding idle tunnels found.
+type idleRun struct {
+	conns         []net.Conn // the tunnels, for the caller to close
+	before, after []reading  // of each middle process
+	took          time.Duration
+}
+
+// holdIdle opens n tunnels on p to svc, idleWorkers at a time, each after
+// one 64-byte round trip, and reads procs before (after a warm-up tunnel and
+// settle) and after (after settle again). It stops opening at the first
+// failure, which it logs.
+func (r *runner) holdIdle(ctx context.Context, p path, svc string, n int, procs []middleProc) idleRun {
 	// Warm up: the first tunnel pays for lazy setup (TLS, HTTP/2, pools).
-	r.dialOrFatal(ctx, path, svcIdle).Close()
+	r.dialOrFatal(ctx, p, svc).Close()
 	time.Sleep(settle)
-	brokerPID, agentPID := p.broker.Cmd.Process.Pid, p.agent.Cmd.Process.Pid
-	b0, a0 := r.read(ctx, brokerPID, p.brokerPprof), r.read(ctx, agentPID, p.agentPprof)
+	var run idleRun
+	for _, proc := range procs {
+		run.before = append(run.before, r.read(ctx, proc.pid, proc.pprof))
+	}
 
 	conns := make([]net.Conn, 0, n)
 	var mu sync.Mutex
@@ -82,7 +104,7 @@ func (r *runner) idle(ctx context.Context, n int) {
 		wg.Go(func() {
 			msg, buf := make([]byte, msgSize), make([]byte, msgSize)
 			for range work {
-				c, err := path.dial(ctx2, svcIdle)
+				c, err := p.dial(ctx2, svc)
 				if err == nil {
 					_ = c.SetDeadline(time.Now().Add(30 * time.Second))
 					err = bench.RoundTrip(c, msg, buf)
@@ -110,21 +132,24 @@ func (r *runner) idle(ctx context.Context, n int) {
 	}
 	close(work)
 	wg.Wait()
-	took := time.Since(start)
-	opened := len(conns)
+	run.took = time.Since(start)
+	run.conns = conns
 	if firstErr != nil {
-		r.logf("idle %d: opened %d tunnels, then: %v", n, opened, firstErr)
+		r.logf("%s idle %d: opened %d tunnels, then: %v", p.name, n, len(conns), firstErr)
 	}
-	r.logf("idle %d: opened %d tunnels in %v; the target holds %d connections", n, opened, took.Round(time.Millisecond), r.targets[svcIdle].Open())
 	time.Sleep(settle)
-	b1, a1 := r.read(ctx, brokerPID, p.brokerPprof), r.read(ctx, agentPID, p.agentPprof)
-	r.saveIdleProfiles(ctx, p, n)
-
-	for _, c := range conns {
-		c.Close()
+	for _, proc := range procs {
+		run.after = append(run.after, r.read(ctx, proc.pid, proc.pprof))
 	}
-	r.targets[svcIdle].CloseConns()
+	return run
+}
 
+// idleRows reports a run of n idle tunnels with row, per tunnel opened:
+// each middle process's RSS and goroutines, for the first (the one facing
+// the caller) also its Go heap and stacks and its threads, then the middle
+// processes' RSS together and the rate the tunnels opened at.
+func idleRows(row func(name string, value float64), n int, procs []middleProc, run idleRun) {
+	opened := len(run.conns)
 	if opened == 0 {
 		return
 	}
@@ -133,21 +158,43 @@ func (r *runner) idle(ctx context.Context, n int) {
 		name = fmt.Sprintf("idle_%d_of_%d_", opened, n)
 	}
 	per := func(before, after int64) float64 { return float64(after-before) / float64(opened) }
-	r.report.row(name+"broker_rss_KiB_per_tunnel", none, per(b0.status.RSSKiB, b1.status.RSSKiB))
-	if b0.goroutines >= 0 && b1.goroutines >= 0 {
-		r.report.row(name+"broker_goroutines_per_tunnel", none, per(int64(b0.goroutines), int64(b1.goroutines)))
+	var rss int64
+	for i, proc := range procs {
+		b, a := run.before[i], run.after[i]
+		rss += a.status.RSSKiB - b.status.RSSKiB
+		row(name+proc.name+"_rss_KiB_per_tunnel", per(b.status.RSSKiB, a.status.RSSKiB))
+		if b.goroutines >= 0 && a.goroutines >= 0 {
+			row(name+proc.name+"_goroutines_per_tunnel", per(int64(b.goroutines), int64(a.goroutines)))
+		}
+		if i > 0 {
+			continue
+		}
+		if b.memory != nil && a.memory != nil {
+			// Where the resident memory goes, as the Go runtime counts it.
+			row(name+proc.name+"_go_heap_KiB_per_tunnel", per(b.memory.HeapInuse>>10, a.memory.HeapInuse>>10))
+			row(name+proc.name+"_go_stacks_KiB_per_tunnel", per(b.memory.StackInuse>>10, a.memory.StackInuse>>10))
+		}
+		row(name+proc.name+"_threads", float64(a.status.Threads))
 	}
-	if b0.memory != nil && b1.memory != nil {
-		// Where the resident memory goes, as the Go runtime counts it.
-		r.report.row(name+"broker_go_heap_KiB_per_tunnel", none, per(b0.memory.HeapInuse>>10, b1.memory.HeapInuse>>10))
-		r.report.row(name+"broker_go_stacks_KiB_per_tunnel", none, per(b0.memory.StackInuse>>10, b1.memory.StackInuse>>10))
+	row(name+"middle_rss_KiB_per_tunnel", per(0, rss))
+	row(name+"dials_per_s_64_at_once", float64(opened)/run.took.Seconds())
+}
+
+func (r *runner) idle(ctx context.Context, n int) {
+	p := r.startPair()
+	defer p.stop()
+	procs := []middleProc{
+		{"broker", p.broker.Cmd.Process.Pid, p.brokerPprof},
+		{"agent", p.agent.Cmd.Process.Pid, p.agentPprof},
 	}
-	r.report.row(name+"broker_threads", none, float64(b1.status.Threads))
-	r.report.row(name+"agent_rss_KiB_per_tunnel", none, per(a0.status.RSSKiB, a1.status.RSSKiB))
-	if a0.goroutines >= 0 && a1.goroutines >= 0 {
-		r.report.row(name+"agent_goroutines_per_tunnel", none, per(int64(a0.goroutines), int64(a1.goroutines)))
+	run := r.holdIdle(ctx, p.tunneled(), svcIdle, n, procs)
+	r.logf("idle %d: opened %d tunnels in %v; the target holds %d connections", n, len(run.conns), run.took.Round(time.Millisecond), r.targets[svcIdle].Open())
+	r.saveIdleProfiles(ctx, p, n)
+	for _, c := range run.conns {
+		c.Close()
 	}
-	r.report.row(name+"dials_per_s_64_at_once", none, float64(opened)/took.Seconds())
+	r.targets[svcIdle].CloseConns()
+	idleRows(func(name string, v float64) { r.report.row(name, none, v) }, n, procs, run)
 }
 
 // saveIdleProfiles saves the processes' heap and goroutine profiles with n

@@ -12,12 +12,13 @@ import (
 // agent and gRPC connections, has asked for cfg.flood bytes and reads none
 // of them. It reports B's p50 and p99 both ways, the slowdown (loaded p50 /
 // unloaded p50) and how much of A's data the path buffered before it
-// stalled.
+// stalled. The peer path, when it runs, is measured the same way through its
+// server and client.
 func (r *runner) isolation(ctx context.Context) {
 	type result struct{ unloaded, loaded50, loaded99, pendingMiB float64 }
 	res := map[string]result{}
 	flood := r.targets[svcIsoBulk]
-	for _, p := range r.paths() {
+	for _, p := range r.withPeer() {
 		b := r.dialOrFatal(ctx, p, svcIsoEcho)
 		alone, err := roundTrips(b, r.cfg.duration/2)
 		if err != nil {
@@ -67,4 +68,12 @@ func (r *runner) isolation(ctx context.Context) {
 	r.report.row("isolation_rtt64_loaded_p99_us", d.loaded99, t.loaded99)
 	r.report.row("isolation_slowdown_p50", d.loaded50/d.unloaded, t.loaded50/t.unloaded)
 	r.report.row("isolation_stalled_buffered_MiB", d.pendingMiB, t.pendingMiB)
+	if r.peer != nil {
+		pr := res[peerName]
+		r.report.floorRow(peerName, "isolation_rtt64_alone_p50_us", d.unloaded, pr.unloaded)
+		r.report.floorRow(peerName, "isolation_rtt64_loaded_p50_us", d.loaded50, pr.loaded50)
+		r.report.floorRow(peerName, "isolation_rtt64_loaded_p99_us", d.loaded99, pr.loaded99)
+		r.report.floorRow(peerName, "isolation_slowdown_p50", d.loaded50/d.unloaded, pr.loaded50/pr.unloaded)
+		r.report.floorRow(peerName, "isolation_stalled_buffered_MiB", d.pendingMiB, pr.pendingMiB)
+	}
 }

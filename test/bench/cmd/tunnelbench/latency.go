@@ -19,12 +19,12 @@ const maxRoundTrips = 1_000_000
 
 // latency measures 64-byte round trips one after another on one connection
 // per path, for cfg.duration, and reports p50, p99 and what the tunnel (and
-// the relay path, when it runs) adds.
+// the relay and peer paths, when they run) adds.
 func (r *runner) latency(ctx context.Context) {
 	q := map[string][2]float64{}
 	cpu := map[string]float64{}
-	var broker, agent, relay1, relay2 float64
-	for _, p := range r.withRelay() {
+	var broker, agent, relay1, relay2, server, client float64
+	for _, p := range r.allPaths() {
 		var stop func()
 		if p.name == "tunneled" {
 			stop = r.profile(ctx, "latency", r.cfg.duration)
@@ -48,6 +48,8 @@ func (r *runner) latency(ctx context.Context) {
 			broker, agent = perRT(used.broker), perRT(used.agent)
 		case "relay":
 			relay1, relay2 = perRT(used.relay1), perRT(used.relay2)
+		case peerName:
+			server, client = perRT(used.peerServer), perRT(used.peerClient)
 		}
 		r.logf("%s: %d round trips", p.name, len(s))
 	}
@@ -68,6 +70,16 @@ func (r *runner) latency(ctx context.Context) {
 		r.report.relayRow("rtt64_cpu_us_per_rt", cpu["direct"], cpu["relay"])
 		r.report.relayRow("rtt64_relay1_cpu_us_per_rt", none, relay1)
 		r.report.relayRow("rtt64_relay2_cpu_us_per_rt", none, relay2)
+	}
+	if r.peer != nil {
+		pr := q[peerName]
+		r.report.floorRow(peerName, "rtt64_p50_us", d[0], pr[0])
+		r.report.floorRow(peerName, "rtt64_p99_us", d[1], pr[1])
+		r.report.floorRow(peerName, "rtt64_added_p50_us", none, pr[0]-d[0])
+		r.report.floorRow(peerName, "rtt64_added_p99_us", none, pr[1]-d[1])
+		r.report.floorRow(peerName, "rtt64_cpu_us_per_rt", cpu["direct"], cpu[peerName])
+		r.report.floorRow(peerName, "rtt64_server_cpu_us_per_rt", none, server)
+		r.report.floorRow(peerName, "rtt64_client_cpu_us_per_rt", none, client)
 	}
 }
 
@@ -104,7 +116,7 @@ func roundTrips(c net.Conn, d time.Duration) (bench.Samples, error) {
 func (r *runner) roundTripRate(ctx context.Context) {
 	rates := map[string]float64{}
 	cpu := map[string]float64{}
-	for _, p := range r.withRelay() {
+	for _, p := range r.allPaths() {
 		var stop func()
 		if p.name == "tunneled" {
 			stop = r.profile(ctx, "rps", r.cfg.duration)
@@ -156,5 +168,9 @@ func (r *runner) roundTripRate(ctx context.Context) {
 	if r.relay != nil {
 		r.report.relayRow(name+"_per_s", rates["direct"], rates["relay"])
 		r.report.relayRow(name+"_cpu_us_per_rt", cpu["direct"], cpu["relay"])
+	}
+	if r.peer != nil {
+		r.report.floorRow(peerName, name+"_per_s", rates["direct"], rates[peerName])
+		r.report.floorRow(peerName, name+"_cpu_us_per_rt", cpu["direct"], cpu[peerName])
 	}
 }

@@ -9,9 +9,11 @@
 // The ratio is always tunneled/direct (for latencies, lower is better; for
 // rates, higher is better); "-" marks a value that does not apply. Rows
 // named relay_* measure a reference path instead of the tunnel, in a column
-// of its own (relay=, see relay.go); their ratio is relay/direct. Lines
-// starting with # describe the machine and the run. See BENCHMARKS.md for
-// what each figure means. Figures are only reported, never judged.
+// of its own (relay=, see relay.go); their ratio is relay/direct. Rows
+// named peer_remotedialer_* measure a real peer, rancher's remotedialer, the
+// same way (peer.go). Lines starting with # describe the machine and the
+// run. See BENCHMARKS.md for what each figure means. Figures are only
+// reported, never judged.
 //
 // Every phase is bounded in time and the tool stops by itself; `make bench`
 // runs it after building the binaries.
@@ -44,12 +46,15 @@ type config struct {
 	phases       []string
 	profileDir   string
 	relay        bool          // also measure the relay reference path (relay.go)
+	peerBin      string        // if set, also measure the remotedialer peer (peer.go) with this binary
 	timeout      time.Duration // bound of one bulk transfer
 
 	// The hostile phase (hostile.go).
 	hostileStreams int
 	hostileMessage int64
 	hostileFrame   int
+	hostilePad     uint8
+	hostileTunnels int
 	hostileWait    time.Duration
 }
 
@@ -63,6 +68,9 @@ func main() {
 		return
 	case "grpc-echo":
 		serveGRPCEcho()
+		return
+	case "echo":
+		serveEcho()
 		return
 	}
 	var (
@@ -78,11 +86,14 @@ func main() {
 	flag.IntVar(&cfg.dials, "dials", 1000, "dials per path for the dial latency figure")
 	flag.IntVar(&cfg.webhookConns, "webhook-conns", 16, "concurrent kept-alive connections for the webhook rate figure")
 	flag.StringVar(&cfg.profileDir, "profile-dir", "", "if set and the binaries serve pprof (--pprof-listen), save their CPU and heap profiles of the throughput, round-trip and dial runs here")
-	flag.BoolVar(&cfg.relay, "relay", true, "also measure the relay reference path (caller -mTLS-> relay -mTLS-> relay -TCP-> target, plain TLS copy processes) in the throughput, latency, rps and dial phases, as relay_* rows")
+	flag.BoolVar(&cfg.relay, "relay", true, "also measure the relay reference path (caller -mTLS-> relay -mTLS-> relay -TCP-> target, plain TLS copy processes) in the throughput, latency, rps and dial phases and for the webhook on new connections, as relay_* rows")
+	flag.StringVar(&cfg.peerBin, "peer-remotedialer", "", "if set, the remotedialer-peer binary (test/bench/peers/remotedialer/build.sh prints its path): also measure rancher's remotedialer as a peer in the throughput, latency, rps, dial, isolation, webhook and idle phases, as peer_remotedialer_* rows")
 	flag.DurationVar(&cfg.timeout, "timeout", 3*time.Minute, "bound of one bulk transfer")
 	flag.IntVar(&cfg.hostileStreams, "hostile-streams", 1000, "hostile phase: streams one identity opens and never finishes, per case")
 	hostileMessage := flag.String("hostile-message", "32KiB", "hostile phase: the size the first message announces (the broker's --max-message-size makes it maximal)")
 	flag.IntVar(&cfg.hostileFrame, "hostile-frame", 16384, "hostile phase: bytes per HTTP/2 DATA frame (1 is the costliest for the broker)")
+	hostilePad := flag.Uint("hostile-pad", 0, "hostile phase: bytes of padding (0-255) in each DATA frame, which no gRPC client sends")
+	flag.IntVar(&cfg.hostileTunnels, "hostile-tunnels", 16, "hostile phase: tunnels kcp dials through the hostile agent, per tunnel case")
 	flag.DurationVar(&cfg.hostileWait, "hostile-wait", time.Minute, "hostile phase: how long to wait for the broker to end the streams")
 	maxTime := flag.Duration("max-time", 20*time.Minute, "bound of the whole run: stop everything and fail after it")
 	flag.Parse()
@@ -94,6 +105,10 @@ func main() {
 	if cfg.hostileMessage, err = parseBytes(*hostileMessage); err != nil {
 		fatalf("-hostile-message: %v", err)
 	}
+	if *hostilePad > 255 {
+		fatalf("-hostile-pad: at most 255, HTTP/2's most")
+	}
+	cfg.hostilePad = uint8(*hostilePad)
 	if cfg.flood, err = parseBytes(*flood); err != nil {
 		fatalf("-flood: %v", err)
 	}
@@ -125,7 +140,7 @@ func main() {
 
 	b := newBench(cfg)
 	defer b.close()
-	// Whatever happens, stop the broker, agent, webhook and relay processes
+	// Whatever happens, stop the broker, agent, webhook, relay and peer processes
 	// before exiting: on a signal, and at -max-time.
 	stop := make(chan os.Signal, 1)
 	signal.Notify(stop, os.Interrupt, syscall.SIGTERM)

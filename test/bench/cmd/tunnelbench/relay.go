@@ -243,15 +243,6 @@ func splice(a, b net.Conn) {
 	b.Close()
 }
 
-// withRelay is paths plus the relay path when it runs.
-func (r *runner) withRelay() []path {
-	ps := r.paths()
-	if r.relay != nil {
-		ps = append(ps, r.relay.path(r))
-	}
-	return ps
-}
-
 // relayWanted is whether the relay path runs: -relay, and a phase that
 // measures it.
 func relayWanted(cfg config) bool {
@@ -260,7 +251,7 @@ func relayWanted(cfg config) bool {
 	}
 	for _, p := range cfg.phases {
 		switch p {
-		case "throughput", "latency", "rps", "dial":
+		case "throughput", "latency", "rps", "dial", "webhook":
 			return true
 		}
 	}

@@ -52,7 +52,7 @@ func (*report) line(name, path string, direct, value float64) {
 		ratio = value / direct
 	}
 	w := max(44, len(name))
-	fmt.Printf("%-*s direct=%-*s %s=%-*s ratio=%s\n", w, name, 44+8-w, num(direct), path, 16-len(path), num(value), fixed(ratio, 2))
+	fmt.Printf("%-*s direct=%-*s %s=%-*s ratio=%s\n", w, name, max(1, 44+8-w), num(direct), path, max(1, 16-len(path)), num(value), fixed(ratio, 2))
 }
 
 // note prints a comment line: scripts skip lines starting with #.
@@ -88,6 +88,9 @@ func (rep *report) header(r *runner) {
 	if r.relay != nil {
 		rep.note("relay_* rows: caller -mTLS-> relay 1 -mTLS-> relay 2 -TCP-> target, two child processes copying with io.Copy, one TLS connection per connection; relay= is that path, ratio relay/direct")
 	}
+	if r.cfg.peerBin != "" {
+		rep.note("%s_* rows: caller -CONNECT over a Unix socket-> remotedialer server -websocket/mTLS-> remotedialer client -TCP-> target, two child processes (%s); %s= is that path, ratio %s/direct", peerName, peerVersion(r.cfg.peerBin), peerName, peerName)
+	}
 	if slices.Contains(r.cfg.phases, "grpc") {
 		rep.note("grpc_* rows: one gRPC stream between two processes, a child echoing over SPIFFE mTLS with the broker's transport settings; grpc= is that path, ratio grpc/direct")
 	}
@@ -100,11 +103,11 @@ func (rep *report) header(r *runner) {
 	}
 	rep.note("pprof endpoints: %s", pprof)
 	c := r.cfg
-	rep.note("config: size=%s duration=%v conns=%d dials=%d idle=%v flood=%s webhook-conns=%d phases=%s relay=%v hostile-streams=%d hostile-message=%d hostile-frame=%d",
-		bytesString(c.size), c.duration, c.conns, c.dials, c.idle, bytesString(c.flood), c.webhookConns, strings.Join(c.phases, ","), r.relay != nil,
-		c.hostileStreams, c.hostileMessage, c.hostileFrame)
+	rep.note("config: size=%s duration=%v conns=%d dials=%d idle=%v flood=%s webhook-conns=%d phases=%s relay=%v peer-remotedialer=%v hostile-streams=%d hostile-message=%d hostile-frame=%d hostile-pad=%d hostile-tunnels=%d",
+		bytesString(c.size), c.duration, c.conns, c.dials, c.idle, bytesString(c.flood), c.webhookConns, strings.Join(c.phases, ","), r.relay != nil, c.peerBin != "",
+		c.hostileStreams, c.hostileMessage, c.hostileFrame, c.hostilePad, c.hostileTunnels)
 	if slices.Contains(c.phases, "hostile") {
-		rep.note("hostile_* rows: a fresh broker, and streams from one identity that never send a whole first message; hostile= is the figure")
+		rep.note("hostile_* rows: a fresh broker, and streams from one identity that never send a whole first message, or tunnels of one agent (hostile_tunnel_*); hostile= is the figure")
 	}
 }
 

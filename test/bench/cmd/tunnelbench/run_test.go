@@ -3,11 +3,13 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/kcp-dev/tunnel-broker/test/harness"
@@ -15,23 +17,31 @@ import (
 
 // rowPattern is one figure of the table: name, direct value, path and its
 // value, ratio; "-" where a value does not apply.
-var rowPattern = regexp.MustCompile(`^(\S+) +direct=(\S+) +(tunneled|relay|grpc|hostile)=(\S+) +ratio=(\S+)$`)
+var rowPattern = regexp.MustCompile(`^(\S+) +direct=(\S+) +(tunneled|relay|grpc|hostile|peer_remotedialer)=(\S+) +ratio=(\S+)$`)
 
 // TestTinyRunPrintsEveryFigure runs make bench's tool on tiny sizes, every
-// phase with the real binaries, and checks the table a script would read:
-// each line a figure, each phase's figures there with values. It asserts
-// no figure's size: these machines are shared and noisy.
+// phase with the real binaries and the remotedialer peer, and checks the
+// table a script would read: each line a figure, each phase's figures there
+// with values. It asserts no figure's size: these machines are shared and
+// noisy.
 func TestTinyRunPrintsEveryFigure(t *testing.T) {
 	if testing.Short() {
-		t.Skip("runs the brokers, agents and children for about 20s")
+		t.Skip("runs the brokers, agents, peer and children for about a minute and a half")
 	}
 	bin := filepath.Join(t.TempDir(), "tunnelbench")
 	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
 		t.Fatalf("building tunnelbench: %v\n%s", err, out)
 	}
+	// Cold, this downloads the peer's Go toolchain and builds it: about a
+	// minute on 2 cores, once per machine (see build.sh).
+	peer, err := exec.Command("sh", "../../peers/remotedialer/build.sh").Output()
+	if err != nil {
+		t.Fatalf("building the remotedialer peer: %v\n%s", err, stderrOf(err))
+	}
 	cmd := exec.Command(bin, "-size", "8MiB", "-duration", "300ms", "-dials", "30", "-idle", "20",
 		"-conns", "4", "-webhook-conns", "4", "-flood", "64MiB",
-		"-hostile-streams", "20", "-hostile-wait", "20s",
+		"-hostile-streams", "20", "-hostile-tunnels", "2", "-hostile-wait", "20s",
+		"-peer-remotedialer", strings.TrimSpace(string(peer)),
 		"-scale-agents", "20", "-scale-clusters", "4", "-scale-big", "300", "-scale-dials", "20", "-scale-reregisters", "20",
 		"-scale-big-reregisters", "2", "-scale-idle", "1s", "-scale-restart", "2s", "-scale-vanish", "2", "-scale-vanish-watch", "1s")
 	cmd.Env = append(os.Environ(), "TUNNEL_BIN_DIR="+harness.Binaries(t))
@@ -66,6 +76,17 @@ func TestTinyRunPrintsEveryFigure(t *testing.T) {
 		"isolation_slowdown_p50", "tenants_dial_loaded_p50_us", "tenants_dial_loaded_failed", "webhook_1conn_per_s", "webhook_4conns_p99_us",
 		"idle_20_broker_rss_KiB_per_tunnel", "idle_20_broker_goroutines_per_tunnel",
 		"hostile_dial_most_broker_rss_MiB_peak", "hostile_connect_most_streams_not_ended",
+		"hostile_tunnel_unfinished_broker_rss_MiB_peak", "hostile_tunnel_stalled_small_MiB_sent_per_tunnel",
+		// Every path's new-connection figures, and the peer's of each phase.
+		"dial_first_echo_p50_us", "relay_dial_2handshakes_first_echo_p99_us", "throughput_upload_middle_cpu_s_per_GiB",
+		"webhook_dial_tls_first_request_p50_us", "relay_webhook_dial_tls_first_request_p99_us",
+		"idle_20_middle_rss_KiB_per_tunnel",
+		"peer_remotedialer_throughput_download_MiBps", "peer_remotedialer_throughput_upload_middle_cpu_s_per_GiB",
+		"peer_remotedialer_rtt64_p99_us", "peer_remotedialer_rtt64_server_cpu_us_per_rt", "peer_remotedialer_rtt64_4conns_per_s",
+		"peer_remotedialer_dial_first_echo_p50_us", "peer_remotedialer_isolation_slowdown_p50",
+		"peer_remotedialer_webhook_4conns_per_s", "peer_remotedialer_webhook_dial_tls_first_request_p50_us",
+		"peer_remotedialer_idle_20_server_rss_KiB_per_tunnel", "peer_remotedialer_idle_20_client_goroutines_per_tunnel",
+		"peer_remotedialer_idle_20_middle_rss_KiB_per_tunnel",
 		"scale_register_all_s", "scale_broker_rss_KiB_per_agent", "scale_broker_goroutines_per_agent", "scale_metrics_series",
 		"scale_idle_wire_B_per_s_per_agent", "scale_dial_p99_us", "scale_reregister_4_routed_ms", "scale_reregister_300_broker_cpu_ms",
 		"scale_restart_dials", "scale_restart_dials_failed_agent_registered", "scale_vanish_dials_failed_agent_registered",
@@ -87,4 +108,13 @@ func TestTinyRunPrintsEveryFigure(t *testing.T) {
 	if t.Failed() {
 		t.Logf("output:\n%s", out)
 	}
+}
+
+// stderrOf is what a command that failed wrote to stderr, if it was kept.
+func stderrOf(err error) []byte {
+	var exit *exec.ExitError
+	if errors.As(err, &exit) {
+		return exit.Stderr
+	}
+	return nil
 }

@@ -54,7 +54,11 @@ type runner struct {
 	addrs   map[string]string // service -> target address
 	webhook *webhookServer
 	relay   *relay // nil unless the relay path runs
+	peer    *peer  // nil unless the peer path runs
 	hanging string // the hanging tenant's address: connects to it never complete
+	// idleEcho is the echo target of the peer's idle figures, a child
+	// process (peeridle.go), once started.
+	idleEcho string
 
 	// pprof is whether the binaries have --pprof-listen.
 	pprof bool
@@ -102,6 +106,9 @@ func newBench(cfg config) *runner {
 	r.main = r.startPair()
 	if relayWanted(cfg) {
 		r.relay = r.startRelays()
+	}
+	if peerWanted(cfg) {
+		r.peer = r.startPeer()
 	}
 	return r
 }
@@ -199,6 +206,27 @@ func (p *pair) tunneled() path {
 
 // paths are the direct path, then the tunnel through the main pair.
 func (r *runner) paths() []path { return []path{r.direct(), r.main.tunneled()} }
+
+// withPeer is paths plus the peer path when it runs.
+func (r *runner) withPeer() []path {
+	ps := r.paths()
+	if r.peer != nil {
+		ps = append(ps, r.peer.path(r))
+	}
+	return ps
+}
+
+// allPaths is paths, then the relay and the peer paths, those that run.
+func (r *runner) allPaths() []path {
+	ps := r.paths()
+	if r.relay != nil {
+		ps = append(ps, r.relay.path(r))
+	}
+	if r.peer != nil {
+		ps = append(ps, r.peer.path(r))
+	}
+	return ps
+}
 
 // dialOrFatal dials svc on p with a bound.
 func (r *runner) dialOrFatal(ctx context.Context, p path, svc string) net.Conn {

@@ -11,8 +11,8 @@ import (
 
 // throughput moves cfg.size bytes over one connection each way, on each
 // path, and reports MiB/s from the request to the last byte (download) or to
-// the target's acknowledgement that it read every byte (upload). The relay
-// path, when it runs, is measured last.
+// the target's acknowledgement that it read every byte (upload). The peer
+// and relay paths, when they run, are measured after the tunnel.
 func (r *runner) throughput(ctx context.Context) {
 	for _, dir := range []struct {
 		name string
@@ -23,7 +23,7 @@ func (r *runner) throughput(ctx context.Context) {
 	} {
 		rates := map[string]float64{}
 		cpu := map[string]cpuTimes{}
-		for _, p := range r.withRelay() {
+		for _, p := range r.allPaths() {
 			var stop func()
 			if p.name == "tunneled" {
 				stop = r.profile(ctx, "throughput-"+dir.name, r.estimate())
@@ -56,12 +56,22 @@ func (r *runner) throughput(ctx context.Context) {
 		r.report.row(name+"_cpu_s_per_GiB", perGiB(d.total()), perGiB(t.total()))
 		r.report.row(name+"_broker_cpu_s_per_GiB", none, perGiB(t.broker))
 		r.report.row(name+"_agent_cpu_s_per_GiB", none, perGiB(t.agent))
+		r.report.row(name+"_middle_cpu_s_per_GiB", none, perGiB(t.middle("tunneled")))
 		if r.relay != nil {
 			rl := cpu["relay"]
 			r.report.relayRow(name+"_MiBps", rates["direct"], rates["relay"])
 			r.report.relayRow(name+"_cpu_s_per_GiB", perGiB(d.total()), perGiB(rl.total()))
 			r.report.relayRow(name+"_relay1_cpu_s_per_GiB", none, perGiB(rl.relay1))
 			r.report.relayRow(name+"_relay2_cpu_s_per_GiB", none, perGiB(rl.relay2))
+			r.report.relayRow(name+"_middle_cpu_s_per_GiB", none, perGiB(rl.middle("relay")))
+		}
+		if r.peer != nil {
+			pr := cpu[peerName]
+			r.report.floorRow(peerName, name+"_MiBps", rates["direct"], rates[peerName])
+			r.report.floorRow(peerName, name+"_cpu_s_per_GiB", perGiB(d.total()), perGiB(pr.total()))
+			r.report.floorRow(peerName, name+"_server_cpu_s_per_GiB", none, perGiB(pr.peerServer))
+			r.report.floorRow(peerName, name+"_client_cpu_s_per_GiB", none, perGiB(pr.peerClient))
+			r.report.floorRow(peerName, name+"_middle_cpu_s_per_GiB", none, perGiB(pr.middle(peerName)))
 		}
 	}
 }

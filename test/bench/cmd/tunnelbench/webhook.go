@@ -39,9 +39,10 @@ func allow(*admissionv1.AdmissionRequest, string) *admissionv1.AdmissionResponse
 
 // webhookRate POSTs AdmissionReviews of about 4 KiB over kept-alive HTTPS
 // (HTTP/1.1, TLS verified against the webhook's caBundle and its Service
-// name) to the same webhook server, directly and through the tunnel. First
-// on one connection, one request after another, for latency; then on
-// cfg.webhookConns connections at once, for the rate.
+// name) to the same webhook server, directly, through the tunnel and
+// through the peer when it runs. First on one connection, one request after
+// another, for latency; then on cfg.webhookConns connections at once, for
+// the rate. Then each request on a new connection (webhookFirstRequest).
 func (r *runner) webhookRate(ctx context.Context) {
 	body := admissionReview()
 	r.logf("AdmissionReview of %d bytes", len(body))
@@ -51,7 +52,7 @@ func (r *runner) webhookRate(ctx context.Context) {
 		concRate  float64
 	}
 	res := map[string]result{}
-	for _, p := range r.paths() {
+	for _, p := range r.withPeer() {
 		var out result
 		var err error
 		client := r.webhookClient(p, 1)
@@ -75,6 +76,60 @@ func (r *runner) webhookRate(ctx context.Context) {
 	r.report.row("webhook_"+n+"conns_per_s", d.concRate, t.concRate)
 	r.report.row("webhook_"+n+"conns_p50_us", bench.Micros(d.conc.Quantile(0.5)), bench.Micros(t.conc.Quantile(0.5)))
 	r.report.row("webhook_"+n+"conns_p99_us", bench.Micros(d.conc.Quantile(0.99)), bench.Micros(t.conc.Quantile(0.99)))
+	if r.peer != nil {
+		pr := res[peerName]
+		r.report.floorRow(peerName, "webhook_1conn_p50_us", bench.Micros(d.seq.Quantile(0.5)), bench.Micros(pr.seq.Quantile(0.5)))
+		r.report.floorRow(peerName, "webhook_1conn_p99_us", bench.Micros(d.seq.Quantile(0.99)), bench.Micros(pr.seq.Quantile(0.99)))
+		r.report.floorRow(peerName, "webhook_1conn_per_s", d.seqRate, pr.seqRate)
+		r.report.floorRow(peerName, "webhook_"+n+"conns_per_s", d.concRate, pr.concRate)
+		r.report.floorRow(peerName, "webhook_"+n+"conns_p50_us", bench.Micros(d.conc.Quantile(0.5)), bench.Micros(pr.conc.Quantile(0.5)))
+		r.report.floorRow(peerName, "webhook_"+n+"conns_p99_us", bench.Micros(d.conc.Quantile(0.99)), bench.Micros(pr.conc.Quantile(0.99)))
+	}
+	r.webhookFirstRequest(ctx, body)
+}
+
+// webhookFirstRequest times what a webhook call on a new connection costs:
+// the dial, the TLS handshake with the webhook (verified as above) and one
+// AdmissionReview POSTed and answered, on every path, cfg.dials times each,
+// alternating the paths so that load hits all alike. Each connection is
+// closed after its request. TLS sessions are not resumed (Go's client keeps
+// no session cache unless told to, nor does kcp's).
+func (r *runner) webhookFirstRequest(ctx context.Context, body []byte) {
+	paths := r.allPaths()
+	clients := make([]*http.Client, len(paths))
+	for i, p := range paths {
+		clients[i] = r.webhookClient(p, 1)
+		clients[i].Transport.(*http.Transport).DisableKeepAlives = true
+	}
+	samples := map[string]bench.Samples{}
+	deadline := time.Now().Add(time.Duration(r.cfg.dials) * 50 * time.Millisecond)
+	for i := 0; i < r.cfg.dials && time.Now().Before(deadline); i++ {
+		for j, p := range paths {
+			start := time.Now()
+			if err := r.postOnce(ctx, clients[j], body); err != nil {
+				r.m.Fatalf("%s webhook on a new connection: %v", p.name, err)
+			}
+			samples[p.name] = append(samples[p.name], time.Since(start))
+		}
+	}
+	for _, p := range paths {
+		r.logf("%s: %d webhook requests on new connections", p.name, len(samples[p.name]))
+	}
+	us := func(s bench.Samples, q float64) float64 { return bench.Micros(s.Quantile(q)) }
+	const name = "webhook_dial_tls_first_request_"
+	d, t := samples["direct"], samples["tunneled"]
+	r.report.row(name+"p50_us", us(d, 0.5), us(t, 0.5))
+	r.report.row(name+"p99_us", us(d, 0.99), us(t, 0.99))
+	if r.relay != nil {
+		rl := samples["relay"]
+		r.report.relayRow(name+"p50_us", us(d, 0.5), us(rl, 0.5))
+		r.report.relayRow(name+"p99_us", us(d, 0.99), us(rl, 0.99))
+	}
+	if r.peer != nil {
+		pr := samples[peerName]
+		r.report.floorRow(peerName, name+"p50_us", us(d, 0.5), us(pr, 0.5))
+		r.report.floorRow(peerName, name+"p99_us", us(d, 0.99), us(pr, 0.99))
+	}
 }
 
 // webhookClient is an HTTPS client for the webhook over path p, keeping up
@@ -102,27 +157,7 @@ func (r *runner) webhookClient(p path, conns int) *http.Client {
 // cfg.duration, after one warm-up request each (the TLS handshake), and
 // returns the latencies and the rate.
 func (r *runner) post(ctx context.Context, client *http.Client, body []byte, workers int) (bench.Samples, float64, error) {
-	url := "https://" + svcWebhook + "." + namespace + ".svc/admit"
-	do := func() error {
-		req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(body))
-		if err != nil {
-			return err
-		}
-		req.Header.Set("Content-Type", "application/json")
-		resp, err := client.Do(req)
-		if err != nil {
-			return err
-		}
-		defer resp.Body.Close()
-		out, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
-		if err != nil {
-			return err
-		}
-		if resp.StatusCode != http.StatusOK || !bytes.Contains(out, []byte(`"allowed":true`)) {
-			return fmt.Errorf("webhook answered %s: %.200s", resp.Status, out)
-		}
-		return nil
-	}
+	do := func() error { return r.postOnce(ctx, client, body) }
 	// Open every connection before the clock starts.
 	var wg sync.WaitGroup
 	errs := make(chan error, workers)
@@ -168,6 +203,30 @@ func (r *runner) post(ctx context.Context, client *http.Client, body []byte, wor
 	default:
 	}
 	return all, float64(len(all)) / took.Seconds(), nil
+}
+
+// postOnce POSTs body to the webhook with client and checks that it was
+// allowed.
+func (r *runner) postOnce(ctx context.Context, client *http.Client, body []byte) error {
+	url := "https://" + svcWebhook + "." + namespace + ".svc/admit"
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(body))
+	if err != nil {
+		return err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := client.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	out, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	if err != nil {
+		return err
+	}
+	if resp.StatusCode != http.StatusOK || !bytes.Contains(out, []byte(`"allowed":true`)) {
+		return fmt.Errorf("webhook answered %s: %.200s", resp.Status, out)
+	}
+	return nil
 }
 
 // admissionReview is an AdmissionReview of a ConfigMap CREATE, padded with

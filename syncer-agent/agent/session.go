@@ -1,0 +1,168 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
+)
+
+// unregisterTimeout bounds how long an agent that stops waits for the broker
+// to end its control stream after it closed its send direction.
+const unregisterTimeout = time.Second
+
+// session registers once and serves dial orders until the control stream
+// ends; it reports whether the broker confirmed the registration. Once the
+// agent drains, the session says so and refuses further orders, and it
+// ends the registration when the run ends.
+func (r *agentRun) session() (registered bool, err error) {
+	// The control stream has a context of its own. Until the broker
+	// confirms the registration, the end of the run cancels it at once;
+	// after that, the end of the run unregisters cleanly (unregister).
+	ctx, cancel := context.WithCancel(context.WithoutCancel(r.ctx))
+	defer cancel()
+	cancelUnlessRegistered := context.AfterFunc(r.ctx, cancel)
+	defer cancelUnlessRegistered()
+	stream, err := r.client.Connect(ctx, grpc.WaitForReady(true))
+	if err != nil {
+		return false, err
+	}
+	confirmed, err := r.register(stream)
+	if err != nil {
+		return false, err
+	}
+	cancelUnlessRegistered()
+	defer r.markRegistered(confirmed.GetBrokerId())()
+
+	control := r.newControlStream(stream)
+	go r.announce(ctx, control)
+	sessionOver := make(chan struct{})
+	defer close(sessionOver)
+	stopUnregister := context.AfterFunc(r.ctx, func() { r.unregister(control, cancel, sessionOver) })
+	defer stopUnregister()
+	return true, r.serveOrders(control)
+}
+
+// register states the agent's clusters and waits for the broker to confirm
+// them.
+func (r *agentRun) register(stream tunnelv1.AgentService_ConnectClient) (*tunnelv1.Registered, error) {
+	clusters := r.Resolver.Clusters()
+	for _, m := range registers(clusters, r.Name) {
+		if err := stream.Send(m); err != nil {
+			return nil, err
+		}
+	}
+	first, err := stream.Recv()
+	if err != nil {
+		return nil, err
+	}
+	confirmed := first.GetRegistered()
+	if confirmed == nil {
+		return nil, errors.New("broker did not confirm the registration")
+	}
+	r.Log.Info("registered with broker", "broker", r.Broker, "broker_id", confirmed.GetBrokerId(), "clusters", len(clusters))
+	return confirmed, nil
+}
+
+// markRegistered marks the agent registered, and tells Registered; the
+// function it returns marks the registration's end.
+func (a *Agent) markRegistered(brokerID string) (unmark func()) {
+	a.registered.Store(true)
+	registeredBrokers.Inc()
+	if a.Registered != nil {
+		a.Registered(brokerID)
+	}
+	return func() {
+		a.registered.Store(false)
+		registeredBrokers.Dec()
+	}
+}
+
+// serveOrders answers the broker's messages until the control stream ends:
+// a tunnel for each dial order, an echo for each probe.
+func (r *agentRun) serveOrders(control *controlStream) error {
+	for {
+		msg, err := control.stream.Recv()
+		if errors.Is(err, io.EOF) {
+			return errors.New("broker closed the control stream")
+		}
+		if err != nil {
+			return err
+		}
+		switch m := msg.GetMessage().(type) {
+		case *tunnelv1.ConnectResponse_DialOrder:
+			r.startTunnel(m.DialOrder, control)
+		case *tunnelv1.ConnectResponse_Probe:
+			control.send(&tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_Probe{Probe: m.Probe}})
+		case *tunnelv1.ConnectResponse_Drain:
+			r.Log.Info("broker is draining", "broker", r.Broker, "broker_grace", time.Duration(m.Drain.GetGraceMs())*time.Millisecond)
+		default:
+			return fmt.Errorf("unexpected message from broker: %T", m)
+		}
+	}
+}
+
+// startTunnel serves order in a goroutine of its own, or refuses it once
+// the agent drains.
+func (r *agentRun) startTunnel(order *tunnelv1.DialOrder, control *controlStream) {
+	if !r.admit() {
+		control.fail(&tunnelv1.DialFailure{DialId: order.GetDialId(), Code: int32(codes.Unavailable), Message: "the agent is shutting down"})
+		return
+	}
+	go func() {
+		defer r.tunnels.Done()
+		// Tunnels outlive a lost control stream (their data streams are
+		// their own) but not the run.
+		r.serve(r.ctx, r.client, order, control.fail)
+	}()
+}
+
+// announce re-registers when the resolver's clusters change, and tells the
+// broker (drain) when the agent starts draining, until ctx ends.
+func (r *agentRun) announce(ctx context.Context, control *controlStream) {
+	var changed <-chan struct{}
+	if w, ok := r.Resolver.(lookup.ClusterWatcher); ok {
+		changed = w.ClustersChanged()
+	}
+	draining := r.draining
+	for {
+		select {
+		case <-changed:
+			clusters := r.Resolver.Clusters()
+			r.Log.Info("clusters changed, re-registering", "broker", r.Broker, "clusters", len(clusters))
+			for _, register := range registers(clusters, r.Name) {
+				control.send(register)
+			}
+		case <-draining:
+			draining = nil
+			control.drain()
+		case <-ctx.Done():
+			return
+		}
+	}
+}
+
+// unregister ends the registration the clean way when the run ends: after
+// the drain, it closes its send direction, to which the broker answers by
+// ending the stream with OK; if the broker has not done so within
+// unregisterTimeout, it cancels the stream.
+func (r *agentRun) unregister(control *controlStream, cancel context.CancelFunc, sessionOver <-chan struct{}) {
+	// The run ends after the drain began; the announcer may not have
+	// sent it yet.
+	control.drain()
+	control.closeSend()
+	timer := r.clock().NewTimer(unregisterTimeout)
+	defer timer.Stop()
+	select {
+	case <-sessionOver:
+	case <-timer.C():
+		cancel()
+	}
+}
