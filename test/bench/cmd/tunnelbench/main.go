@@ -33,7 +33,7 @@ import (
 )
 
 // phases, in the order they run.
-var allPhases = []string{"throughput", "latency", "rps", "dial", "grpc", "isolation", "tenants", "webhook", "idle", "hostile"}
+var allPhases = []string{"throughput", "latency", "rps", "dial", "grpc", "isolation", "tenants", "webhook", "idle", "hostile", "scale"}
 
 type config struct {
 	size         int64         // bytes of each bulk transfer
@@ -182,6 +182,8 @@ func main() {
 			b.idleTunnels(ctx)
 		case "hostile":
 			b.hostile(ctx)
+		case "scale":
+			b.scale(ctx)
 		}
 	}
 	b.report.footer(b)

@@ -26,7 +26,7 @@ var rowPattern = regexp.MustCompile(`^(\S+) +direct=(\S+) +(tunneled|relay|grpc|
 // noisy.
 func TestTinyRunPrintsEveryFigure(t *testing.T) {
 	if testing.Short() {
-		t.Skip("runs the broker, agent, peer and children for about a minute")
+		t.Skip("runs the brokers, agents, peer and children for about a minute and a half")
 	}
 	bin := filepath.Join(t.TempDir(), "tunnelbench")
 	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
@@ -41,7 +41,9 @@ func TestTinyRunPrintsEveryFigure(t *testing.T) {
 	cmd := exec.Command(bin, "-size", "8MiB", "-duration", "300ms", "-dials", "30", "-idle", "20",
 		"-conns", "4", "-webhook-conns", "4", "-flood", "64MiB",
 		"-hostile-streams", "20", "-hostile-tunnels", "2", "-hostile-wait", "20s",
-		"-peer-remotedialer", strings.TrimSpace(string(peer)))
+		"-peer-remotedialer", strings.TrimSpace(string(peer)),
+		"-scale-agents", "20", "-scale-clusters", "4", "-scale-big", "300", "-scale-dials", "20", "-scale-reregisters", "20",
+		"-scale-big-reregisters", "2", "-scale-idle", "1s", "-scale-restart", "2s", "-scale-vanish", "2", "-scale-vanish-watch", "1s")
 	cmd.Env = append(os.Environ(), "TUNNEL_BIN_DIR="+harness.Binaries(t))
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
@@ -85,6 +87,9 @@ func TestTinyRunPrintsEveryFigure(t *testing.T) {
 		"peer_remotedialer_webhook_4conns_per_s", "peer_remotedialer_webhook_dial_tls_first_request_p50_us",
 		"peer_remotedialer_idle_20_server_rss_KiB_per_tunnel", "peer_remotedialer_idle_20_client_goroutines_per_tunnel",
 		"peer_remotedialer_idle_20_middle_rss_KiB_per_tunnel",
+		"scale_register_all_s", "scale_broker_rss_KiB_per_agent", "scale_broker_goroutines_per_agent", "scale_metrics_series",
+		"scale_idle_wire_B_per_s_per_agent", "scale_dial_p99_us", "scale_reregister_4_routed_ms", "scale_reregister_300_broker_cpu_ms",
+		"scale_restart_dials", "scale_restart_dials_failed_agent_registered", "scale_vanish_dials_failed_agent_registered",
 	} {
 		v, ok := values[name]
 		if !ok {
@@ -94,6 +99,11 @@ func TestTinyRunPrintsEveryFigure(t *testing.T) {
 		if _, err := strconv.ParseFloat(v, 64); err != nil {
 			t.Errorf("%s: value %q is not a number", name, v)
 		}
+	}
+	// The one figure with a required value (issue 16): during the rolling
+	// restart, no dial to a cluster whose agent was registered failed.
+	if v := values["scale_restart_dials_failed_agent_registered"]; v != "0.000" {
+		t.Errorf("scale_restart_dials_failed_agent_registered = %s, want 0: a dial failed while its agent was registered", v)
 	}
 	if t.Failed() {
 		t.Logf("output:\n%s", out)
