@@ -203,10 +203,12 @@ func TestAUnaryCallCountsUntilItsRequestArrives(t *testing.T) {
 }
 
 func TestABurstOfStreamsWhoseFirstMessagesComeWithThemIsNotRefused(t *testing.T) {
-	// The default patience, and room for two streams waiting: a burst of
-	// dials that send their targets at once must all be heard, however
-	// many headers gRPC reads before their messages.
-	_, b := startBroker(t, Config{Timeout: brokertest.WaitLong, Patience: DefaultPatience, MaxPerPeer: 2, MaxTotal: 2})
+	// Room for two streams waiting, and a clock that does not move: while
+	// no stream has waited its patience, a burst of dials that send their
+	// targets at once must all be heard, however many headers gRPC reads
+	// before their messages. (Counting streams from their start refuses
+	// hundreds of this burst.)
+	_, b := startBroker(t, Config{Timeout: brokertest.WaitLong, Patience: DefaultPatience, MaxPerPeer: 2, MaxTotal: 2, Clock: brokertest.NewClock()})
 	const burst = 2000
 	client := tunnelv1.NewDialServiceClient(b.Conn(t, kcpPath))
 	ctx, _ := brokertest.StreamContext(t)
