@@ -29,6 +29,7 @@ Usage:
   tunnelctl [flags] agents [--cluster NAME]
   tunnelctl [flags] dial CLUSTER NAMESPACE SERVICE PORT
   tunnelctl [flags] port-forward LOCALPORT CLUSTER/NAMESPACE/SERVICE:PORT
+  tunnelctl dev-ca [--trust-domain NAME] DIR   (a throwaway trust domain, to run the parts by hand)
 
 Flags:
 `
@@ -66,6 +67,14 @@ func run() error {
 		return errors.New("no command")
 	}
 
+	cmd, args := fs.Arg(0), fs.Args()[1:]
+	if cmd == "dev-ca" {
+		return devCA(args, os.Stdout)
+	}
+	brokerCmd, ok := brokerCommands[cmd]
+	if !ok {
+		return fmt.Errorf("unknown command %q (agents, dial, port-forward, dev-ca)", cmd)
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	conn, err := connect(ctx, *broker, *brokerID, idOpts)
@@ -73,18 +82,14 @@ func run() error {
 		return err
 	}
 	defer conn.Close()
+	return brokerCmd(ctx, conn, args)
+}
 
-	cmd, args := fs.Arg(0), fs.Args()[1:]
-	switch cmd {
-	case "agents":
-		return agents(ctx, conn, args)
-	case "dial":
-		return dial(ctx, conn, args)
-	case "port-forward":
-		return portForward(ctx, conn, args)
-	default:
-		return fmt.Errorf("unknown command %q (agents, dial, port-forward)", cmd)
-	}
+// brokerCommands are the commands that talk to a broker replica.
+var brokerCommands = map[string]func(context.Context, *grpc.ClientConn, []string) error{
+	"agents":       agents,
+	"dial":         dial,
+	"port-forward": portForward,
 }
 
 // connect makes the gRPC connection to the broker with the operator's SVID.
