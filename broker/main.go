@@ -4,6 +4,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"math"
@@ -55,28 +56,44 @@ func run() error {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	// The health port answers from the start, and through the drain after
+	// SIGTERM, until run returns.
+	opsCtx, stopOps := context.WithCancel(context.Background())
+	defer stopOps()
+	ready := ops.NewReadiness("waiting for the broker's X.509-SVID")
+	metrics.Registry.MustRegister(version.Collector("kcp_tunnel_broker"))
+	if err := ops.Serve(opsCtx, ops.Options{Listen: o.opsListen, Pprof: o.pprof, Ready: ready.Check, Metrics: metrics.Registry}, log); err != nil {
+		return err
+	}
 	src, err := identity.Open(ctx, *o.identity, log)
 	if err != nil {
 		return err
 	}
 	defer src.Close()
-	self, err := identity.IDOf(src)
-	if err != nil {
-		return err
-	}
-	l, err := net.Listen("tcp", o.listen)
-	if err != nil {
-		return err
-	}
 	cfg := o.cfg
 	cfg.Identity, cfg.Policy, cfg.Log = src, pol, log
-	srv := server.New(cfg)
-	metrics.Registry.MustRegister(metrics.AgentsCollector{PerCluster: srv.Registry.AgentsPerCluster},
-		version.Collector("kcp_tunnel_broker"))
-	if err := ops.Serve(ctx, ops.Options{Listen: o.opsListen, Pprof: o.pprof, Ready: srv.Ready, Metrics: metrics.Registry}, log); err != nil {
+	return serve(ctx, o.listen, cfg, ready)
+}
+
+// serve runs the replica on listen until ctx ends.
+func serve(ctx context.Context, listen string, cfg server.Config, ready *ops.Readiness) error {
+	self, err := identity.IDOf(cfg.Identity)
+	if err != nil {
 		return err
 	}
-	log.Info("broker serving", "address", l.Addr().String(), "id", self.String(), "replica", cfg.ID, "version", version.Get().String())
+	l, err := net.Listen("tcp", listen)
+	if err != nil {
+		return fmt.Errorf("--listen: %w", err)
+	}
+	srv := server.New(cfg)
+	metrics.Registry.MustRegister(metrics.AgentsCollector{PerCluster: srv.Registry.AgentsPerCluster})
+	ready.Set(func() error {
+		if !srv.Ready() {
+			return errors.New("draining: SIGTERM received, tunnels in flight run for --grace, new dials are refused")
+		}
+		return nil
+	})
+	cfg.Log.Info("broker serving", "address", l.Addr().String(), "id", self.String(), "replica", cfg.ID, "version", version.Get().String())
 	return srv.Serve(ctx, l)
 }
 

@@ -88,11 +88,27 @@ func run() error {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	// The health port answers from the start, and through the drain after
+	// SIGTERM, until run returns.
+	opsCtx, stopOps := context.WithCancel(context.Background())
+	defer stopOps()
+	ready := ops.NewReadiness("waiting for the agent's X.509-SVID")
+	reg := prometheus.NewRegistry()
+	agent.RegisterMetrics(reg)
+	reg.MustRegister(version.Collector("kcp_tunnel_agent"))
+	if err := ops.Serve(opsCtx, ops.Options{Listen: o.metricsListen, Pprof: o.pprofListen, Ready: ready.Check, Metrics: reg}, log); err != nil {
+		return err
+	}
 	src, err := identity.Open(ctx, *o.identity, log)
 	if err != nil {
 		return err
 	}
 	defer src.Close()
+	return o.serve(ctx, src, ready, log)
+}
+
+// serve runs the agent with its identity until ctx ends.
+func (o *options) serve(ctx context.Context, src identity.Source, ready *ops.Readiness, log *slog.Logger) error {
 	self, err := identity.IDOf(src)
 	if err != nil {
 		return err
@@ -101,12 +117,15 @@ func run() error {
 	if err != nil {
 		return err
 	}
+	ready.NotReady("waiting for the Services of the physical cluster (caches syncing)")
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
 	resolver, err := o.resolver.newResolver(ctx, log)
 	if err != nil {
 		return err
 	}
 	defer resolver.stop()
-	defer stop() // resolver.stop waits for ctx to end
+	defer cancel() // resolver.stop waits for ctx to end
 	// Register only with a complete view: the clusters served, and every
 	// Service a dial may name.
 	if err := resolver.ready(ctx); err != nil {
@@ -117,12 +136,7 @@ func run() error {
 	creds := identity.ClientCredentials(src, authorize,
 		identity.ReportRefusals(&identity.Refusals{Log: log, Count: agent.CountRefusedHandshake}))
 	fleet := o.fleet(src, creds, resolver, log)
-	reg := prometheus.NewRegistry()
-	agent.RegisterMetrics(reg)
-	reg.MustRegister(version.Collector("kcp_tunnel_agent"))
-	if err := ops.Serve(ctx, ops.Options{Listen: o.metricsListen, Pprof: o.pprofListen, Ready: fleet.Ready, Metrics: reg}, log); err != nil {
-		return err
-	}
+	ready.Set(fleet.NotReady)
 	log.Info("agent starting", "brokers", o.brokers, "broker_dns", o.dns, "id", self.String(), "clusters", resolver.Clusters(), "version", version.Get().String())
 	if len(resolver.Clusters()) == 0 {
 		log.Warn("no logical cluster to serve yet: registering with none, and again when one appears")
@@ -134,13 +148,13 @@ func run() error {
 // exactly --broker-spiffe-id.
 func (o *options) authorizeBroker(self spiffeid.ID) (tlsconfig.Authorizer, error) {
 	if o.brokerID == "" {
-		return tlsconfig.AuthorizeMemberOf(self.TrustDomain()), nil
+		return identity.AuthorizeMemberOf(self.TrustDomain(), "the agent (the trust domain of its own SVID, without --broker-spiffe-id)"), nil
 	}
 	id, err := spiffeid.FromString(o.brokerID)
 	if err != nil {
 		return nil, fmt.Errorf("--broker-spiffe-id: %w", err)
 	}
-	return tlsconfig.AuthorizeID(id), nil
+	return identity.AuthorizeID(id, "--broker-spiffe-id"), nil
 }
 
 // fleet is the agent of every broker replica the flags name.

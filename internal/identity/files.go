@@ -155,8 +155,8 @@ func (s *FileSource) load(raw []byte) error {
 	if err != nil {
 		return fmt.Errorf("loading trust bundle of %s from %s: %w", svid.ID.TrustDomain(), s.files.Bundle, err)
 	}
-	if len(own.X509Authorities()) == 0 {
-		return fmt.Errorf("trust bundle %s holds no certificate", s.files.Bundle)
+	if err := holdsCA(own.X509Authorities()); err != nil {
+		return fmt.Errorf("trust bundle %s %w", s.files.Bundle, err)
 	}
 	set := x509bundle.NewSet(own)
 	for _, name := range sortedKeys(s.files.Federated) {
@@ -168,8 +168,8 @@ func (s *FileSource) load(raw []byte) error {
 		if err != nil {
 			return fmt.Errorf("loading trust bundle of %s from %s: %w", td, s.files.Federated[name], err)
 		}
-		if len(b.X509Authorities()) == 0 {
-			return fmt.Errorf("trust bundle %s holds no certificate", s.files.Federated[name])
+		if err := holdsCA(b.X509Authorities()); err != nil {
+			return fmt.Errorf("trust bundle %s %w", s.files.Federated[name], err)
 		}
 		set.Add(b)
 	}

@@ -15,6 +15,7 @@ func AddFlags(fs *flag.FlagSet) *Options {
 	fs.StringVar(&o.Files.Key, "svid-key", "", "X.509-SVID private key file (PEM, PKCS#8)")
 	fs.StringVar(&o.Files.Bundle, "trust-bundle", "", "trust bundle file of the SVID's own trust domain (PEM)")
 	fs.Var((*federatedFlag)(o), "federated-bundle", "TRUST_DOMAIN=FILE: also trust peers of another trust domain (repeatable; with SVID files)")
+	fs.DurationVar(&o.WorkloadAPITimeout, "workload-api-timeout", DefaultWorkloadAPITimeout, "how long to wait at start for the first X.509-SVID from the Workload API before giving up")
 	fs.DurationVar(&o.Reload, "svid-reload-interval", 5*time.Second, "how often SVID files are re-read for rotation (and the agent looks whether its SVID rotated)")
 	return o
 }

@@ -2,7 +2,6 @@ package identity
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"maps"
@@ -11,7 +10,6 @@ import (
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
-	"github.com/spiffe/go-spiffe/v2/workloadapi"
 )
 
 // Source is a workload's identity, whichever way it is obtained.
@@ -29,41 +27,55 @@ type Options struct {
 	Files  Files
 	// Reload is how often SVID files are re-read.
 	Reload time.Duration
+	// WorkloadAPITimeout bounds the wait for the first SVID from the
+	// Workload API (DefaultWorkloadAPITimeout if not positive).
+	WorkloadAPITimeout time.Duration
+}
+
+// Validate refuses option values no identity can come from, naming the flag.
+func (o Options) Validate() error {
+	if o.Reload < 0 {
+		return fmt.Errorf("--svid-reload-interval %v: must not be negative", o.Reload)
+	}
+	if o.WorkloadAPITimeout < 0 {
+		return fmt.Errorf("%s %v: must not be negative", flagTimeout, o.WorkloadAPITimeout)
+	}
+	return nil
 }
 
 // Open returns the identity the options name. With the Workload API it waits
-// until the first SVID arrives or ctx ends.
+// until the first SVID arrives, WorkloadAPITimeout passes or ctx ends.
 func Open(ctx context.Context, o Options, log *slog.Logger) (Source, error) {
+	if err := o.Validate(); err != nil {
+		return nil, err
+	}
 	files := o.Files.Cert != "" || o.Files.Key != "" || o.Files.Bundle != ""
 	if files && o.Socket != "" {
-		return nil, errors.New("give either a Workload API socket or SVID files, not both")
+		return nil, fmt.Errorf("give either a Workload API socket (%s) or SVID files (%s, %s, %s), not both", flagSocket, flagCert, flagKey, flagBundle)
 	}
 	if files {
-		if o.Files.Cert == "" || o.Files.Key == "" || o.Files.Bundle == "" {
-			return nil, errors.New("SVID files need a certificate, a key and a trust bundle")
-		}
-		s, err := LoadFiles(o.Files, log)
-		if err != nil {
-			return nil, err
-		}
-		reload := o.Reload
-		if reload <= 0 {
-			reload = 5 * time.Second
-		}
-		s.Watch(reload)
-		return s, nil
+		return openFiles(o, log)
 	}
-	var opts []workloadapi.ClientOption
-	if o.Socket != "" {
-		opts = append(opts, workloadapi.WithAddr(o.Socket))
-	} else if _, ok := workloadapi.GetDefaultAddress(); !ok {
-		return nil, errors.New("no identity: give SVID files, a Workload API socket, or set SPIFFE_ENDPOINT_SOCKET")
+	return openWorkloadAPI(ctx, o, log)
+}
+
+func openFiles(o Options, log *slog.Logger) (Source, error) {
+	if o.Files.Cert == "" || o.Files.Key == "" || o.Files.Bundle == "" {
+		return nil, fmt.Errorf("SVID files need all of %s, %s and %s", flagCert, flagKey, flagBundle)
 	}
-	src, err := workloadapi.NewX509Source(ctx, workloadapi.WithClientOptions(opts...))
+	if err := checkFiles(o.Files); err != nil {
+		return nil, err
+	}
+	s, err := LoadFiles(o.Files, log)
 	if err != nil {
-		return nil, fmt.Errorf("fetching an X.509-SVID from the Workload API: %w", err)
+		return nil, err
 	}
-	return src, nil
+	reload := o.Reload
+	if reload <= 0 {
+		reload = 5 * time.Second
+	}
+	s.Watch(reload)
+	return s, nil
 }
 
 // IDOf is the SPIFFE ID a source currently presents.

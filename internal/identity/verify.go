@@ -35,7 +35,7 @@ func verifyPeer(bundles x509bundle.Source, authorize tlsconfig.Authorizer) func(
 		}
 		id, chains, err := x509svid.Verify(cs.PeerCertificates, bundles)
 		if err != nil {
-			return refused(verifyFailure(cs.PeerCertificates[0], err), err)
+			return refused(verifyFailure(cs.PeerCertificates[0], err), presented(cs.PeerCertificates[0], err))
 		}
 		if err := ValidateWorkloadID(id); err != nil {
 			return refused(ReasonInvalidID, err)
@@ -45,6 +45,16 @@ func verifyPeer(bundles x509bundle.Source, authorize tlsconfig.Authorizer) func(
 		}
 		return nil
 	}
+}
+
+// presented says which identity the peer presented that failed to verify,
+// so that the side that refused it can be told apart from the side at fault.
+func presented(leaf *x509.Certificate, err error) error {
+	id, idErr := x509svid.IDFromCert(leaf)
+	if idErr != nil {
+		return fmt.Errorf("the peer presented a certificate with no valid SPIFFE ID (subject %q): %w", leaf.Subject.String(), err)
+	}
+	return fmt.Errorf("the peer presented %s, which does not verify against the trust bundle held for trust domain %s: %w", id, id.TrustDomain(), err)
 }
 
 // verifyFailure names why go-spiffe refused a chain.

@@ -23,13 +23,16 @@ type Options struct {
 	Listen string
 	// Pprof serves /debug/pprof; empty: not served.
 	Pprof string
-	// Ready answers /readyz; it must mean the process can do its job.
-	Ready   func() bool
+	// Ready answers /readyz: nil when the process can do its job, else
+	// why not, which /readyz's body says.
+	Ready   func() error
 	Metrics *prometheus.Registry
 }
 
 // Serve starts the listeners and serves until ctx ends. It returns once the
-// listeners are bound, so a bad address fails the start.
+// listeners are bound, so a bad address fails the start. Give it a ctx that
+// ends when the process exits, not at SIGTERM: probes and metrics go on
+// answering during the drain (/readyz with 503).
 func Serve(ctx context.Context, o Options, log *slog.Logger) error {
 	if o.Listen != "" {
 		o.Metrics.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -37,9 +40,11 @@ func Serve(ctx context.Context, o Options, log *slog.Logger) error {
 		mux.Handle("/metrics", promhttp.HandlerFor(o.Metrics, promhttp.HandlerOpts{Registry: o.Metrics}))
 		mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
 		mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
-			if o.Ready != nil && !o.Ready() {
-				http.Error(w, "not ready", http.StatusServiceUnavailable)
-				return
+			if o.Ready != nil {
+				if err := o.Ready(); err != nil {
+					http.Error(w, "not ready: "+err.Error(), http.StatusServiceUnavailable)
+					return
+				}
 			}
 			_, _ = w.Write([]byte("ok\n"))
 		})

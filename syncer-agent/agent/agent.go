@@ -52,10 +52,20 @@ type Agent struct {
 	Registered func(brokerID string)
 
 	registered atomic.Bool
+	// lastFailure says why the last session ended or failed to start.
+	lastFailure atomic.Pointer[string]
 }
 
 // IsRegistered reports whether the broker holds the agent's registration now.
 func (a *Agent) IsRegistered() bool { return a.registered.Load() }
+
+// notRegistered says which broker the agent is not registered with, and why.
+func (a *Agent) notRegistered() string {
+	if why := a.lastFailure.Load(); why != nil {
+		return a.Broker + ": " + *why
+	}
+	return a.Broker + ": connecting"
+}
 
 func (a *Agent) clock() clock.Clock {
 	if a.Clock == nil {

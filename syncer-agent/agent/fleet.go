@@ -2,9 +2,13 @@ package agent
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"log/slog"
+	"maps"
 	"net"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -260,6 +264,26 @@ func (f *Fleet) Ready() bool {
 		}
 	}
 	return true
+}
+
+// NotReady is nil when the agent is registered with every replica it knows
+// of, and knows of at least one; else it says why not, for /readyz.
+func (f *Fleet) NotReady() error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if len(f.members) == 0 {
+		return errors.New("no broker replica known yet")
+	}
+	var missing []string
+	for _, addr := range slices.Sorted(maps.Keys(f.members)) {
+		if a := f.members[addr].agent; !a.IsRegistered() {
+			missing = append(missing, a.notRegistered())
+		}
+	}
+	if len(missing) > 0 {
+		return fmt.Errorf("not registered with %d of %d broker replicas: %s", len(missing), len(f.members), strings.Join(missing, "; "))
+	}
+	return nil
 }
 
 // Registered is the number of replicas that hold the agent's registration.

@@ -12,6 +12,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"strings"
 	"sync"
 	"time"
 
@@ -226,4 +227,30 @@ func (e *Env) RunAgentProcess(brokerAddr, name string, f devca.Files, services l
 	args := append([]string{"--broker", brokerAddr, "--metrics-listen", "127.0.0.1:0", "--name", name, "--services", servicesFile,
 		"--svid-cert", f.Cert, "--svid-key", f.Key, "--trust-bundle", f.Bundle}, extra...)
 	return start(e.T, "syncer-agent", args, nil)
+}
+
+// StartProcess runs one of the binaries with args, as a person would, and
+// returns at once; its log is kept (Logged, WaitLogged).
+func StartProcess(t T, name string, args ...string) *Process {
+	t.Helper()
+	return start(t, name, args, nil)
+}
+
+// Exited waits up to timeout for the process to exit and returns how it
+// ended; it fails the test if the process is still running then.
+func (p *Process) Exited(t T, timeout time.Duration) error {
+	t.Helper()
+	select {
+	case <-p.done:
+		return p.err
+	case <-time.After(timeout):
+		t.Fatalf("the process still runs after %v", timeout)
+		return nil
+	}
+}
+
+// Output is everything the process has logged (both its streams), one
+// line after the other.
+func (p *Process) Output() string {
+	return strings.Join(p.Logged(), "\n")
 }

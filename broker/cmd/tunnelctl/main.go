@@ -14,7 +14,6 @@ import (
 	"syscall"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
-	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -102,13 +101,13 @@ func connect(ctx context.Context, addr, brokerID string, o *identity.Options) (*
 	if err != nil {
 		return nil, err
 	}
-	authorize := tlsconfig.AuthorizeMemberOf(self.TrustDomain())
+	authorize := identity.AuthorizeMemberOf(self.TrustDomain(), "tunnelctl (the trust domain of its own SVID, without --broker-spiffe-id)")
 	if brokerID != "" {
 		id, err := spiffeid.FromString(brokerID)
 		if err != nil {
 			return nil, fmt.Errorf("--broker-spiffe-id: %w", err)
 		}
-		authorize = tlsconfig.AuthorizeID(id)
+		authorize = identity.AuthorizeID(id, "--broker-spiffe-id")
 	}
 	return grpc.NewClient(addr, grpc.WithTransportCredentials(identity.ClientCredentials(src, authorize)))
 }

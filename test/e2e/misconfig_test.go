@@ -1,0 +1,125 @@
+package e2e
+
+import (
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/x509"
+	"encoding/pem"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
+	"github.com/kcp-dev/tunnel-broker/test/harness"
+)
+
+// These tests make the mistakes people make when they run the parts by
+// hand, and check that the side that made each one says so, in words that
+// name the flag or the file, and that nothing waits silently.
+
+// refusedAtStart runs a binary that must refuse to start, and returns what
+// it printed.
+func refusedAtStart(t *testing.T, name string, args ...string) string {
+	t.Helper()
+	p := harness.StartProcess(t, name, args...)
+	if err := p.Exited(t, 30*time.Second); err == nil {
+		t.Fatalf("%s %s started; want it refused:\n%s", name, strings.Join(args, " "), p.Output())
+	}
+	return p.Output()
+}
+
+func wantIn(t *testing.T, output string, parts ...string) {
+	t.Helper()
+	for _, part := range parts {
+		if !strings.Contains(output, part) {
+			t.Errorf("output does not say %q:\n%s", part, output)
+		}
+	}
+}
+
+func TestMissingSVIDFileNamesItsFlag(t *testing.T) {
+	env := harness.NewEnv(t)
+	f := env.SVID("/broker")
+	out := refusedAtStart(t, "broker", "--policy", env.WritePolicy(nil), "--listen", "127.0.0.1:0", "--metrics-listen", "",
+		"--svid-cert", "nope.crt", "--svid-key", f.Key, "--trust-bundle", f.Bundle)
+	wantIn(t, out, "--svid-cert: open nope.crt: no such file or directory")
+}
+
+func TestTrustBundleWithoutCAIsRefused(t *testing.T) {
+	env := harness.NewEnv(t)
+	f := env.SVID("/agent/sync-target-1")
+	// The SVID itself given as the bundle: a leaf, no CA.
+	out := refusedAtStart(t, "syncer-agent", "--broker", "127.0.0.1:1", "--name", "a", "--metrics-listen", "",
+		"--svid-cert", f.Cert, "--svid-key", f.Key, "--trust-bundle", f.Cert)
+	wantIn(t, out, "--trust-bundle "+f.Cert+": holds no CA certificate, only spiffe://tunnel.test/agent/sync-target-1")
+}
+
+func TestKeyNotPKCS8SaysHowToConvertIt(t *testing.T) {
+	env := harness.NewEnv(t)
+	f := env.SVID("/broker")
+	// What openssl ecparam -genkey writes.
+	ecKey := filepath.Join(t.TempDir(), "ec.key")
+	writeECKey(t, ecKey)
+	out := refusedAtStart(t, "broker", "--policy", env.WritePolicy(nil), "--metrics-listen", "",
+		"--svid-cert", f.Cert, "--svid-key", ecKey, "--trust-bundle", f.Bundle)
+	wantIn(t, out, "--svid-key "+ecKey, "openssl pkcs8 -topk8 -nocrypt")
+}
+
+// A Workload API that is not there: the binary says where it waits, its
+// /readyz says why it is not ready, and it gives up after the bound with
+// the flag named.
+func TestWorkloadAPIThatIsNotThere(t *testing.T) {
+	socket := "unix://" + filepath.Join(t.TempDir(), "agent.sock")
+	env := harness.NewEnv(t)
+	waiting := harness.StartProcess(t, "broker", "--policy", env.WritePolicy(nil), "--listen", "127.0.0.1:0",
+		"--metrics-listen", "127.0.0.1:0", "--spiffe-socket", socket, "--workload-api-timeout", "10m")
+	waiting.WaitLogged(t, 1, "waiting for an X.509-SVID from the SPIFFE Workload API", socket)
+	resp, err := http.Get("http://" + waiting.MetricsAddr(t) + "/readyz")
+	if err != nil {
+		t.Fatalf("/readyz while waiting for the SVID: %v", err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusServiceUnavailable || !strings.Contains(string(body), "waiting for the broker's X.509-SVID") {
+		t.Errorf("/readyz while waiting for the SVID: %d %q, want 503 saying why", resp.StatusCode, body)
+	}
+	waiting.WaitLogged(t, 1, "Workload API: ", "no such file or directory")
+
+	out := refusedAtStart(t, "syncer-agent", "--broker", "127.0.0.1:1", "--name", "a", "--metrics-listen", "",
+		"--spiffe-socket", socket, "--workload-api-timeout", "2s")
+	wantIn(t, out, "no X.509-SVID from the Workload API at "+socket+" within 2s (--workload-api-timeout)", "no such file or directory")
+}
+
+// An agent that refuses the broker's SVID says what it was shown and what
+// it expected; the broker only sees a refused handshake.
+func TestAgentRefusingTheBrokerSaysWhatItExpected(t *testing.T) {
+	env := harness.NewEnv(t)
+	_, addr := env.StartBrokerProcess()
+	agent := env.RunAgentProcess(addr, "sync-target-1", env.SVID("/agent/sync-target-1"), lookup.StaticFile{Services: []lookup.StaticService{
+		{Cluster: "root", Namespace: "default", Name: "echo", Ports: map[string]string{"80": "127.0.0.1:1"}},
+	}}, "--broker-spiffe-id", "spiffe://tunnel.test/not-the-broker")
+	agent.WaitLogged(t, 1, "TLS handshake refused", "reason=unauthorized",
+		"the peer presented spiffe://tunnel.test/broker, but --broker-spiffe-id expects spiffe://tunnel.test/not-the-broker")
+}
+
+// writeECKey writes a P-256 key as SEC 1 (-----BEGIN EC PRIVATE KEY-----),
+// the form openssl ecparam -genkey writes, which an SVID's key is not.
+func writeECKey(t *testing.T, path string) {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	der, err := x509.MarshalECPrivateKey(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(path, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: der}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+}
