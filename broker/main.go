@@ -46,7 +46,10 @@ func run() error {
 	}
 	pol, err := policy.Load(o.policyFile)
 	if err != nil {
-		return err
+		return fmt.Errorf("--policy: %w", err)
+	}
+	for _, w := range pol.Warnings() {
+		log.Warn("policy rule can never match as written", "policy", o.policyFile, "rule", w)
 	}
 	// Tunnels end from outside their handlers through a grpc-go method
 	// outside its public API: make sure it works before serving, rather

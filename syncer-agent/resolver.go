@@ -61,7 +61,7 @@ func (f *resolverFlags) newResolver(ctx context.Context, log *slog.Logger) (*res
 	case f.services != "":
 		s, err := lookup.LoadStatic(f.services)
 		if err != nil {
-			return nil, err
+			return nil, fmt.Errorf("--services: %w", err)
 		}
 		return &resolver{Resolver: s, forAgent: func() lookup.Resolver { return s },
 			ready: func(context.Context) error { return nil }, stop: func() {}}, nil

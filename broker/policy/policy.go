@@ -11,10 +11,9 @@ import (
 	"slices"
 	"strings"
 
-	"github.com/spiffe/go-spiffe/v2/spiffeid"
-	"sigs.k8s.io/yaml"
-
+	"github.com/kcp-dev/tunnel-broker/internal/yamlfile"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
 )
 
 // File is the policy file's format (YAML or JSON):
@@ -71,7 +70,13 @@ type Policy struct {
 	callers     []callerMatcher
 	operators   map[spiffeid.ID]bool
 	syncTargets map[string]clusterSet
+	// warnings are rules that can never match, for the log.
+	warnings []string
 }
+
+// Warnings are the policy's rules that can never match: valid, but most
+// likely not what was meant. The broker logs them at start.
+func (p *Policy) Warnings() []string { return p.warnings }
 
 type agentMatcher struct {
 	exact    spiffeid.ID
@@ -92,7 +97,7 @@ type clusterSet struct {
 
 func (s clusterSet) has(c string) bool { return s.any || slices.Contains(s.names, c) }
 
-// Load reads and validates a policy file.
+// Load reads and validates a policy file; its errors name the file.
 func Load(path string) (*Policy, error) {
 	raw, err := os.ReadFile(path)
 	if err != nil {
@@ -100,15 +105,16 @@ func Load(path string) (*Policy, error) {
 	}
 	p, err := Parse(raw)
 	if err != nil {
-		return nil, fmt.Errorf("policy %s: %w", path, err)
+		return nil, fmt.Errorf("%s: %w", path, err)
 	}
 	return p, nil
 }
 
-// Parse validates a policy, naming the first bad field.
+// Parse validates a policy, naming the first bad field by its path
+// (agents[0].clusters).
 func Parse(raw []byte) (*Policy, error) {
 	var f File
-	if err := yaml.UnmarshalStrict(raw, &f); err != nil {
+	if err := yamlfile.Unmarshal(raw, &f); err != nil {
 		return nil, err
 	}
 	return New(f)
@@ -162,6 +168,7 @@ func New(f File) (*Policy, error) {
 		return nil, fmt.Errorf("callers: no rule, so nobody could dial")
 	}
 	p.syncTargets = syncTargets
+	p.warnings = unmatchable(f)
 	return p, nil
 }
 

@@ -8,11 +8,10 @@ import (
 	"slices"
 	"strconv"
 
+	"github.com/kcp-dev/tunnel-broker/internal/yamlfile"
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
-	"sigs.k8s.io/yaml"
-
-	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
 // StaticFile is the format of a static mapping file:
@@ -49,7 +48,7 @@ func LoadStatic(path string) (*Static, error) {
 		return nil, err
 	}
 	var f StaticFile
-	if err := yaml.UnmarshalStrict(raw, &f); err != nil {
+	if err := yamlfile.Unmarshal(raw, &f); err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
 	s, err := NewStatic(f)
@@ -64,16 +63,16 @@ func NewStatic(f StaticFile) (*Static, error) {
 	s := &Static{table: map[string]string{}}
 	for i, svc := range f.Services {
 		for portText, addr := range svc.Ports {
-			port, err := strconv.ParseUint(portText, 10, 16)
+			port, err := parsePort(portText)
 			if err != nil {
-				return nil, fmt.Errorf("services[%d]: port %q is not a number", i, portText)
+				return nil, fmt.Errorf("services[%d].ports: %w", i, err)
 			}
 			t := &tunnelv1.Target{Cluster: svc.Cluster, Namespace: svc.Namespace, Service: svc.Name, Port: uint32(port)}
 			if err := t.Validate(); err != nil {
 				return nil, fmt.Errorf("services[%d]: %w", i, err)
 			}
-			if _, _, err := net.SplitHostPort(addr); err != nil {
-				return nil, fmt.Errorf("services[%d]: port %d: %w", i, port, err)
+			if err := checkAddress(addr); err != nil {
+				return nil, fmt.Errorf("services[%d].ports.%d: %w", i, port, err)
 			}
 			s.table[t.Key()] = addr
 			if !slices.Contains(s.clusters, svc.Cluster) {
@@ -85,6 +84,30 @@ func NewStatic(f StaticFile) (*Static, error) {
 		return nil, fmt.Errorf("no services")
 	}
 	return s, nil
+}
+
+// parsePort reads a Service port: a number from 1 to 65535.
+func parsePort(text string) (uint64, error) {
+	port, err := strconv.ParseUint(text, 10, 64)
+	if err != nil {
+		return 0, fmt.Errorf("port %q is not a number", text)
+	}
+	if port < 1 || port > 65535 {
+		return 0, fmt.Errorf("port %d is outside 1-65535", port)
+	}
+	return port, nil
+}
+
+// checkAddress refuses what the agent could never connect to.
+func checkAddress(addr string) error {
+	_, portText, err := net.SplitHostPort(addr)
+	if err != nil {
+		return err
+	}
+	if _, err := parsePort(portText); err != nil {
+		return fmt.Errorf("address %s: %w", addr, err)
+	}
+	return nil
 }
 
 // Clusters implements Resolver.

@@ -123,3 +123,27 @@ func writeECKey(t *testing.T, path string) {
 		t.Fatal(err)
 	}
 }
+
+// A policy with a misspelt field is refused with the field's path; a rule
+// that can never match is logged at start.
+func TestBrokerPolicyMistakes(t *testing.T) {
+	env := harness.NewEnv(t)
+	f := env.SVID("/broker")
+	ids := []string{"--svid-cert", f.Cert, "--svid-key", f.Key, "--trust-bundle", f.Bundle, "--metrics-listen", "", "--listen", "127.0.0.1:0"}
+	bad := filepath.Join(t.TempDir(), "policy.yaml")
+	writeFile(t, bad, "agents:\n- id: spiffe://tunnel.test/agent\n  cluster: [root]\ncallers:\n- id: spiffe://tunnel.test/kcp\n")
+	out := refusedAtStart(t, "broker", append([]string{"--policy", bad}, ids...)...)
+	wantIn(t, out, "--policy: "+bad+`: agents[0]: unknown field "cluster"`)
+
+	never := filepath.Join(t.TempDir(), "policy.yaml")
+	writeFile(t, never, "agents:\n- id: spiffe://tunnel.test/agent/{syncTarget}\ncallers:\n- id: spiffe://tunnel.test/kcp\n")
+	p := harness.StartProcess(t, "broker", append([]string{"--policy", never}, ids...)...)
+	p.WaitLogged(t, 1, "WARN", "policy rule can never match as written", "syncTargets lists none")
+}
+
+func writeFile(t *testing.T, path, content string) {
+	t.Helper()
+	if err := os.WriteFile(path, []byte(content), 0o600); err != nil {
+		t.Fatal(err)
+	}
+}
