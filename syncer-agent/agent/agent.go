@@ -11,8 +11,11 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	grpcbackoff "google.golang.org/grpc/backoff"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/status"
 	"k8s.io/utils/clock"
 
 	"github.com/kcp-dev/tunnel-broker/kcpplugin/coalesce"
@@ -115,6 +118,11 @@ func (a *Agent) dial() (*grpc.ClientConn, error) {
 		// Ping every 5s, give up after 5s more: a broker that vanished
 		// without a word is noticed in about ten seconds.
 		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 5 * time.Second, Timeout: 5 * time.Second, PermitWithoutStream: true}),
+		// gRPC's own reconnection backoff no slower than the agent's, so
+		// that an attempt the agent logs is an attempt on the wire.
+		grpc.WithConnectParams(grpc.ConnectParams{Backoff: grpcbackoff.Config{
+			BaseDelay: minRetry, Multiplier: 2, Jitter: 0.2, MaxDelay: maxRetry,
+		}, MinConnectTimeout: 20 * time.Second}),
 		// Fixed windows, as the broker's (see its DefaultWindowSize).
 		grpc.WithInitialWindowSize(WindowSize),
 		grpc.WithInitialConnWindowSize(16*WindowSize),
@@ -150,10 +158,21 @@ func (a *Agent) newRun(ctx context.Context, conn *grpc.ClientConn) *agentRun {
 	}
 }
 
+// Waits between attempts to register: exponential with jitter; slower when
+// the broker's policy refused the agent, which only its operator can fix.
+const (
+	minRetry        = 250 * time.Millisecond
+	maxRetry        = 30 * time.Second
+	minRefusedRetry = 30 * time.Second
+	maxRefusedRetry = 5 * time.Minute
+)
+
 // reconnect runs one session after another until the agent drains, waiting
-// between them as the backoff says.
+// between them as the backoff says. Every attempt that fails is logged with
+// its cause and when the next one starts, and counted.
 func (r *agentRun) reconnect() {
-	backoff := newBackoff(250*time.Millisecond, 30*time.Second)
+	retry := newBackoff(minRetry, maxRetry)
+	refusedRetry := newBackoff(minRefusedRetry, maxRefusedRetry)
 	for {
 		registered, err := r.session()
 		// A session also ends when the run does, which is after the
@@ -164,15 +183,35 @@ func (r *agentRun) reconnect() {
 		default:
 		}
 		if registered {
-			backoff.reset()
+			retry.reset()
+			refusedRetry.reset()
 		}
-		wait := backoff.next()
+		why := err.Error()
+		r.lastFailure.Store(&why)
 		reconnects.Inc()
-		r.Log.Info("broker connection lost, reconnecting", "broker", r.Broker, "error", err, "in", wait.Round(time.Millisecond))
+		wait := r.logFailure(err, registered, retry, refusedRetry)
 		if !r.sleep(wait) {
 			return
 		}
 	}
+}
+
+// logFailure logs why a session failed or ended, and returns how long to
+// wait before the next attempt.
+func (r *agentRun) logFailure(err error, registered bool, retry, refusedRetry *backoff) time.Duration {
+	if status.Code(err) == codes.PermissionDenied {
+		wait := refusedRetry.next()
+		r.Log.Error("the broker's policy refuses this agent: its SPIFFE ID must be listed under agents in the broker's --policy, bound to every cluster it serves",
+			"broker", r.Broker, "error", err, "retry_in", wait.Round(time.Millisecond).String(), "retry_at", r.clock().Now().Add(wait).Format(time.RFC3339))
+		return wait
+	}
+	wait := retry.next()
+	msg := "cannot register with the broker"
+	if registered {
+		msg = "registration with the broker lost"
+	}
+	r.Log.Warn(msg, "broker", r.Broker, "error", err, "retry_in", wait.Round(time.Millisecond).String(), "retry_at", r.clock().Now().Add(wait).Format(time.RFC3339))
+	return wait
 }
 
 // sleep waits d, unless the agent drains first; it reports whether it

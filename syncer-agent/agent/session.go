@@ -7,7 +7,6 @@ import (
 	"io"
 	"time"
 
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
@@ -30,7 +29,10 @@ func (r *agentRun) session() (registered bool, err error) {
 	defer cancel()
 	cancelUnlessRegistered := context.AfterFunc(r.ctx, cancel)
 	defer cancelUnlessRegistered()
-	stream, err := r.client.Connect(ctx, grpc.WaitForReady(true))
+	// Fail fast: a broker that cannot be reached or refuses the handshake
+	// ends the attempt with the cause, which reconnect logs, instead of
+	// waiting silently for the connection.
+	stream, err := r.client.Connect(ctx)
 	if err != nil {
 		return false, err
 	}

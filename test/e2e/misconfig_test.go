@@ -7,9 +7,11 @@ import (
 	"crypto/x509"
 	"encoding/pem"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -146,4 +148,50 @@ func writeFile(t *testing.T, path, content string) {
 	if err := os.WriteFile(path, []byte(content), 0o600); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// An agent whose broker is not there says so on every attempt, with the
+// cause and the next attempt's time, and its /readyz says why; each attempt
+// is counted.
+func TestAgentWithoutItsBrokerSaysWhy(t *testing.T) {
+	env := harness.NewEnv(t)
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	gone := l.Addr().String()
+	l.Close()
+	agent := env.RunAgentProcess(gone, "sync-target-1", env.SVID("/agent/sync-target-1"), echoServices("127.0.0.1:1"), "--metrics-listen", "127.0.0.1:0")
+	agent.WaitLogged(t, 2, "WARN", "cannot register with the broker", "broker="+gone, "connection refused", "retry_in=", "retry_at=")
+	code, body := get(t, "http://"+agent.MetricsAddr(t)+"/readyz")
+	if code != http.StatusServiceUnavailable || !strings.Contains(body, gone+": ") || !strings.Contains(body, "connection refused") {
+		t.Errorf("/readyz: %d %q, want 503 naming %s and the cause", code, body, gone)
+	}
+	_, metrics := get(t, "http://"+agent.MetricsAddr(t)+"/metrics")
+	if regexp.MustCompile(`(?m)^kcp_tunnel_agent_broker_reconnects_total 0$`).MatchString(metrics) {
+		t.Error("the reconnect counter did not count the failed attempts")
+	}
+}
+
+// An agent the broker's policy refuses logs it as an error that points at
+// the policy, and retries slowly.
+func TestAgentRefusedByPolicyPointsAtThePolicy(t *testing.T) {
+	env := harness.NewEnv(t)
+	_, addr := env.StartBrokerProcess()
+	agent := env.RunAgentProcess(addr, "stranger", env.SVID("/agent/stranger"), echoServices("127.0.0.1:1"))
+	line := agent.WaitLogged(t, 1, "ERROR", "the broker's policy refuses this agent", "--policy", "PermissionDenied", "retry_in=")[0]
+	if !strings.Contains(line, "retry_in=") || strings.Contains(line, "retry_in=0s") {
+		t.Errorf("no slow retry in %q", line)
+	}
+}
+
+func get(t *testing.T, url string) (int, string) {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(body)
 }
