@@ -16,12 +16,18 @@ COMMIT  ?= $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)$(s
 STAMP   := -X github.com/kcp-dev/tunnel-broker/internal/version.version=$(VERSION) \
            -X github.com/kcp-dev/tunnel-broker/internal/version.commit=$(COMMIT)
 
-.PHONY: all build tools demo test unit lint generate check-generated release-check images release clean
+.PHONY: all help build tools demo test unit lint generate check-generated release-check images release clean
 
 # Heavier test tools (kube-apiserver, etcd, SPIRE) have makefiles of their own.
 -include test/tools/*.mk
 
 all: build
+
+## help: this list: every target with its one-line doc
+help:
+	@awk '/^## [a-z][a-z-]*: / { line = substr($$0, 4); name = line; sub(/:.*/, "", name); sub(/^[^:]*: /, "", line); \
+	    printf "  %-16s %s\n", name, line; next } \
+	  /^## / { printf "  %-16s %s\n", "", substr($$0, 4) }' $(MAKEFILE_LIST)
 
 ## build: the broker, syncer-agent and tunnelctl binaries, into bin/
 build:
