@@ -22,6 +22,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
 	"github.com/kcp-dev/tunnel-broker/broker/server"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
+	"github.com/kcp-dev/tunnel-broker/internal/flagcheck"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	"github.com/kcp-dev/tunnel-broker/internal/ops"
 	"github.com/kcp-dev/tunnel-broker/internal/version"
@@ -35,7 +36,10 @@ func main() {
 }
 
 func run() error {
-	o := parseFlags()
+	o, err := parseFlags()
+	if err != nil {
+		return err
+	}
 	if o.showVersion {
 		fmt.Println("broker", version.Get())
 		return nil
@@ -109,12 +113,14 @@ type options struct {
 	identity                             *identity.Options
 }
 
-func parseFlags() *options {
+func parseFlags() (*options, error) {
 	o := &options{}
 	c := &o.cfg
+	flagcheck.Usage(flag.CommandLine, "broker: the kcp tunnel broker; terminates syncer-agents' control and tunnel streams and serves kcp's Dial, over SPIFFE mTLS.",
+		"broker --policy FILE (--spiffe-socket ADDR | --svid-cert FILE --svid-key FILE --trust-bundle FILE) [flags]")
 	flag.StringVar(&o.listen, "listen", ":8443", "address to serve gRPC on")
 	flag.StringVar(&c.ID, "id", hostname(), "name of this replica, sent to agents")
-	flag.StringVar(&o.policyFile, "policy", "", "authorization policy file (YAML): which SPIFFE IDs may register, dial and administer")
+	flag.StringVar(&o.policyFile, "policy", "", "required: authorization policy file (YAML): which SPIFFE IDs may register, dial and administer")
 	flag.DurationVar(&c.DialTimeout, "dial-timeout", dialv1.DefaultTimeout, "how long a dial may wait for its agent")
 	flag.DurationVar(&c.Grace, "grace", server.DefaultGrace, "on SIGTERM, how long tunnels in flight may still run")
 	flag.DurationVar(&c.IdleTimeout, "idle-timeout", tunnel.DefaultIdleTimeout, "end tunnels that carry nothing for this long (negative: never)")
@@ -140,13 +146,16 @@ func parseFlags() *options {
 	o.identity = identity.AddFlags(flag.CommandLine)
 	flag.BoolVar(&o.showVersion, "version", false, "print the version and exit")
 	flag.Parse()
+	if err := flagcheck.Check(flag.CommandLine, "max-message-size", "max-concurrent-streams"); err != nil {
+		return nil, err
+	}
 	c.MaxConcurrentStreams = uint32(min(*maxStreams, math.MaxUint32))
 	c.WindowSize = int32(*window)
 	// A limit flag's 0 means no limit, and Config's the default.
 	noLimitIfZero(&c.Limits.MaxPendingPerCluster, &c.Limits.MaxTunnelsPerAgent, &c.MaxTunnelsPerCaller,
 		&c.MaxOpeningStreamsPerPeer, &c.MaxOpeningStreams, &c.MaxRegistrationsPerAgent)
 	noLimitIfZero(&c.MaxClustersPerRegistration, &c.MaxHandshakes)
-	return o
+	return o, nil
 }
 
 // noLimitIfZero turns each flag's 0 (no limit) into Config's (negative).

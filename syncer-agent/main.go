@@ -18,6 +18,7 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
 	"google.golang.org/grpc/credentials"
 
+	"github.com/kcp-dev/tunnel-broker/internal/flagcheck"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	"github.com/kcp-dev/tunnel-broker/internal/ops"
 	"github.com/kcp-dev/tunnel-broker/internal/version"
@@ -49,14 +50,14 @@ type options struct {
 
 func addFlags(fs *flag.FlagSet) *options {
 	o := &options{}
-	fs.StringVar(&o.brokers, "broker", "", "broker replica addresses, host:port, comma-separated")
-	fs.StringVar(&o.dns, "broker-dns", "", "host:port whose host resolves to every broker replica (a headless Service)")
+	fs.Var((*listFlag)(&o.brokers), "broker", "required, or --broker-dns: broker replica addresses, comma-separated `host:port,...` (repeatable: the lists add up)")
+	fs.StringVar(&o.dns, "broker-dns", "", "required, or --broker: host:port whose host resolves to every broker replica (a headless Service)")
 	fs.DurationVar(&o.resolveEvery, "resolve-interval", 30*time.Second, "how often --broker-dns is resolved again")
 	fs.DurationVar(&o.grace, "grace", agent.DefaultGrace, "on SIGTERM, how long tunnels in flight may still run")
 	fs.StringVar(&o.metricsListen, "metrics-listen", ":9091", "address for /metrics, /healthz and /readyz (empty: off)")
 	fs.StringVar(&o.pprofListen, "pprof-listen", "", "address for /debug/pprof (empty: off; keep it on loopback)")
 	fs.StringVar(&o.brokerID, "broker-spiffe-id", "", "SPIFFE ID the broker must present (default: any ID in the agent's trust domain)")
-	fs.StringVar(&o.name, "name", "", "name shown in the broker's logs and metrics, e.g. the sync target: a DNS-1123 label")
+	fs.StringVar(&o.name, "name", "", "required: name shown in the broker's logs and metrics, e.g. the sync target: a DNS-1123 label")
 	fs.BoolVar(&o.jsonLogs, "log-json", false, "log JSON lines instead of text")
 	fs.BoolVar(&o.verbose, "v", false, "log every tunnel, not only failures")
 	fs.BoolVar(&o.showVersion, "version", false, "print the version and exit")
@@ -77,7 +78,12 @@ func (o *options) validate() error {
 
 func run() error {
 	o := addFlags(flag.CommandLine)
+	flagcheck.Usage(flag.CommandLine, "syncer-agent: registers the logical clusters of a physical cluster with every tunnel broker replica and connects their dials to Services.",
+		"syncer-agent (--broker HOST:PORT | --broker-dns HOST:PORT) --name NAME (--services FILE | --sync-target-name NAME ...)\n      (--spiffe-socket ADDR | --svid-cert FILE --svid-key FILE --trust-bundle FILE) [flags]")
 	flag.Parse()
+	if err := flagcheck.Check(flag.CommandLine); err != nil {
+		return err
+	}
 	if o.showVersion {
 		fmt.Println("syncer-agent", version.Get())
 		return nil
@@ -179,6 +185,20 @@ func (o *options) fleet(svids identity.Source, creds credentials.TransportCreden
 			}
 		},
 	}
+}
+
+// listFlag is a comma-separated list that a repeated flag adds to, so that
+// --broker a --broker b keeps both.
+type listFlag string
+
+func (l *listFlag) String() string { return string(*l) }
+
+func (l *listFlag) Set(v string) error {
+	if *l != "" {
+		v = string(*l) + "," + v
+	}
+	*l = listFlag(v)
+	return nil
 }
 
 func splitList(s string) []string {

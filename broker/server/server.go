@@ -271,7 +271,7 @@ func (s *Server) registerServices() {
 		MaxTunnelsPerCaller: cfg.MaxTunnelsPerCaller,
 		Tunnels:             tunnel.Config{IdleTimeout: cfg.IdleTimeout, Stopping: s.stopping, Clock: cfg.Clock},
 		Draining:            s.draining,
-		Log:                 cfg.Log.With("service", "dial"),
+		Log:                 cfg.Log.With("component", "dial"),
 	})
 	dialv1.RegisterService(s.grpc, s.dial)
 	agentv1.RegisterService(s.grpc, agentv1.New(agentv1.Config{
@@ -280,7 +280,7 @@ func (s *Server) registerServices() {
 		ProbeEvery: cfg.ProbeEvery, RegistrationTimeout: cfg.DialTimeout,
 		MaxRegistrations: cfg.MaxRegistrationsPerAgent, MaxClusters: cfg.MaxClustersPerRegistration,
 		Clock: cfg.Clock,
-		Log:   cfg.Log.With("service", "agent"),
+		Log:   cfg.Log.With("component", "agent"),
 	}))
 	adminv1.RegisterService(s.grpc, adminv1.New(adminv1.Config{Registry: s.Registry, BrokerID: cfg.ID}))
 	healthpb.RegisterHealthServer(s.grpc, s.health)

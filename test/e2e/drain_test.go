@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"context"
+	"net/http"
 	"strings"
 	"syscall"
 	"testing"
@@ -34,6 +35,11 @@ func TestFailoverBrokerDrainsOnSIGTERM(t *testing.T) {
 
 	broker.Cmd.Process.Signal(syscall.SIGTERM)
 	harness.Eventually(t, 10*time.Second, "readiness to go false", func() bool { return !broker.Ready(t) })
+	// Probes and metrics keep answering during the drain: /readyz says 503
+	// and why, rather than refusing the connection.
+	if code, body := get(t, "http://"+broker.MetricsAddr(t)+"/readyz"); code != http.StatusServiceUnavailable || !strings.Contains(body, "draining") {
+		t.Errorf("/readyz while draining: %d %q, want 503 saying draining", code, body)
+	}
 	err = dialEcho(kcp)
 	if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "shutting down") {
 		t.Fatalf("dial while draining: %v, want Unavailable: shutting down", err)

@@ -195,3 +195,81 @@ func get(t *testing.T, url string) (int, string) {
 	body, _ := io.ReadAll(resp.Body)
 	return resp.StatusCode, string(body)
 }
+
+// Flag values the binaries cannot work with are refused at start, with the
+// flag named.
+func TestBadFlagsAreRefusedAtStart(t *testing.T) {
+	env := harness.NewEnv(t)
+	f := env.SVID("/broker")
+	base := []string{"--policy", env.WritePolicy(nil), "--listen", "127.0.0.1:0", "--metrics-listen", "",
+		"--svid-cert", f.Cert, "--svid-key", f.Key, "--trust-bundle", f.Bundle}
+	for _, tc := range []struct {
+		binary string
+		args   []string
+		want   string
+	}{
+		{"broker", []string{"--max-message-size", "0"}, "--max-message-size 0: must be positive"},
+		{"broker", []string{"--dial-timeout", "-1s"}, "--dial-timeout -1s: must not be negative"},
+		{"broker", []string{"--max-tunnels-per-caller", "-5"}, "--max-tunnels-per-caller -5: must not be negative"},
+		{"broker", []string{"policy.yaml"}, `unexpected argument "policy.yaml": only flags are taken`},
+		{"syncer-agent", []string{"--broker", "127.0.0.1:1", "--name", "a", "--resolve-interval", "-30s"}, "--resolve-interval -30s: must not be negative"},
+		{"syncer-agent", []string{"--broker", "127.0.0.1:1", "--name", "a", "--svid-reload-interval", "-1s"}, "--svid-reload-interval -1s: must not be negative"},
+	} {
+		args := tc.args
+		if tc.binary == "broker" {
+			args = append(append([]string{}, base...), tc.args...)
+		}
+		wantIn(t, refusedAtStart(t, tc.binary, args...), tc.want)
+	}
+	help := refusedOrNot(t, "broker", "--help")
+	if !strings.HasPrefix(help, "broker: the kcp tunnel broker") || !strings.Contains(help, "required: authorization policy file") {
+		t.Errorf("broker --help starts with no synopsis or marks no required flag:\n%s", help)
+	}
+}
+
+// A repeated --broker adds to the list rather than replacing it.
+func TestRepeatedBrokerFlagsAddUp(t *testing.T) {
+	env := harness.NewEnv(t)
+	f := env.SVID("/agent/sync-target-1")
+	agent := env.RunAgentProcess("127.0.0.1:1", "sync-target-1", f, echoServices("127.0.0.1:1"), "--broker", "127.0.0.1:2")
+	agent.WaitLogged(t, 1, "agent starting", "brokers=127.0.0.1:1,127.0.0.1:2")
+}
+
+// refusedOrNot runs a binary that exits by itself and returns its output.
+func refusedOrNot(t *testing.T, name string, args ...string) string {
+	t.Helper()
+	p := harness.StartProcess(t, name, args...)
+	_ = p.Exited(t, 30*time.Second)
+	return p.Output()
+}
+
+// tunnelctl's hint fits the cause of Unavailable: a broker that is not
+// there, a handshake refused, or no agent.
+func TestTunnelctlHintsFitTheCause(t *testing.T) {
+	env := harness.NewEnv(t)
+	_, addr := env.StartBrokerProcess()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	gone := l.Addr().String()
+	l.Close()
+	for _, tc := range []struct {
+		identity  string
+		args      []string
+		want, not string
+	}{
+		{"/operator", []string{"--broker", gone, "agents"}, "the broker is not reachable at --broker", "no agent can reach it"},
+		{"/operator", []string{"--broker", addr, "--broker-spiffe-id", "spiffe://tunnel.test/other", "agents"},
+			"the peer presented spiffe://tunnel.test/broker, but --broker-spiffe-id expects spiffe://tunnel.test/other", "no agent can reach it"},
+		{"/kcp", []string{"--broker", addr, "dial", "nowhere", "default", "web", "80"}, "no agent can reach it", "not reachable"},
+	} {
+		f := env.SVID(tc.identity)
+		ids := []string{"--svid-cert", f.Cert, "--svid-key", f.Key, "--trust-bundle", f.Bundle}
+		out := refusedAtStart(t, "tunnelctl", append(ids, tc.args...)...)
+		wantIn(t, out, tc.want)
+		if strings.Contains(out, tc.not) {
+			t.Errorf("tunnelctl %v hints %q, which is not the cause:\n%s", tc.args, tc.not, out)
+		}
+	}
+}

@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
@@ -120,7 +121,7 @@ func explain(err error) string {
 	}
 	hint := map[codes.Code]string{
 		codes.InvalidArgument:   "check the cluster name (not a path), namespace, service and port",
-		codes.Unavailable:       "no agent can reach it now: is the syncer agent of that cluster running and registered (tunnelctl agents)? Or the broker is unreachable",
+		codes.Unavailable:       unavailableHint(st.Message()),
 		codes.NotFound:          "the agent knows no such Service or port in that namespace",
 		codes.DeadlineExceeded:  "the agent did not connect in time: is the Service's endpoint up?",
 		codes.PermissionDenied:  "your SPIFFE ID is not allowed this by the broker's policy",
@@ -131,4 +132,17 @@ func explain(err error) string {
 		return fmt.Sprintf("%s: %s", st.Code(), st.Message())
 	}
 	return fmt.Sprintf("%s: %s\n  (%s)", st.Code(), st.Message(), hint)
+}
+
+// unavailableHint tells apart the three reasons for Unavailable: the
+// broker cannot be reached, the TLS handshake with it failed, or the broker
+// answered that no agent can reach the Service.
+func unavailableHint(msg string) string {
+	switch {
+	case strings.Contains(msg, "authentication handshake failed"):
+		return "the TLS handshake with the broker failed: check --broker-spiffe-id, that your --trust-bundle holds the broker's CA, and the broker's log for why it refused you"
+	case strings.Contains(msg, "connection error"), strings.Contains(msg, "while dialing"):
+		return "the broker is not reachable at --broker: is it running and listening there?"
+	}
+	return "no agent can reach it now: is the syncer agent of that cluster running and registered (tunnelctl agents)?"
 }
