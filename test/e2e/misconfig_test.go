@@ -7,7 +7,6 @@ import (
 	"crypto/x509"
 	"encoding/pem"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -155,12 +154,7 @@ func writeFile(t *testing.T, path, content string) {
 // is counted.
 func TestAgentWithoutItsBrokerSaysWhy(t *testing.T) {
 	env := harness.NewEnv(t)
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	gone := l.Addr().String()
-	l.Close()
+	gone := closedPort(t)
 	agent := env.RunAgentProcess(gone, "sync-target-1", env.SVID("/agent/sync-target-1"), echoServices("127.0.0.1:1"), "--metrics-listen", "127.0.0.1:0")
 	agent.WaitLogged(t, 2, "WARN", "cannot register with the broker", "broker="+gone, "connection refused", "retry_in=", "retry_at=")
 	code, body := get(t, "http://"+agent.MetricsAddr(t)+"/readyz")
@@ -248,12 +242,7 @@ func refusedOrNot(t *testing.T, name string, args ...string) string {
 func TestTunnelctlHintsFitTheCause(t *testing.T) {
 	env := harness.NewEnv(t)
 	_, addr := env.StartBrokerProcess()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	gone := l.Addr().String()
-	l.Close()
+	gone := closedPort(t)
 	for _, tc := range []struct {
 		identity  string
 		args      []string
