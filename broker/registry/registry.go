@@ -228,12 +228,13 @@ func (r *Registry) Agents() []*Agent {
 }
 
 // pick chooses the next agent for cluster, round-robin, skipping agents
-// that drain, are superseded or are at a limit. A draining or superseded agent is used only when no
+// that drain, are superseded or are at a limit, and never choosing skip
+// (an agent the dial failed on; nil: none). A draining or superseded agent is used only when no
 // other serves the cluster: it may still finish a dial within its grace
 // period.
-func (r *Registry) pick(cluster string) (*Agent, error) {
+func (r *Registry) pick(cluster string, skip *Agent) (*Agent, error) {
 	agents := r.byCluster[cluster]
-	if len(agents) == 0 {
+	if len(agents) == 0 || len(agents) == 1 && agents[0] == skip {
 		return nil, status.Errorf(codes.Unavailable, "no agent serves logical cluster %q", cluster)
 	}
 	start := r.next[cluster]
@@ -242,6 +243,9 @@ func (r *Registry) pick(cluster string) (*Agent, error) {
 	var limit string
 	for i := range agents {
 		a := agents[(start+i)%len(agents)]
+		if a == skip {
+			continue
+		}
 		if l := r.limitHit(a, cluster); l != "" {
 			limit = l
 			continue

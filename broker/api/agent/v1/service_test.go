@@ -351,8 +351,9 @@ func TestDrainingAgentIsUsedOnlyWhenNoOtherServesTheCluster(t *testing.T) {
 		if order == nil {
 			t.Fatal("the other agent got no dial order")
 		}
-		other.fail(t, order.GetDialId(), codes.Unavailable, "refused")
-		brokertest.CheckStatus(t, "Dial", dialStatus(t, stream), codes.Unavailable, "agent b: refused")
+		// NotFound: an Unavailable would be retried on a.
+		other.fail(t, order.GetDialId(), codes.NotFound, "no such Service")
+		brokertest.CheckStatus(t, "Dial", dialStatus(t, stream), codes.NotFound, "agent b: no such Service")
 	}
 
 	// Alone, the draining agent still gets dials.
