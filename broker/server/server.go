@@ -184,12 +184,14 @@ type Server struct {
 	stopping context.Context // ends when the grace period is over
 	stop     context.CancelFunc
 	Registry *registry.Registry
+	// Tunnels are the tunnels open through the replica.
+	Tunnels *tunnel.Table
 }
 
 // New builds a broker replica; Serve starts it.
 func New(cfg Config) *Server {
 	cfg = cfg.withDefaults()
-	s := &Server{cfg: cfg, Registry: registry.New(cfg.Limits), health: health.NewServer()}
+	s := &Server{cfg: cfg, Registry: registry.New(cfg.Limits), Tunnels: tunnel.NewTable(), health: health.NewServer()}
 	s.draining, s.drain = context.WithCancel(context.Background())
 	s.stopping, s.stop = context.WithCancel(context.Background())
 	// Every stream must send its first message within the dial timeout,
@@ -279,8 +281,9 @@ func (s *Server) registerServices() {
 	s.dial = dialv1.New(dialv1.Config{
 		Registry: s.Registry, Policy: cfg.Policy, Timeout: cfg.DialTimeout,
 		MaxTunnelsPerCaller: cfg.MaxTunnelsPerCaller,
-		Tunnels:             tunnel.Config{IdleTimeout: cfg.IdleTimeout, Stopping: s.stopping, Clock: cfg.Clock},
+		Tunnels:             tunnel.Config{IdleTimeout: cfg.IdleTimeout, Stopping: s.stopping, Clock: cfg.Clock, Table: s.Tunnels},
 		Draining:            s.draining,
+		BrokerID:            cfg.ID,
 		Log:                 cfg.Log.With("service", "dial"),
 	})
 	dialv1.RegisterService(s.grpc, s.dial)
@@ -293,7 +296,7 @@ func (s *Server) registerServices() {
 		Clock:                       cfg.Clock,
 		Log:                         cfg.Log.With("service", "agent"),
 	}))
-	adminv1.RegisterService(s.grpc, adminv1.New(adminv1.Config{Registry: s.Registry, BrokerID: cfg.ID}))
+	adminv1.RegisterService(s.grpc, adminv1.New(adminv1.Config{Registry: s.Registry, Tunnels: s.Tunnels, BrokerID: cfg.ID}))
 	healthpb.RegisterHealthServer(s.grpc, s.health)
 	reflection.Register(s.grpc)
 	metrics.GRPC.InitializeMetrics(s.grpc)

@@ -27,6 +27,7 @@ const usage = `tunnelctl talks to a tunnel broker replica with a SPIFFE identity
 
 Usage:
   tunnelctl [flags] agents [--cluster NAME]
+  tunnelctl [flags] tunnels [--cluster NAME] [--caller SPIFFE_ID] [--limit N]
   tunnelctl [flags] dial CLUSTER NAMESPACE SERVICE PORT
   tunnelctl [flags] port-forward LOCALPORT CLUSTER/NAMESPACE/SERVICE:PORT
 
@@ -78,12 +79,14 @@ func run() error {
 	switch cmd {
 	case "agents":
 		return agents(ctx, conn, args)
+	case "tunnels":
+		return tunnels(ctx, conn, args)
 	case "dial":
 		return dial(ctx, conn, args)
 	case "port-forward":
 		return portForward(ctx, conn, args)
 	default:
-		return fmt.Errorf("unknown command %q (agents, dial, port-forward)", cmd)
+		return fmt.Errorf("unknown command %q (agents, tunnels, dial, port-forward)", cmd)
 	}
 }
 
