@@ -79,21 +79,28 @@ func run() error {
 	defer src.Close()
 	cfg := o.cfg
 	cfg.Identity, cfg.Policy, cfg.Log = src, pol, log
-	return serve(ctx, o.listen, cfg, ready)
+	return serve(ctx, o, cfg, ready)
 }
 
-// serve runs the replica on listen until ctx ends.
-func serve(ctx context.Context, listen string, cfg server.Config, ready *ops.Readiness) error {
+// serve runs the replica on o.listen until ctx ends.
+func serve(ctx context.Context, o *options, cfg server.Config, ready *ops.Readiness) error {
 	self, err := identity.IDOf(cfg.Identity)
 	if err != nil {
 		return err
 	}
-	l, err := net.Listen("tcp", listen)
+	l, err := net.Listen("tcp", o.listen)
 	if err != nil {
 		return fmt.Errorf("--listen: %w", err)
 	}
 	srv := server.New(cfg)
-	metrics.Registry.MustRegister(metrics.AgentsCollector{PerCluster: srv.Registry.AgentsPerCluster})
+	agents := metrics.AgentsCollector{Totals: func() (int64, int64, int64) {
+		s := srv.Registry.Stats()
+		return s.Agents, s.Clusters, s.SingleAgentClusters
+	}}
+	if o.metricsPerCluster {
+		agents.PerCluster = srv.Registry.AgentsPerCluster
+	}
+	metrics.Registry.MustRegister(agents)
 	ready.Set(func() error {
 		if !srv.Ready() {
 			return errors.New("draining: SIGTERM received, tunnels in flight run for --grace, new dials are refused")
@@ -110,6 +117,7 @@ type options struct {
 	cfg                                  server.Config
 	listen, policyFile, opsListen, pprof string
 	jsonLogs, verbose, showVersion       bool
+	metricsPerCluster                    bool
 	identity                             *identity.Options
 }
 
@@ -132,6 +140,7 @@ func parseFlags() (*options, error) {
 	flag.Int64Var(&c.MaxOpeningStreams, "max-opening-streams", opening.DefaultMaxTotal, "streams all peers together may have open that have not sent their first message (0: no limit)")
 	maxStreams := flag.Uint("max-concurrent-streams", server.DefaultMaxConcurrentStreams, "streams one connection may have open (HTTP/2 MAX_CONCURRENT_STREAMS)")
 	flag.Int64Var(&c.MaxRegistrationsPerAgent, "max-registrations-per-agent", agentv1.DefaultMaxRegistrations, "control streams (registrations) one agent SPIFFE ID may hold (0: no limit)")
+	flag.Float64Var(&c.MaxReregistrationsPerSecond, "max-reregistrations-per-second", agentv1.DefaultMaxReregistrationsPerSecond, "changed cluster lists one control stream may put in force a second; a later list replaces one that waits (negative: no pace)")
 	flag.IntVar(&c.MaxClustersPerRegistration, "max-clusters-per-registration", agentv1.DefaultMaxClusters, "logical clusters one registration may serve (0: no limit)")
 	window := flag.Int("window-size", server.DefaultWindowSize, "HTTP/2 flow-control window per stream, in bytes (negative: gRPC's dynamic windows)")
 	flag.DurationVar(&c.ProbeEvery, "probe-interval", agentv1.DefaultProbeEvery, "how often each agent is probed over its control stream")
@@ -140,6 +149,7 @@ func parseFlags() (*options, error) {
 	flag.DurationVar(&c.ExpiredPeerGrace, "expired-peer-grace", server.DefaultExpiredPeerGrace, "how long tunnels in flight may still run on a connection whose peer's SVID expired (new RPCs are refused at the expiry)")
 	flag.DurationVar(&c.MaxConnectionAge, "max-connection-age", server.DefaultMaxConnectionAge, "how long a client may start RPCs on one connection before it is asked to reconnect (with its current SVID); keep it under half the SVID lifetime (negative: never)")
 	flag.StringVar(&o.opsListen, "metrics-listen", ":9090", "address for /metrics, /healthz and /readyz (empty: off)")
+	flag.BoolVar(&o.metricsPerCluster, "metrics-per-cluster", false, "export kcp_tunnel_broker_agents{cluster}, one series per logical cluster served (a scrape then copies the routing table under its lock)")
 	flag.StringVar(&o.pprof, "pprof-listen", "", "address for /debug/pprof (empty: off; keep it on loopback)")
 	flag.BoolVar(&o.jsonLogs, "log-json", false, "log JSON lines instead of text")
 	flag.BoolVar(&o.verbose, "v", false, "log every tunnel, not only failures")

@@ -2,6 +2,7 @@ package policy
 
 import (
 	"fmt"
+	"slices"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 )
@@ -30,33 +31,38 @@ func (p *Policy) IsCaller(id spiffeid.ID) bool {
 func (p *Policy) IsOperator(id spiffeid.ID) bool { return p.operators[id] }
 
 // MayServe returns nil if id may serve every cluster in clusters, else an
-// error naming the first it may not.
+// error naming the first it may not. The rules id matches are found once,
+// so a list costs one map lookup per cluster and rule.
 func (p *Policy) MayServe(id spiffeid.ID, clusters []string) error {
+	sets := p.servable(id)
 	for _, c := range clusters {
-		if !p.mayServe(id, c) {
+		if !slices.ContainsFunc(sets, func(s clusterSet) bool { return s.has(c) }) {
 			return fmt.Errorf("%s may not serve logical cluster %q", id, c)
 		}
 	}
 	return nil
 }
 
-func (p *Policy) mayServe(id spiffeid.ID, cluster string) bool {
+// servable is the cluster sets of the agent rules id matches: a plain ID's
+// own, a template's sync target's.
+func (p *Policy) servable(id spiffeid.ID) []clusterSet {
+	var sets []clusterSet
 	for _, m := range p.agents {
-		if !m.matches(id) {
-			continue
-		}
 		if m.template == nil {
-			if m.clusters.has(cluster) {
-				return true
+			if m.exact == id {
+				sets = append(sets, m.clusters)
 			}
 			continue
 		}
-		target := m.template.FindStringSubmatch(id.String())[1]
-		if st, ok := p.syncTargets[target]; ok && st.has(cluster) {
-			return true
+		match := m.template.FindStringSubmatch(id.String())
+		if match == nil {
+			continue
+		}
+		if st, ok := p.syncTargets[match[1]]; ok {
+			sets = append(sets, st)
 		}
 	}
-	return false
+	return sets
 }
 
 // MayDial returns nil if id may dial Services of cluster.

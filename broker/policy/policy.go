@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"os"
 	"regexp"
-	"slices"
 	"strings"
 
 	"github.com/kcp-dev/tunnel-broker/internal/yamlfile"
@@ -89,13 +88,21 @@ type callerMatcher struct {
 	clusters clusterSet
 }
 
-// clusterSet is a set of cluster names; any means "*".
+// clusterSet is a set of cluster names; any means "*". A map, so that
+// checking a registration of n clusters against a sync target of m costs n
+// lookups, not n scans of m names.
 type clusterSet struct {
 	any   bool
-	names []string
+	names map[string]struct{}
 }
 
-func (s clusterSet) has(c string) bool { return s.any || slices.Contains(s.names, c) }
+func (s clusterSet) has(c string) bool {
+	if s.any {
+		return true
+	}
+	_, ok := s.names[c]
+	return ok
+}
 
 // Load reads and validates a policy file; its errors name the file.
 func Load(path string) (*Policy, error) {
@@ -209,7 +216,7 @@ func newAgentMatcher(r AgentRule) (agentMatcher, error) {
 }
 
 func parseClusters(names []string, allowAny bool) (clusterSet, error) {
-	var set clusterSet
+	set := clusterSet{names: make(map[string]struct{}, len(names))}
 	for _, c := range names {
 		if c == "*" {
 			if !allowAny {
@@ -221,7 +228,7 @@ func parseClusters(names []string, allowAny bool) (clusterSet, error) {
 		if err := tunnelv1.ValidateClusterName(c); err != nil {
 			return clusterSet{}, err
 		}
-		set.names = append(set.names, c)
+		set.names[c] = struct{}{}
 	}
 	return set, nil
 }

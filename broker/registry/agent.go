@@ -30,6 +30,9 @@ type Agent struct {
 	goneOnce sync.Once
 
 	draining atomic.Bool
+	// superseded: a newer registration of the same agent (SPIFFE ID and
+	// name) came; this one is used as a draining one.
+	superseded atomic.Bool
 	// pending counts the dials ordered and not yet answered, by logical
 	// cluster; Registry.mu guards it.
 	pending map[string]int64
@@ -60,6 +63,19 @@ func (a *Agent) Drain() { a.draining.Store(true) }
 
 // Draining reports whether the agent announced it is shutting down.
 func (a *Agent) Draining() bool { return a.draining.Load() }
+
+// Superseded reports whether a newer registration of the same agent (SPIFFE
+// ID and name) has come to this replica.
+func (a *Agent) Superseded() bool { return a.superseded.Load() }
+
+// self is what tells agents apart: registrations with the same self are the
+// same agent's, the later superseding the earlier.
+type self struct {
+	id   spiffeid.ID
+	name string
+}
+
+func (a *Agent) self() self { return self{a.ID, a.Name} }
 
 // Tunnels is the number of tunnels open through the agent.
 func (a *Agent) Tunnels() int64 { return a.tunnels.Load() }

@@ -117,3 +117,24 @@ func TestLastProbeIsTheLatestAnswer(t *testing.T) {
 		t.Errorf("LastProbe() = %v, %v; want the second answer", at, rtt)
 	}
 }
+
+func TestStatsFollowRegistrationsAndUpdates(t *testing.T) {
+	r := New(Limits{})
+	check := func(when string, want Stats) {
+		t.Helper()
+		if got := r.Stats(); got != want {
+			t.Errorf("%s: stats %+v, want %+v", when, got, want)
+		}
+	}
+	check("empty", Stats{})
+	a := registerAgent(t, r, "a", "x", "y")
+	check("one agent", Stats{Agents: 1, Clusters: 2, SingleAgentClusters: 2})
+	b := registerAgent(t, r, "b", "y")
+	registerAgent(t, r, "idle")
+	check("y served twice, an idle agent", Stats{Agents: 3, Clusters: 2, SingleAgentClusters: 1})
+	r.Update(a, []string{"z"})
+	check("a moved to z", Stats{Agents: 3, Clusters: 2, SingleAgentClusters: 2})
+	r.Unregister(b)
+	r.Unregister(b) // a second time changes nothing
+	check("b gone", Stats{Agents: 2, Clusters: 1, SingleAgentClusters: 1})
+}

@@ -2,6 +2,7 @@ package registry
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"time"
 
@@ -57,8 +58,34 @@ type Claim struct {
 // waits until the agent claims the dial with the tunnel it opened, reports a
 // failure, goes away, or ctx ends. The order gives the agent what is left of
 // ctx's deadline. The claim's tunnel must be spliced or ended.
+//
+// A dial that its agent fails before any byte flows, with Unavailable (its
+// target refused, it drains, it went away), is ordered once more, within
+// the same deadline, to another agent of the cluster if there is one: HA
+// agents stand in for each other. The caller then sees an error only when
+// both failed, the second naming the first.
 func (r *Registry) Dial(ctx context.Context, target *tunnelv1.Target) (*Claim, error) {
-	p, err := r.newDial(target)
+	claim, err := r.dialOnce(ctx, target, nil)
+	first, ok := errors.AsType[*DialError](err)
+	if !ok || status.Code(err) != codes.Unavailable || ctx.Err() != nil {
+		return claim, err
+	}
+	claim, err = r.dialOnce(ctx, target, first.Agent)
+	if err == nil {
+		return claim, nil
+	}
+	second, ok := errors.AsType[*DialError](err)
+	if !ok {
+		return nil, first // no other agent could take it: one error
+	}
+	second.Earlier = first
+	second.status = status.New(second.status.Code(), second.status.Message()+"; before it, "+first.status.Message())
+	return nil, second
+}
+
+// dialOnce is one attempt of Dial, on an agent other than skip.
+func (r *Registry) dialOnce(ctx context.Context, target *tunnelv1.Target, skip *Agent) (*Claim, error) {
+	p, err := r.newDial(target, skip)
 	if err != nil {
 		return nil, err
 	}
@@ -81,11 +108,12 @@ func (r *Registry) Dial(ctx context.Context, target *tunnelv1.Target) (*Claim, e
 	}
 }
 
-// newDial picks an agent for target and makes it a pending dial.
-func (r *Registry) newDial(target *tunnelv1.Target) (*pending, error) {
+// newDial picks an agent other than skip for target and makes it a pending
+// dial.
+func (r *Registry) newDial(target *tunnelv1.Target, skip *Agent) (*pending, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	a, err := r.pick(target.GetCluster())
+	a, err := r.pick(target.GetCluster(), skip)
 	if err != nil {
 		return nil, err
 	}

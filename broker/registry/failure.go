@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strings"
 
 	"google.golang.org/grpc/codes"
@@ -40,7 +41,10 @@ type DialError struct {
 	// length; both are zero unless the agent reported the failure.
 	AgentMessage      string
 	AgentMessageBytes int
-	status            *status.Status
+	// Earlier is the failure on another agent before this one, if the
+	// dial was ordered twice (Registry.Dial).
+	Earlier *DialError
+	status  *status.Status
 }
 
 func (e *DialError) Error() string { return e.status.Err().Error() }
@@ -54,6 +58,9 @@ func (e *DialError) LogAttrs() []any {
 	attrs := []any{"tunnel", e.TunnelID, "agent", e.Agent.String()}
 	if e.AgentMessageBytes > 0 {
 		attrs = append(attrs, "agent_message", e.AgentMessage, "agent_message_bytes", e.AgentMessageBytes)
+	}
+	if e.Earlier != nil {
+		attrs = append(attrs, slog.Group("earlier", e.Earlier.LogAttrs()...))
 	}
 	return attrs
 }

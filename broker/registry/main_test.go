@@ -136,18 +136,25 @@ func nextOrder(t *testing.T, a *Agent) *tunnelv1.DialOrder {
 	}
 }
 
-// orderedTo waits for the next order given to a or b and says which of
-// them got it.
-func orderedTo(t *testing.T, a, b *Agent) (*Agent, *tunnelv1.DialOrder) {
+// orderedTo waits for the next order given to one of agents and says which
+// of them got it.
+func orderedTo(t *testing.T, agents ...*Agent) (*Agent, *tunnelv1.DialOrder) {
 	t.Helper()
-	select {
-	case o := <-a.Orders():
-		return a, o
-	case o := <-b.Orders():
-		return b, o
-	case <-time.After(waitLong):
-		t.Fatalf("neither %s nor %s got an order within %v", a, b, waitLong)
-		return nil, nil
+	deadline := time.After(waitLong)
+	for {
+		for _, a := range agents {
+			select {
+			case o := <-a.Orders():
+				return a, o
+			default:
+			}
+		}
+		select {
+		case <-deadline:
+			t.Fatalf("none of %v got an order within %v", agents, waitLong)
+			return nil, nil
+		case <-time.After(time.Millisecond):
+		}
 	}
 }
 

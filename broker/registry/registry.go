@@ -20,9 +20,14 @@ type Registry struct {
 	mu        sync.Mutex
 	agents    map[*Agent]struct{} // every registered agent, even one serving no cluster
 	byCluster map[string][]*Agent
-	next      map[string]int // round-robin cursor per cluster
-	pending   map[uint64]*pending
-	lastID    uint64
+	// bySelf holds the registrations of each agent, by SPIFFE ID and name,
+	// so that a newer one supersedes the older ones.
+	bySelf  map[self][]*Agent
+	next    map[string]int // round-robin cursor per cluster
+	pending map[uint64]*pending
+	lastID  uint64
+
+	stats stats // read without mu, by metrics scrapes
 }
 
 // Limits bound what one agent may be asked to carry. As in every Config of
@@ -82,6 +87,7 @@ func New(limits Limits) *Registry {
 		limits:    limits,
 		agents:    map[*Agent]struct{}{},
 		byCluster: map[string][]*Agent{},
+		bySelf:    map[self][]*Agent{},
 		next:      map[string]int{},
 		pending:   map[uint64]*pending{},
 		// Dial IDs start at a random point so that IDs from an earlier
@@ -90,43 +96,89 @@ func New(limits Limits) *Registry {
 	}
 }
 
-// Register makes a routable for its clusters.
+// Register makes a routable for its clusters. It supersedes the agent's
+// older registrations, those of the same SPIFFE ID and name: they get dials
+// only for clusters that nothing else serves, as draining agents do. An
+// agent that restarts, or that a partition hid while its old connection
+// lingers, is so routed to its new registration at once, and dials to
+// the old one in flight go on.
 func (r *Registry) Register(a *Agent) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.agents[a] = struct{}{}
+	r.stats.agents.Add(1)
 	for _, c := range a.Clusters {
-		r.byCluster[c] = append(r.byCluster[c], a)
+		r.route(a, c)
 	}
+	for _, old := range r.bySelf[a.self()] {
+		old.superseded.Store(true)
+	}
+	r.bySelf[a.self()] = append(r.bySelf[a.self()], a)
 }
 
-// Update replaces the clusters a serves. Dials already ordered go on. An
-// agent that has unregistered stays unrouted.
+// Update makes a serve clusters instead of the clusters it served: it
+// routes the clusters added and unroutes those removed, and leaves the
+// others alone, so that the registry's lock is held for the change only.
+// Dials already ordered go on. An agent that has unregistered stays
+// unrouted. Calls for one agent must not overlap (its control stream
+// makes them one after another).
 func (r *Registry) Update(a *Agent, clusters []string) {
+	added, removed := diff(a.Clusters, clusters)
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if _, ok := r.agents[a]; !ok {
 		return
 	}
-	r.remove(a)
-	a.Clusters = clusters
-	for _, c := range a.Clusters {
-		r.byCluster[c] = append(r.byCluster[c], a)
+	r.unroute(a, removed)
+	for _, c := range added {
+		r.route(a, c)
 	}
+	a.Clusters = clusters
+}
+
+// diff is what is in new and not in old (added), and in old and not in new
+// (removed).
+func diff(old, new []string) (added, removed []string) {
+	before := make(map[string]struct{}, len(old))
+	for _, c := range old {
+		before[c] = struct{}{}
+	}
+	for _, c := range new {
+		if _, ok := before[c]; ok {
+			delete(before, c)
+		} else {
+			added = append(added, c)
+		}
+	}
+	for _, c := range old {
+		if _, ok := before[c]; ok {
+			removed = append(removed, c)
+		}
+	}
+	return added, removed
 }
 
 // Unregister removes a and fails the dials that wait on it with Unavailable.
 func (r *Registry) Unregister(a *Agent) {
 	r.mu.Lock()
-	delete(r.agents, a)
-	r.remove(a)
+	if _, ok := r.agents[a]; ok {
+		delete(r.agents, a)
+		r.stats.agents.Add(-1)
+		r.unroute(a, a.Clusters)
+		k := a.self()
+		if rest := slices.DeleteFunc(r.bySelf[k], func(x *Agent) bool { return x == a }); len(rest) > 0 {
+			r.bySelf[k] = rest
+		} else {
+			delete(r.bySelf, k)
+		}
+	}
 	r.mu.Unlock()
 	a.markGone()
 }
 
-// remove takes a out of the routing table; r.mu is held.
-func (r *Registry) remove(a *Agent) {
-	for _, c := range a.Clusters {
+// unroute takes a out of the routing table of clusters; r.mu is held.
+func (r *Registry) unroute(a *Agent, clusters []string) {
+	for _, c := range clusters {
 		agents := r.byCluster[c]
 		for i, x := range agents {
 			if x == a {
@@ -140,7 +192,14 @@ func (r *Registry) remove(a *Agent) {
 		} else {
 			r.byCluster[c] = agents
 		}
+		r.stats.unrouted(len(agents))
 	}
+}
+
+// route makes a routable for c; r.mu is held.
+func (r *Registry) route(a *Agent, c string) {
+	r.byCluster[c] = append(r.byCluster[c], a)
+	r.stats.routed(len(r.byCluster[c]))
 }
 
 // ClustersOf is the clusters a serves now (they change when it re-registers).
@@ -169,11 +228,13 @@ func (r *Registry) Agents() []*Agent {
 }
 
 // pick chooses the next agent for cluster, round-robin, skipping agents
-// that drain or are at a limit. A draining agent is used only when no other
-// serves the cluster: it may still finish a dial within its grace period.
-func (r *Registry) pick(cluster string) (*Agent, error) {
+// that drain, are superseded or are at a limit, and never choosing skip
+// (an agent the dial failed on; nil: none). A draining or superseded agent is used only when no
+// other serves the cluster: it may still finish a dial within its grace
+// period.
+func (r *Registry) pick(cluster string, skip *Agent) (*Agent, error) {
 	agents := r.byCluster[cluster]
-	if len(agents) == 0 {
+	if len(agents) == 0 || len(agents) == 1 && agents[0] == skip {
 		return nil, status.Errorf(codes.Unavailable, "no agent serves logical cluster %q", cluster)
 	}
 	start := r.next[cluster]
@@ -182,11 +243,14 @@ func (r *Registry) pick(cluster string) (*Agent, error) {
 	var limit string
 	for i := range agents {
 		a := agents[(start+i)%len(agents)]
+		if a == skip {
+			continue
+		}
 		if l := r.limitHit(a, cluster); l != "" {
 			limit = l
 			continue
 		}
-		if !a.Draining() {
+		if !a.Draining() && !a.Superseded() {
 			return a, nil
 		}
 		if draining == nil {

@@ -1,6 +1,8 @@
 package registry
 
 import (
+	"maps"
+	"slices"
 	"testing"
 
 	"google.golang.org/grpc/codes"
@@ -142,5 +144,81 @@ func TestUpdateLetsDialsAlreadyOrderedFinish(t *testing.T) {
 	tun := claim(t, "claim of a dial ordered before the update", r, o.GetDialId(), a.ID)
 	if c := d.connected(); c.Tunnel() != tun {
 		t.Fatal("the dial got another tunnel than the claim handed over")
+	}
+}
+
+func TestUpdateChangesOnlyTheClustersThatChanged(t *testing.T) {
+	r := New(Limits{})
+	a := registerAgent(t, r, "a", "x", "y", "z")
+	b := registerAgent(t, r, "b", "y")
+	r.Update(a, []string{"z", "w", "y"})
+
+	if got := r.AgentsPerCluster(); !maps.Equal(got, map[string]int{"y": 2, "z": 1, "w": 1}) {
+		t.Errorf("agents per cluster %v after the update", got)
+	}
+	if got := r.ClustersOf(a); !slices.Equal(got, []string{"z", "w", "y"}) {
+		t.Errorf("a serves %v, want the new list", got)
+	}
+	// The round-robin of a cluster both still serve goes on.
+	var got []*Agent
+	for range 2 {
+		d := startDial(t, r, target("y"))
+		to, _ := orderedTo(t, a, b)
+		got = append(got, to)
+		d.cancel()
+		d.wait()
+	}
+	if got[0] == got[1] {
+		t.Errorf("dials to y both went to %s, want both agents in turn", got[0])
+	}
+}
+
+func TestUpdateOfAnUnregisteredAgentRoutesNothing(t *testing.T) {
+	r := New(Limits{})
+	a := registerAgent(t, r, "a", "root")
+	r.Unregister(a)
+	r.Update(a, []string{"new"})
+	if got := r.AgentsPerCluster(); len(got) != 0 {
+		t.Errorf("agents per cluster %v, want none", got)
+	}
+}
+
+func TestDiffNamesWhatWasAddedAndRemoved(t *testing.T) {
+	added, removed := diff([]string{"a", "b", "c"}, []string{"c", "d", "a", "e"})
+	if !slices.Equal(added, []string{"d", "e"}) || !slices.Equal(removed, []string{"b"}) {
+		t.Errorf("diff: added %v, removed %v; want [d e] and [b]", added, removed)
+	}
+}
+
+// An agent's newer registration (same SPIFFE ID and name) supersedes the
+// older: a restarted agent whose old connection lingers, silent.
+func TestANewerRegistrationSupersedesTheOlder(t *testing.T) {
+	r := New(Limits{})
+	old := newTestAgent(t, "a", "/agent/a", "root", "only-old")
+	r.Register(old)
+	other := registerAgent(t, r, "other", "root") // another agent of the cluster
+	newer := newTestAgent(t, "a", "/agent/a", "root")
+	r.Register(newer)
+	if !old.Superseded() || newer.Superseded() || other.Superseded() {
+		t.Fatalf("superseded: old %v, newer %v, other %v; want only the old", old.Superseded(), newer.Superseded(), other.Superseded())
+	}
+	for range 4 {
+		d := startDial(t, r, target("root"))
+		if to, _ := orderedTo(t, newer, other); to != newer && to != other {
+			t.Errorf("dial went to %s", to)
+		}
+		d.cancel()
+		d.wait()
+	}
+	noOrder(t, old)
+	// A cluster only the old registration serves still reaches it.
+	startDial(t, r, target("only-old"))
+	nextOrder(t, old)
+
+	// Another name under the same SPIFFE ID is another agent.
+	twin := newTestAgent(t, "b", "/agent/a", "root")
+	r.Register(twin)
+	if newer.Superseded() {
+		t.Error("a registration of another name superseded the newer one")
 	}
 }

@@ -128,6 +128,10 @@ type Config struct {
 	MaxRegistrationsPerAgent   int64
 	MaxClustersPerRegistration int
 	ProbeEvery                 time.Duration
+	// MaxReregistrationsPerSecond paces each control stream's
+	// re-registrations, the latest list winning (package agent's default;
+	// negative: no pace).
+	MaxReregistrationsPerSecond float64
 	// WindowSize is the HTTP/2 flow-control window of each stream
 	// (DefaultWindowSize).
 	WindowSize int32
@@ -180,12 +184,14 @@ type Server struct {
 	stopping context.Context // ends when the grace period is over
 	stop     context.CancelFunc
 	Registry *registry.Registry
+	// Tunnels are the tunnels open through the replica.
+	Tunnels *tunnel.Table
 }
 
 // New builds a broker replica; Serve starts it.
 func New(cfg Config) *Server {
 	cfg = cfg.withDefaults()
-	s := &Server{cfg: cfg, Registry: registry.New(cfg.Limits), health: health.NewServer()}
+	s := &Server{cfg: cfg, Registry: registry.New(cfg.Limits), Tunnels: tunnel.NewTable(), health: health.NewServer()}
 	s.draining, s.drain = context.WithCancel(context.Background())
 	s.stopping, s.stop = context.WithCancel(context.Background())
 	// Every stream must send its first message within the dial timeout,
@@ -247,6 +253,12 @@ func (s *Server) serverOptions(guard *opening.Guard) []grpc.ServerOption {
 		grpc.Creds(s.credentials()),
 		grpc.ConnectionTimeout(cfg.HandshakeTimeout),
 		grpc.WriteBufferSize(WriteBufferSize),
+		// No read buffer of gRPC's own: crypto/tls already reads whole
+		// records, and gRPC's 32 KiB buffer per connection was the largest
+		// item of an idle agent's memory (BENCHMARKS.md, Scale: RSS per
+		// agent 95-97 KiB with it, 75 KiB without; throughput and CPU
+		// per GiB unchanged).
+		grpc.ReadBufferSize(0),
 		tunnelv1.FrameServerOption(),
 		grpc.MaxRecvMsgSize(cfg.MaxMessageSize),
 		// Agents ping to notice a dead broker quickly; allow it.
@@ -269,8 +281,9 @@ func (s *Server) registerServices() {
 	s.dial = dialv1.New(dialv1.Config{
 		Registry: s.Registry, Policy: cfg.Policy, Timeout: cfg.DialTimeout,
 		MaxTunnelsPerCaller: cfg.MaxTunnelsPerCaller,
-		Tunnels:             tunnel.Config{IdleTimeout: cfg.IdleTimeout, Stopping: s.stopping, Clock: cfg.Clock},
+		Tunnels:             tunnel.Config{IdleTimeout: cfg.IdleTimeout, Stopping: s.stopping, Clock: cfg.Clock, Table: s.Tunnels},
 		Draining:            s.draining,
+		BrokerID:            cfg.ID,
 		Log:                 cfg.Log.With("component", "dial"),
 	})
 	dialv1.RegisterService(s.grpc, s.dial)
@@ -279,10 +292,11 @@ func (s *Server) registerServices() {
 		Draining: s.draining, Stopping: s.stopping, Grace: cfg.Grace,
 		ProbeEvery: cfg.ProbeEvery, RegistrationTimeout: cfg.DialTimeout,
 		MaxRegistrations: cfg.MaxRegistrationsPerAgent, MaxClusters: cfg.MaxClustersPerRegistration,
-		Clock: cfg.Clock,
-		Log:   cfg.Log.With("component", "agent"),
+		MaxReregistrationsPerSecond: cfg.MaxReregistrationsPerSecond,
+		Clock:                       cfg.Clock,
+		Log:                         cfg.Log.With("component", "agent"),
 	}))
-	adminv1.RegisterService(s.grpc, adminv1.New(adminv1.Config{Registry: s.Registry, BrokerID: cfg.ID}))
+	adminv1.RegisterService(s.grpc, adminv1.New(adminv1.Config{Registry: s.Registry, Tunnels: s.Tunnels, BrokerID: cfg.ID}))
 	healthpb.RegisterHealthServer(s.grpc, s.health)
 	reflection.Register(s.grpc)
 	metrics.GRPC.InitializeMetrics(s.grpc)

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"io"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -29,6 +30,8 @@ type Config struct {
 	Stopping context.Context
 	// Clock times the idle limit; nil: the real clock.
 	Clock clock.WithDelayedExecution
+	// Table lists the tunnel while it is spliced; nil: none.
+	Table *Table
 }
 
 // Splice splices the tunnel with the caller's Dial stream until the tunnel
@@ -45,6 +48,9 @@ func (t *Tunnel) Splice(caller tunnelv1.DialService_DialServer, cfg Config, ende
 	t.idleLimit = cmp.Or(cfg.IdleTimeout, DefaultIdleTimeout)
 	t.onEnd = sync.OnceFunc(func() {
 		t.claim.Release()
+		if cfg.Table != nil {
+			cfg.Table.Remove(t)
+		}
 		if ended != nil {
 			ended()
 		}
@@ -57,6 +63,9 @@ func (t *Tunnel) Splice(caller tunnelv1.DialService_DialServer, cfg Config, ende
 	}
 	t.downDone = make(chan struct{})
 	t.touch()
+	if cfg.Table != nil {
+		cfg.Table.Add(t)
+	}
 	unwatch := t.watch(cfg.Stopping)
 	if !t.beginSplice() {
 		// The agent's Tunnel RPC returned before it could copy down.
@@ -83,13 +92,14 @@ type direction struct {
 	// notData is the failure of a from that sends anything but data.
 	notData func() error
 	bytes   prometheus.Counter
+	carried *atomic.Int64 // this tunnel's bytes this way
 }
 
 // copyUp forwards the caller's bytes to the agent, in the Dial RPC.
 func (t *Tunnel) copyUp() {
 	t.forward(direction{
 		from: t.caller, to: t.agent, fromSide: callerSide, toSide: agentSide,
-		closeWrite: closeWriteToAgent, notData: callerSentNotData, bytes: metrics.BytesUp,
+		closeWrite: closeWriteToAgent, notData: callerSentNotData, bytes: metrics.BytesUp, carried: &t.bytesUp,
 	})
 }
 
@@ -99,7 +109,7 @@ func (t *Tunnel) copyDown() {
 	defer close(t.downDone)
 	t.forward(direction{
 		from: t.agent, to: t.caller, fromSide: agentSide, toSide: callerSide,
-		closeWrite: closeWriteToCaller, notData: agentSentNotData, bytes: metrics.BytesDown,
+		closeWrite: closeWriteToCaller, notData: agentSentNotData, bytes: metrics.BytesDown, carried: &t.bytesDown,
 	})
 }
 
@@ -148,5 +158,6 @@ func (t *Tunnel) forward(d direction) {
 			return
 		}
 		d.bytes.Add(float64(n))
+		d.carried.Add(int64(n))
 	}
 }

@@ -39,6 +39,12 @@ type Tunnel struct {
 	ID string
 	// Agent is the agent whose Tunnel RPC carries it.
 	Agent *registry.Agent
+	// Target is what the dial named.
+	Target *tunnelv1.Target
+	// Caller is the SPIFFE ID that dialed, and Established when its tunnel
+	// was handed to it; both set by the Dial RPC before the splice.
+	Caller      spiffeid.ID
+	Established time.Time
 
 	claim  *registry.Claim
 	agent  tunnelv1.AgentService_TunnelServer
@@ -58,6 +64,8 @@ type Tunnel struct {
 	idleLimit  time.Duration // <= 0: none
 	idleTimer  clock.Timer   // guarded by endMu
 	lastFrame  atomic.Int64  // when a frame last passed, as the clock's UnixNano
+	bytesUp    atomic.Int64  // data bytes carried from the caller to the agent
+	bytesDown  atomic.Int64  // and back
 	downDone   chan struct{} // closed when the down direction has stopped
 	onEnd      func()        // runs once, as soon as the end is known
 	endMu      sync.Mutex
@@ -91,6 +99,7 @@ func Open(r *registry.Registry, dialID uint64, agentID spiffeid.ID, stream tunne
 	t := &Tunnel{
 		ID:       claim.TunnelID,
 		Agent:    claim.Agent,
+		Target:   claim.Target,
 		claim:    claim,
 		agent:    stream,
 		splicing: make(chan struct{}),

@@ -10,6 +10,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
+	"github.com/kcp-dev/tunnel-broker/broker/server"
 	"github.com/kcp-dev/tunnel-broker/internal/devca"
 	"github.com/kcp-dev/tunnel-broker/kcpplugin"
 	"github.com/kcp-dev/tunnel-broker/test/harness"
@@ -40,7 +41,7 @@ func BenchmarkReregister(b *testing.B) {
 				Callers:     []policy.CallerRule{{ID: td + "/kcp"}},
 			}
 			pol.SyncTargets["big"] = append(pol.SyncTargets["big"], clusters(1)[n-1])
-			broker := env.StartBroker(harness.BrokerOptions{Policy: &pol})
+			broker := env.StartBroker(harness.BrokerOptions{Policy: &pol, Config: func(c *server.Config) { c.MaxReregistrationsPerSecond = -1 }})
 			src, err := env.CA.Source(devca.Leaf{SPIFFEID: "/agent/big"})
 			if err != nil {
 				b.Fatal(err)

@@ -53,7 +53,9 @@ func TestMetricsMoveWithTraffic(t *testing.T) {
 	want := map[string]float64{
 		`kcp_tunnel_broker_dials_total{code="OK"}`:                 dials,
 		`kcp_tunnel_broker_dials_total{code="Unavailable"}`:        1,
-		`kcp_tunnel_broker_agents{cluster="root"}`:                 1,
+		`kcp_tunnel_broker_registered_agents`:                      1,
+		`kcp_tunnel_broker_clusters_served`:                        1,
+		`kcp_tunnel_broker_clusters_single_agent`:                  1,
 		`kcp_tunnel_broker_agent_registrations_total`:              1,
 		`kcp_tunnel_broker_dial_duration_seconds_count{code="OK"}`: dials,
 		`kcp_tunnel_broker_tunnel_bytes_total{direction="up"}`:     dials * 5,

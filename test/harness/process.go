@@ -99,7 +99,8 @@ func (p *Process) Ready(t T) bool {
 	return resp.StatusCode == http.StatusOK
 }
 
-var metricsRE = regexp.MustCompile(`HTTP endpoint serving"? address=(\S+)`)
+// The address in a text line (address=...) or a JSON one (--log-json).
+var metricsRE = regexp.MustCompile(`HTTP endpoint serving"?(?: address=|,"address":")([^\s"]+)`)
 
 // Stop sends SIGTERM and waits for the process to exit.
 func (p *Process) Stop() error {
@@ -170,7 +171,7 @@ func start(t T, name string, args []string, lines chan<- string) *Process {
 	return p
 }
 
-var servingRE = regexp.MustCompile(`broker serving"? address=(\S+)`)
+var servingRE = regexp.MustCompile(`broker serving"?(?: address=|,"address":")([^\s"]+)`)
 
 // StartBrokerProcess runs the broker binary on a loopback port with the
 // broker's SVID files and returns it with its address.

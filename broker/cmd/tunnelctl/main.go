@@ -27,6 +27,7 @@ const usage = `tunnelctl talks to a tunnel broker replica with a SPIFFE identity
 
 Usage:
   tunnelctl [flags] agents [--cluster NAME]
+  tunnelctl [flags] tunnels [--cluster NAME] [--caller SPIFFE_ID] [--limit N]
   tunnelctl [flags] dial CLUSTER NAMESPACE SERVICE PORT
   tunnelctl [flags] port-forward LOCALPORT CLUSTER/NAMESPACE/SERVICE:PORT
   tunnelctl dev-ca [--trust-domain NAME] DIR   (a throwaway trust domain, to run the parts by hand)
@@ -73,7 +74,7 @@ func run() error {
 	}
 	brokerCmd, ok := brokerCommands[cmd]
 	if !ok {
-		return fmt.Errorf("unknown command %q (agents, dial, port-forward, dev-ca)", cmd)
+		return fmt.Errorf("unknown command %q (agents, tunnels, dial, port-forward, dev-ca)", cmd)
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -88,6 +89,7 @@ func run() error {
 // brokerCommands are the commands that talk to a broker replica.
 var brokerCommands = map[string]func(context.Context, *grpc.ClientConn, []string) error{
 	"agents":       agents,
+	"tunnels":      tunnels,
 	"dial":         dial,
 	"port-forward": portForward,
 }

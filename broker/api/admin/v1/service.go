@@ -1,5 +1,6 @@
 // Package admin serves kcp.tunnel.v1.AdminService: what a replica knows of
-// its agents, for operators (grpcurl, tunnelctl).
+// its agents (ListAgents) and its tunnels (tunnels.go), for operators
+// (grpcurl, tunnelctl).
 package admin
 
 import (
@@ -13,12 +14,15 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
+	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
 // Config is what the admin service needs.
 type Config struct {
 	Registry *registry.Registry
+	// Tunnels are the tunnels open through the replica.
+	Tunnels *tunnel.Table
 	// BrokerID names this replica in listings.
 	BrokerID string
 }

@@ -144,6 +144,8 @@ func (s *Service) serve(stream tunnelv1.AgentService_ConnectServer, a *registry.
 // its side of the stream.
 func (s *Service) receive(stream tunnelv1.AgentService_ConnectServer, a *registry.Agent, probes *prober, log *slog.Logger) error {
 	var update *clusterSet // a registration's clusters while more of them come
+	paced := s.newReregistrations(a, log)
+	defer paced.stop()
 	for {
 		msg, err := receive.Message[tunnelv1.ConnectRequest](stream)
 		if errors.Is(err, io.EOF) {
@@ -164,7 +166,7 @@ func (s *Service) receive(stream tunnelv1.AgentService_ConnectServer, a *registr
 			if update == nil {
 				update = s.newClusterSet()
 			}
-			if err := s.reRegister(a, update, m.Register, log); err != nil {
+			if err := s.reRegister(a, update, m.Register, paced); err != nil {
 				return err
 			}
 			if !m.Register.GetMore() {
@@ -177,8 +179,8 @@ func (s *Service) receive(stream tunnelv1.AgentService_ConnectServer, a *registr
 }
 
 // reRegister adds the clusters of reg, a later registration, to update, and
-// puts the set in force with its last register.
-func (s *Service) reRegister(a *registry.Agent, update *clusterSet, reg *tunnelv1.Register, log *slog.Logger) error {
+// hands the set to paced with its last register.
+func (s *Service) reRegister(a *registry.Agent, update *clusterSet, reg *tunnelv1.Register, paced *reregistrations) error {
 	if err := tunnelv1.ValidateAgentName(reg.GetAgentName()); err != nil {
 		return status.Error(codes.InvalidArgument, err.Error())
 	}
@@ -188,9 +190,7 @@ func (s *Service) reRegister(a *registry.Agent, update *clusterSet, reg *tunnelv
 	if reg.GetMore() {
 		return nil
 	}
-	s.cfg.Registry.Update(a, update.all)
-	log.Info("agent clusters changed", "clusters", len(update.all))
-	log.Debug("agent clusters", "clusters", update.all)
+	paced.submit(update.all)
 	return nil
 }
 

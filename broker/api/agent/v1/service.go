@@ -39,6 +39,11 @@ const (
 	// DefaultProbeEvery is how often an agent is probed: often enough for
 	// an alert within a minute, rare enough to cost nothing.
 	DefaultProbeEvery = 10 * time.Second
+	// DefaultMaxReregistrationsPerSecond paces the re-registrations of one
+	// control stream (reregister.go): a workspace bound or unbound now and
+	// then is put in force at once, a tight loop costs a few updates a
+	// second.
+	DefaultMaxReregistrationsPerSecond = 4
 )
 
 // Config is what the agent service needs. As in every Config of the broker,
@@ -66,6 +71,10 @@ type Config struct {
 	// MaxClusters bounds the clusters of one registration; zero:
 	// DefaultMaxClusters.
 	MaxClusters int
+	// MaxReregistrationsPerSecond paces the re-registrations of one
+	// control stream, the latest list winning; zero:
+	// DefaultMaxReregistrationsPerSecond.
+	MaxReregistrationsPerSecond float64
 	// Clock times the probes, the first registration and the end of each
 	// registration at its SVID's expiry; nil: the real clock.
 	Clock clock.WithTickerAndDelayedExecution
@@ -91,6 +100,7 @@ func New(cfg Config) *Service {
 	cfg.ProbeEvery = cmp.Or(max(cfg.ProbeEvery, 0), DefaultProbeEvery)
 	cfg.RegistrationTimeout = cmp.Or(max(cfg.RegistrationTimeout, 0), DefaultRegistrationTimeout)
 	cfg.MaxClusters = cmp.Or(cfg.MaxClusters, DefaultMaxClusters)
+	cfg.MaxReregistrationsPerSecond = cmp.Or(cfg.MaxReregistrationsPerSecond, DefaultMaxReregistrationsPerSecond)
 	if cfg.Clock == nil {
 		cfg.Clock = clock.RealClock{}
 	}

@@ -3,12 +3,15 @@ package agent
 import (
 	"fmt"
 	"maps"
+	"slices"
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"google.golang.org/grpc/codes"
 
 	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
+	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -348,8 +351,9 @@ func TestDrainingAgentIsUsedOnlyWhenNoOtherServesTheCluster(t *testing.T) {
 		if order == nil {
 			t.Fatal("the other agent got no dial order")
 		}
-		other.fail(t, order.GetDialId(), codes.Unavailable, "refused")
-		brokertest.CheckStatus(t, "Dial", dialStatus(t, stream), codes.Unavailable, "agent b: refused")
+		// NotFound: an Unavailable would be retried on a.
+		other.fail(t, order.GetDialId(), codes.NotFound, "no such Service")
+		brokertest.CheckStatus(t, "Dial", dialStatus(t, stream), codes.NotFound, "agent b: no such Service")
 	}
 
 	// Alone, the draining agent still gets dials.
@@ -377,4 +381,38 @@ func TestBrokerDrainingAndStoppingReachTheAgent(t *testing.T) {
 	if n := len(b.Registry.Agents()); n != 0 {
 		t.Errorf("%d agents still registered after the control stream ended", n)
 	}
+}
+
+func TestReRegistrationsArePacedAndTheLatestListWins(t *testing.T) {
+	clk := brokertest.NewClock()
+	b := startBroker(t, config{clock: clk})
+	a := b.connectAgent(t, agentA, "a", "root")
+	clk.WaitForTimers(t, 2) // the probe ticker and the SVID's expiry
+	superseded := metrics.LimitsHit.WithLabelValues("reregistrations_superseded")
+	before := testutil.ToFloat64(superseded)
+	clusters := func() []string { return b.Registry.ClustersOf(b.registered("a")) }
+
+	// The first DefaultMaxReregistrationsPerSecond lists are put in force
+	// at once, the next one waits for the pace.
+	for range DefaultMaxReregistrationsPerSecond / 2 {
+		a.send(t, register("team-a"))
+		a.send(t, register("root"))
+	}
+	eventually(t, "the burst's last list in force", func() bool { return slices.Equal(clusters(), []string{"root"}) })
+	a.send(t, register("team-a"))
+	clk.WaitForTimers(t, 3)
+	if got := clusters(); !slices.Equal(got, []string{"root"}) {
+		t.Errorf("a list beyond the pace was put in force at once: %v", got)
+	}
+	// Later lists replace the waiting one.
+	a.send(t, register("root", "team-a"))
+	a.send(t, register("root"))
+	a.send(t, register("team-a"))
+	eventually(t, "the later lists to replace the waiting one", func() bool { return testutil.ToFloat64(superseded)-before == 3 })
+	if got := clusters(); !slices.Equal(got, []string{"root"}) {
+		t.Errorf("clusters %v before the pace allows a change, want [root]", got)
+	}
+	clk.Step(time.Second / DefaultMaxReregistrationsPerSecond)
+	eventually(t, "the latest list in force", func() bool { return slices.Equal(clusters(), []string{"team-a"}) })
+	brokertest.CheckStatus(t, "Dial root", dialStatus(t, b.startDial(t, brokertest.Target("root"))), codes.Unavailable, `no agent serves logical cluster "root"`)
 }

@@ -53,7 +53,10 @@ type Config struct {
 	Tunnels tunnel.Config
 	// Draining ends when the broker stops taking dials; nil: never.
 	Draining context.Context
-	Log      *slog.Logger
+	// BrokerID names this replica in audit lines.
+	BrokerID string
+	// Log takes every failure and every tunnel's audit line (audit.go).
+	Log *slog.Logger
 }
 
 // Service implements DialService.
@@ -107,6 +110,7 @@ func (s *Service) Dial(stream tunnelv1.DialService_DialServer) error {
 	if err != nil {
 		return err
 	}
+	t.Caller, t.Established = caller, time.Now()
 	log = log.With("tunnel", t.ID, "agent", t.Agent.String())
 	established := &tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_Established{Established: &tunnelv1.Established{TunnelId: t.ID}}}
 	if err := stream.Send(established); err != nil {
@@ -192,6 +196,7 @@ func (s *Service) splice(stream tunnelv1.DialService_DialServer, t *tunnel.Tunne
 		metrics.Tunnels.Dec()
 	}
 	callerStatus, agentStatus := t.Splice(stream, s.cfg.Tunnels, ended)
+	s.audit(t, callerStatus)
 	if agentStatus != nil {
 		log.Info("tunnel ended", "caller_code", status.Code(callerStatus).String(),
 			"agent_code", status.Code(agentStatus).String(), "error", status.Convert(agentStatus).Message())

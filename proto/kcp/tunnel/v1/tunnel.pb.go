@@ -236,6 +236,280 @@ func (x *AgentInfo) GetLastProbeRtt() *durationpb.Duration {
 	return nil
 }
 
+type ListTunnelsRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Only tunnels to this logical cluster, if set.
+	Cluster string `protobuf:"bytes,1,opt,name=cluster,proto3" json:"cluster,omitempty"`
+	// Only tunnels of this caller SPIFFE ID, if set.
+	CallerSpiffeId string `protobuf:"bytes,2,opt,name=caller_spiffe_id,json=callerSpiffeId,proto3" json:"caller_spiffe_id,omitempty"`
+	// At most this many tunnels; 0: 100. The broker answers at most 1000.
+	PageSize uint32 `protobuf:"varint,3,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
+	// The next_page_token of the previous page; empty: the first page.
+	PageToken     string `protobuf:"bytes,4,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListTunnelsRequest) Reset() {
+	*x = ListTunnelsRequest{}
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListTunnelsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListTunnelsRequest) ProtoMessage() {}
+
+func (x *ListTunnelsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListTunnelsRequest.ProtoReflect.Descriptor instead.
+func (*ListTunnelsRequest) Descriptor() ([]byte, []int) {
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *ListTunnelsRequest) GetCluster() string {
+	if x != nil {
+		return x.Cluster
+	}
+	return ""
+}
+
+func (x *ListTunnelsRequest) GetCallerSpiffeId() string {
+	if x != nil {
+		return x.CallerSpiffeId
+	}
+	return ""
+}
+
+func (x *ListTunnelsRequest) GetPageSize() uint32 {
+	if x != nil {
+		return x.PageSize
+	}
+	return 0
+}
+
+func (x *ListTunnelsRequest) GetPageToken() string {
+	if x != nil {
+		return x.PageToken
+	}
+	return ""
+}
+
+type ListTunnelsResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The replica that answered.
+	BrokerId string `protobuf:"bytes,1,opt,name=broker_id,json=brokerId,proto3" json:"broker_id,omitempty"`
+	// Ordered by tunnel_id.
+	Tunnels []*TunnelInfo `protobuf:"bytes,2,rep,name=tunnels,proto3" json:"tunnels,omitempty"`
+	// Set when more tunnels may follow: pass it as page_token.
+	NextPageToken string `protobuf:"bytes,3,opt,name=next_page_token,json=nextPageToken,proto3" json:"next_page_token,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListTunnelsResponse) Reset() {
+	*x = ListTunnelsResponse{}
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListTunnelsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListTunnelsResponse) ProtoMessage() {}
+
+func (x *ListTunnelsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListTunnelsResponse.ProtoReflect.Descriptor instead.
+func (*ListTunnelsResponse) Descriptor() ([]byte, []int) {
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *ListTunnelsResponse) GetBrokerId() string {
+	if x != nil {
+		return x.BrokerId
+	}
+	return ""
+}
+
+func (x *ListTunnelsResponse) GetTunnels() []*TunnelInfo {
+	if x != nil {
+		return x.Tunnels
+	}
+	return nil
+}
+
+func (x *ListTunnelsResponse) GetNextPageToken() string {
+	if x != nil {
+		return x.NextPageToken
+	}
+	return ""
+}
+
+// TunnelInfo describes one tunnel open through a replica.
+type TunnelInfo struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// As in Established, and in the broker's and agent's logs.
+	TunnelId       string  `protobuf:"bytes,1,opt,name=tunnel_id,json=tunnelId,proto3" json:"tunnel_id,omitempty"`
+	CallerSpiffeId string  `protobuf:"bytes,2,opt,name=caller_spiffe_id,json=callerSpiffeId,proto3" json:"caller_spiffe_id,omitempty"`
+	Target         *Target `protobuf:"bytes,3,opt,name=target,proto3" json:"target,omitempty"`
+	// The agent that carries it: its name, SPIFFE ID and registration.
+	AgentName      string `protobuf:"bytes,4,opt,name=agent_name,json=agentName,proto3" json:"agent_name,omitempty"`
+	AgentSpiffeId  string `protobuf:"bytes,5,opt,name=agent_spiffe_id,json=agentSpiffeId,proto3" json:"agent_spiffe_id,omitempty"`
+	AgentSessionId string `protobuf:"bytes,6,opt,name=agent_session_id,json=agentSessionId,proto3" json:"agent_session_id,omitempty"`
+	// The replica it goes through.
+	BrokerId string `protobuf:"bytes,7,opt,name=broker_id,json=brokerId,proto3" json:"broker_id,omitempty"`
+	// When it was established, and how long ago.
+	Established *timestamppb.Timestamp `protobuf:"bytes,8,opt,name=established,proto3" json:"established,omitempty"`
+	Age         *durationpb.Duration   `protobuf:"bytes,9,opt,name=age,proto3" json:"age,omitempty"`
+	// Bytes carried from the caller to the target (up) and back (down).
+	BytesUp   uint64 `protobuf:"varint,10,opt,name=bytes_up,json=bytesUp,proto3" json:"bytes_up,omitempty"`
+	BytesDown uint64 `protobuf:"varint,11,opt,name=bytes_down,json=bytesDown,proto3" json:"bytes_down,omitempty"`
+	// How long it has carried nothing, either way.
+	Idle          *durationpb.Duration `protobuf:"bytes,12,opt,name=idle,proto3" json:"idle,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TunnelInfo) Reset() {
+	*x = TunnelInfo{}
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TunnelInfo) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TunnelInfo) ProtoMessage() {}
+
+func (x *TunnelInfo) ProtoReflect() protoreflect.Message {
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TunnelInfo.ProtoReflect.Descriptor instead.
+func (*TunnelInfo) Descriptor() ([]byte, []int) {
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *TunnelInfo) GetTunnelId() string {
+	if x != nil {
+		return x.TunnelId
+	}
+	return ""
+}
+
+func (x *TunnelInfo) GetCallerSpiffeId() string {
+	if x != nil {
+		return x.CallerSpiffeId
+	}
+	return ""
+}
+
+func (x *TunnelInfo) GetTarget() *Target {
+	if x != nil {
+		return x.Target
+	}
+	return nil
+}
+
+func (x *TunnelInfo) GetAgentName() string {
+	if x != nil {
+		return x.AgentName
+	}
+	return ""
+}
+
+func (x *TunnelInfo) GetAgentSpiffeId() string {
+	if x != nil {
+		return x.AgentSpiffeId
+	}
+	return ""
+}
+
+func (x *TunnelInfo) GetAgentSessionId() string {
+	if x != nil {
+		return x.AgentSessionId
+	}
+	return ""
+}
+
+func (x *TunnelInfo) GetBrokerId() string {
+	if x != nil {
+		return x.BrokerId
+	}
+	return ""
+}
+
+func (x *TunnelInfo) GetEstablished() *timestamppb.Timestamp {
+	if x != nil {
+		return x.Established
+	}
+	return nil
+}
+
+func (x *TunnelInfo) GetAge() *durationpb.Duration {
+	if x != nil {
+		return x.Age
+	}
+	return nil
+}
+
+func (x *TunnelInfo) GetBytesUp() uint64 {
+	if x != nil {
+		return x.BytesUp
+	}
+	return 0
+}
+
+func (x *TunnelInfo) GetBytesDown() uint64 {
+	if x != nil {
+		return x.BytesDown
+	}
+	return 0
+}
+
+func (x *TunnelInfo) GetIdle() *durationpb.Duration {
+	if x != nil {
+		return x.Idle
+	}
+	return nil
+}
+
 // Target names a port of a Service in a logical cluster, as a webhook's
 // clientConfig.service does.
 type Target struct {
@@ -254,7 +528,7 @@ type Target struct {
 
 func (x *Target) Reset() {
 	*x = Target{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[3]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -266,7 +540,7 @@ func (x *Target) String() string {
 func (*Target) ProtoMessage() {}
 
 func (x *Target) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[3]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -279,7 +553,7 @@ func (x *Target) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Target.ProtoReflect.Descriptor instead.
 func (*Target) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{3}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *Target) GetCluster() string {
@@ -323,7 +597,7 @@ type DialRequest struct {
 
 func (x *DialRequest) Reset() {
 	*x = DialRequest{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[4]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -335,7 +609,7 @@ func (x *DialRequest) String() string {
 func (*DialRequest) ProtoMessage() {}
 
 func (x *DialRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[4]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -348,7 +622,7 @@ func (x *DialRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DialRequest.ProtoReflect.Descriptor instead.
 func (*DialRequest) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{4}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *DialRequest) GetFrame() isDialRequest_Frame {
@@ -408,7 +682,7 @@ type DialResponse struct {
 
 func (x *DialResponse) Reset() {
 	*x = DialResponse{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[5]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -420,7 +694,7 @@ func (x *DialResponse) String() string {
 func (*DialResponse) ProtoMessage() {}
 
 func (x *DialResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[5]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -433,7 +707,7 @@ func (x *DialResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DialResponse.ProtoReflect.Descriptor instead.
 func (*DialResponse) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{5}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *DialResponse) GetFrame() isDialResponse_Frame {
@@ -506,7 +780,7 @@ type Established struct {
 
 func (x *Established) Reset() {
 	*x = Established{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[6]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -518,7 +792,7 @@ func (x *Established) String() string {
 func (*Established) ProtoMessage() {}
 
 func (x *Established) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[6]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -531,7 +805,7 @@ func (x *Established) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Established.ProtoReflect.Descriptor instead.
 func (*Established) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{6}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *Established) GetTunnelId() string {
@@ -550,7 +824,7 @@ type CloseWrite struct {
 
 func (x *CloseWrite) Reset() {
 	*x = CloseWrite{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[7]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -562,7 +836,7 @@ func (x *CloseWrite) String() string {
 func (*CloseWrite) ProtoMessage() {}
 
 func (x *CloseWrite) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[7]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -575,7 +849,7 @@ func (x *CloseWrite) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CloseWrite.ProtoReflect.Descriptor instead.
 func (*CloseWrite) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{7}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{10}
 }
 
 type ConnectRequest struct {
@@ -593,7 +867,7 @@ type ConnectRequest struct {
 
 func (x *ConnectRequest) Reset() {
 	*x = ConnectRequest{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[8]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -605,7 +879,7 @@ func (x *ConnectRequest) String() string {
 func (*ConnectRequest) ProtoMessage() {}
 
 func (x *ConnectRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[8]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -618,7 +892,7 @@ func (x *ConnectRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConnectRequest.ProtoReflect.Descriptor instead.
 func (*ConnectRequest) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{8}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *ConnectRequest) GetMessage() isConnectRequest_Message {
@@ -714,7 +988,7 @@ type ConnectResponse struct {
 
 func (x *ConnectResponse) Reset() {
 	*x = ConnectResponse{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[9]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -726,7 +1000,7 @@ func (x *ConnectResponse) String() string {
 func (*ConnectResponse) ProtoMessage() {}
 
 func (x *ConnectResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[9]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -739,7 +1013,7 @@ func (x *ConnectResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConnectResponse.ProtoReflect.Descriptor instead.
 func (*ConnectResponse) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{9}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *ConnectResponse) GetMessage() isConnectResponse_Message {
@@ -830,7 +1104,7 @@ type Probe struct {
 
 func (x *Probe) Reset() {
 	*x = Probe{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[10]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -842,7 +1116,7 @@ func (x *Probe) String() string {
 func (*Probe) ProtoMessage() {}
 
 func (x *Probe) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[10]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -855,7 +1129,7 @@ func (x *Probe) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Probe.ProtoReflect.Descriptor instead.
 func (*Probe) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{10}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *Probe) GetSequence() uint64 {
@@ -876,7 +1150,7 @@ type Drain struct {
 
 func (x *Drain) Reset() {
 	*x = Drain{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[11]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -888,7 +1162,7 @@ func (x *Drain) String() string {
 func (*Drain) ProtoMessage() {}
 
 func (x *Drain) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[11]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -901,7 +1175,7 @@ func (x *Drain) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Drain.ProtoReflect.Descriptor instead.
 func (*Drain) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{11}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *Drain) GetGraceMs() uint32 {
@@ -930,7 +1204,7 @@ type Register struct {
 
 func (x *Register) Reset() {
 	*x = Register{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[12]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -942,7 +1216,7 @@ func (x *Register) String() string {
 func (*Register) ProtoMessage() {}
 
 func (x *Register) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[12]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -955,7 +1229,7 @@ func (x *Register) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Register.ProtoReflect.Descriptor instead.
 func (*Register) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{12}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *Register) GetClusters() []string {
@@ -992,7 +1266,7 @@ type Registered struct {
 
 func (x *Registered) Reset() {
 	*x = Registered{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[13]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1004,7 +1278,7 @@ func (x *Registered) String() string {
 func (*Registered) ProtoMessage() {}
 
 func (x *Registered) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[13]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1017,7 +1291,7 @@ func (x *Registered) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Registered.ProtoReflect.Descriptor instead.
 func (*Registered) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{13}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *Registered) GetBrokerId() string {
@@ -1048,7 +1322,7 @@ type DialOrder struct {
 
 func (x *DialOrder) Reset() {
 	*x = DialOrder{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[14]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1060,7 +1334,7 @@ func (x *DialOrder) String() string {
 func (*DialOrder) ProtoMessage() {}
 
 func (x *DialOrder) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[14]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1073,7 +1347,7 @@ func (x *DialOrder) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DialOrder.ProtoReflect.Descriptor instead.
 func (*DialOrder) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{14}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *DialOrder) GetDialId() uint64 {
@@ -1114,7 +1388,7 @@ type DialFailure struct {
 
 func (x *DialFailure) Reset() {
 	*x = DialFailure{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[15]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1126,7 +1400,7 @@ func (x *DialFailure) String() string {
 func (*DialFailure) ProtoMessage() {}
 
 func (x *DialFailure) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[15]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1139,7 +1413,7 @@ func (x *DialFailure) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DialFailure.ProtoReflect.Descriptor instead.
 func (*DialFailure) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{15}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *DialFailure) GetDialId() uint64 {
@@ -1176,7 +1450,7 @@ type TunnelRequest struct {
 
 func (x *TunnelRequest) Reset() {
 	*x = TunnelRequest{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[16]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1188,7 +1462,7 @@ func (x *TunnelRequest) String() string {
 func (*TunnelRequest) ProtoMessage() {}
 
 func (x *TunnelRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[16]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1201,7 +1475,7 @@ func (x *TunnelRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelRequest.ProtoReflect.Descriptor instead.
 func (*TunnelRequest) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{16}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *TunnelRequest) GetFrame() isTunnelRequest_Frame {
@@ -1260,7 +1534,7 @@ type TunnelResponse struct {
 
 func (x *TunnelResponse) Reset() {
 	*x = TunnelResponse{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[17]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1272,7 +1546,7 @@ func (x *TunnelResponse) String() string {
 func (*TunnelResponse) ProtoMessage() {}
 
 func (x *TunnelResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[17]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1285,7 +1559,7 @@ func (x *TunnelResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelResponse.ProtoReflect.Descriptor instead.
 func (*TunnelResponse) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{17}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *TunnelResponse) GetFrame() isTunnelResponse_Frame {
@@ -1341,7 +1615,7 @@ type TunnelOpen struct {
 
 func (x *TunnelOpen) Reset() {
 	*x = TunnelOpen{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[18]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1353,7 +1627,7 @@ func (x *TunnelOpen) String() string {
 func (*TunnelOpen) ProtoMessage() {}
 
 func (x *TunnelOpen) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[18]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1366,7 +1640,7 @@ func (x *TunnelOpen) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelOpen.ProtoReflect.Descriptor instead.
 func (*TunnelOpen) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{18}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *TunnelOpen) GetDialId() uint64 {
@@ -1397,7 +1671,34 @@ const file_kcp_tunnel_v1_tunnel_proto_rawDesc = "" +
 	"\bdraining\x18\a \x01(\bR\bdraining\x129\n" +
 	"\n" +
 	"last_probe\x18\b \x01(\v2\x1a.google.protobuf.TimestampR\tlastProbe\x12?\n" +
-	"\x0elast_probe_rtt\x18\t \x01(\v2\x19.google.protobuf.DurationR\flastProbeRtt\"n\n" +
+	"\x0elast_probe_rtt\x18\t \x01(\v2\x19.google.protobuf.DurationR\flastProbeRtt\"\x94\x01\n" +
+	"\x12ListTunnelsRequest\x12\x18\n" +
+	"\acluster\x18\x01 \x01(\tR\acluster\x12(\n" +
+	"\x10caller_spiffe_id\x18\x02 \x01(\tR\x0ecallerSpiffeId\x12\x1b\n" +
+	"\tpage_size\x18\x03 \x01(\rR\bpageSize\x12\x1d\n" +
+	"\n" +
+	"page_token\x18\x04 \x01(\tR\tpageToken\"\x8f\x01\n" +
+	"\x13ListTunnelsResponse\x12\x1b\n" +
+	"\tbroker_id\x18\x01 \x01(\tR\bbrokerId\x123\n" +
+	"\atunnels\x18\x02 \x03(\v2\x19.kcp.tunnel.v1.TunnelInfoR\atunnels\x12&\n" +
+	"\x0fnext_page_token\x18\x03 \x01(\tR\rnextPageToken\"\xe4\x03\n" +
+	"\n" +
+	"TunnelInfo\x12\x1b\n" +
+	"\ttunnel_id\x18\x01 \x01(\tR\btunnelId\x12(\n" +
+	"\x10caller_spiffe_id\x18\x02 \x01(\tR\x0ecallerSpiffeId\x12-\n" +
+	"\x06target\x18\x03 \x01(\v2\x15.kcp.tunnel.v1.TargetR\x06target\x12\x1d\n" +
+	"\n" +
+	"agent_name\x18\x04 \x01(\tR\tagentName\x12&\n" +
+	"\x0fagent_spiffe_id\x18\x05 \x01(\tR\ragentSpiffeId\x12(\n" +
+	"\x10agent_session_id\x18\x06 \x01(\tR\x0eagentSessionId\x12\x1b\n" +
+	"\tbroker_id\x18\a \x01(\tR\bbrokerId\x12<\n" +
+	"\vestablished\x18\b \x01(\v2\x1a.google.protobuf.TimestampR\vestablished\x12+\n" +
+	"\x03age\x18\t \x01(\v2\x19.google.protobuf.DurationR\x03age\x12\x19\n" +
+	"\bbytes_up\x18\n" +
+	" \x01(\x04R\abytesUp\x12\x1d\n" +
+	"\n" +
+	"bytes_down\x18\v \x01(\x04R\tbytesDown\x12-\n" +
+	"\x04idle\x18\f \x01(\v2\x19.google.protobuf.DurationR\x04idle\"n\n" +
 	"\x06Target\x12\x18\n" +
 	"\acluster\x18\x01 \x01(\tR\acluster\x12\x1c\n" +
 	"\tnamespace\x18\x02 \x01(\tR\tnamespace\x12\x18\n" +
@@ -1467,10 +1768,11 @@ const file_kcp_tunnel_v1_tunnel_proto_rawDesc = "" +
 	"TunnelOpen\x12\x17\n" +
 	"\adial_id\x18\x01 \x01(\x04R\x06dialId2R\n" +
 	"\vDialService\x12C\n" +
-	"\x04Dial\x12\x1a.kcp.tunnel.v1.DialRequest\x1a\x1b.kcp.tunnel.v1.DialResponse(\x010\x012a\n" +
+	"\x04Dial\x12\x1a.kcp.tunnel.v1.DialRequest\x1a\x1b.kcp.tunnel.v1.DialResponse(\x010\x012\xb7\x01\n" +
 	"\fAdminService\x12Q\n" +
 	"\n" +
-	"ListAgents\x12 .kcp.tunnel.v1.ListAgentsRequest\x1a!.kcp.tunnel.v1.ListAgentsResponse2\xa7\x01\n" +
+	"ListAgents\x12 .kcp.tunnel.v1.ListAgentsRequest\x1a!.kcp.tunnel.v1.ListAgentsResponse\x12T\n" +
+	"\vListTunnels\x12!.kcp.tunnel.v1.ListTunnelsRequest\x1a\".kcp.tunnel.v1.ListTunnelsResponse2\xa7\x01\n" +
 	"\fAgentService\x12L\n" +
 	"\aConnect\x12\x1d.kcp.tunnel.v1.ConnectRequest\x1a\x1e.kcp.tunnel.v1.ConnectResponse(\x010\x01\x12I\n" +
 	"\x06Tunnel\x12\x1c.kcp.tunnel.v1.TunnelRequest\x1a\x1d.kcp.tunnel.v1.TunnelResponse(\x010\x01B?Z=github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1;tunnelv1b\x06proto3"
@@ -1487,63 +1789,73 @@ func file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP() []byte {
 	return file_kcp_tunnel_v1_tunnel_proto_rawDescData
 }
 
-var file_kcp_tunnel_v1_tunnel_proto_msgTypes = make([]protoimpl.MessageInfo, 19)
+var file_kcp_tunnel_v1_tunnel_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
 var file_kcp_tunnel_v1_tunnel_proto_goTypes = []any{
 	(*ListAgentsRequest)(nil),     // 0: kcp.tunnel.v1.ListAgentsRequest
 	(*ListAgentsResponse)(nil),    // 1: kcp.tunnel.v1.ListAgentsResponse
 	(*AgentInfo)(nil),             // 2: kcp.tunnel.v1.AgentInfo
-	(*Target)(nil),                // 3: kcp.tunnel.v1.Target
-	(*DialRequest)(nil),           // 4: kcp.tunnel.v1.DialRequest
-	(*DialResponse)(nil),          // 5: kcp.tunnel.v1.DialResponse
-	(*Established)(nil),           // 6: kcp.tunnel.v1.Established
-	(*CloseWrite)(nil),            // 7: kcp.tunnel.v1.CloseWrite
-	(*ConnectRequest)(nil),        // 8: kcp.tunnel.v1.ConnectRequest
-	(*ConnectResponse)(nil),       // 9: kcp.tunnel.v1.ConnectResponse
-	(*Probe)(nil),                 // 10: kcp.tunnel.v1.Probe
-	(*Drain)(nil),                 // 11: kcp.tunnel.v1.Drain
-	(*Register)(nil),              // 12: kcp.tunnel.v1.Register
-	(*Registered)(nil),            // 13: kcp.tunnel.v1.Registered
-	(*DialOrder)(nil),             // 14: kcp.tunnel.v1.DialOrder
-	(*DialFailure)(nil),           // 15: kcp.tunnel.v1.DialFailure
-	(*TunnelRequest)(nil),         // 16: kcp.tunnel.v1.TunnelRequest
-	(*TunnelResponse)(nil),        // 17: kcp.tunnel.v1.TunnelResponse
-	(*TunnelOpen)(nil),            // 18: kcp.tunnel.v1.TunnelOpen
-	(*timestamppb.Timestamp)(nil), // 19: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 20: google.protobuf.Duration
+	(*ListTunnelsRequest)(nil),    // 3: kcp.tunnel.v1.ListTunnelsRequest
+	(*ListTunnelsResponse)(nil),   // 4: kcp.tunnel.v1.ListTunnelsResponse
+	(*TunnelInfo)(nil),            // 5: kcp.tunnel.v1.TunnelInfo
+	(*Target)(nil),                // 6: kcp.tunnel.v1.Target
+	(*DialRequest)(nil),           // 7: kcp.tunnel.v1.DialRequest
+	(*DialResponse)(nil),          // 8: kcp.tunnel.v1.DialResponse
+	(*Established)(nil),           // 9: kcp.tunnel.v1.Established
+	(*CloseWrite)(nil),            // 10: kcp.tunnel.v1.CloseWrite
+	(*ConnectRequest)(nil),        // 11: kcp.tunnel.v1.ConnectRequest
+	(*ConnectResponse)(nil),       // 12: kcp.tunnel.v1.ConnectResponse
+	(*Probe)(nil),                 // 13: kcp.tunnel.v1.Probe
+	(*Drain)(nil),                 // 14: kcp.tunnel.v1.Drain
+	(*Register)(nil),              // 15: kcp.tunnel.v1.Register
+	(*Registered)(nil),            // 16: kcp.tunnel.v1.Registered
+	(*DialOrder)(nil),             // 17: kcp.tunnel.v1.DialOrder
+	(*DialFailure)(nil),           // 18: kcp.tunnel.v1.DialFailure
+	(*TunnelRequest)(nil),         // 19: kcp.tunnel.v1.TunnelRequest
+	(*TunnelResponse)(nil),        // 20: kcp.tunnel.v1.TunnelResponse
+	(*TunnelOpen)(nil),            // 21: kcp.tunnel.v1.TunnelOpen
+	(*timestamppb.Timestamp)(nil), // 22: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 23: google.protobuf.Duration
 }
 var file_kcp_tunnel_v1_tunnel_proto_depIdxs = []int32{
 	2,  // 0: kcp.tunnel.v1.ListAgentsResponse.agents:type_name -> kcp.tunnel.v1.AgentInfo
-	19, // 1: kcp.tunnel.v1.AgentInfo.connected_since:type_name -> google.protobuf.Timestamp
-	19, // 2: kcp.tunnel.v1.AgentInfo.last_probe:type_name -> google.protobuf.Timestamp
-	20, // 3: kcp.tunnel.v1.AgentInfo.last_probe_rtt:type_name -> google.protobuf.Duration
-	3,  // 4: kcp.tunnel.v1.DialRequest.target:type_name -> kcp.tunnel.v1.Target
-	6,  // 5: kcp.tunnel.v1.DialResponse.established:type_name -> kcp.tunnel.v1.Established
-	7,  // 6: kcp.tunnel.v1.DialResponse.close_write:type_name -> kcp.tunnel.v1.CloseWrite
-	12, // 7: kcp.tunnel.v1.ConnectRequest.register:type_name -> kcp.tunnel.v1.Register
-	15, // 8: kcp.tunnel.v1.ConnectRequest.dial_failure:type_name -> kcp.tunnel.v1.DialFailure
-	11, // 9: kcp.tunnel.v1.ConnectRequest.drain:type_name -> kcp.tunnel.v1.Drain
-	10, // 10: kcp.tunnel.v1.ConnectRequest.probe:type_name -> kcp.tunnel.v1.Probe
-	13, // 11: kcp.tunnel.v1.ConnectResponse.registered:type_name -> kcp.tunnel.v1.Registered
-	14, // 12: kcp.tunnel.v1.ConnectResponse.dial_order:type_name -> kcp.tunnel.v1.DialOrder
-	11, // 13: kcp.tunnel.v1.ConnectResponse.drain:type_name -> kcp.tunnel.v1.Drain
-	10, // 14: kcp.tunnel.v1.ConnectResponse.probe:type_name -> kcp.tunnel.v1.Probe
-	19, // 15: kcp.tunnel.v1.Registered.since:type_name -> google.protobuf.Timestamp
-	3,  // 16: kcp.tunnel.v1.DialOrder.target:type_name -> kcp.tunnel.v1.Target
-	18, // 17: kcp.tunnel.v1.TunnelRequest.open:type_name -> kcp.tunnel.v1.TunnelOpen
-	7,  // 18: kcp.tunnel.v1.TunnelResponse.close_write:type_name -> kcp.tunnel.v1.CloseWrite
-	4,  // 19: kcp.tunnel.v1.DialService.Dial:input_type -> kcp.tunnel.v1.DialRequest
-	0,  // 20: kcp.tunnel.v1.AdminService.ListAgents:input_type -> kcp.tunnel.v1.ListAgentsRequest
-	8,  // 21: kcp.tunnel.v1.AgentService.Connect:input_type -> kcp.tunnel.v1.ConnectRequest
-	16, // 22: kcp.tunnel.v1.AgentService.Tunnel:input_type -> kcp.tunnel.v1.TunnelRequest
-	5,  // 23: kcp.tunnel.v1.DialService.Dial:output_type -> kcp.tunnel.v1.DialResponse
-	1,  // 24: kcp.tunnel.v1.AdminService.ListAgents:output_type -> kcp.tunnel.v1.ListAgentsResponse
-	9,  // 25: kcp.tunnel.v1.AgentService.Connect:output_type -> kcp.tunnel.v1.ConnectResponse
-	17, // 26: kcp.tunnel.v1.AgentService.Tunnel:output_type -> kcp.tunnel.v1.TunnelResponse
-	23, // [23:27] is the sub-list for method output_type
-	19, // [19:23] is the sub-list for method input_type
-	19, // [19:19] is the sub-list for extension type_name
-	19, // [19:19] is the sub-list for extension extendee
-	0,  // [0:19] is the sub-list for field type_name
+	22, // 1: kcp.tunnel.v1.AgentInfo.connected_since:type_name -> google.protobuf.Timestamp
+	22, // 2: kcp.tunnel.v1.AgentInfo.last_probe:type_name -> google.protobuf.Timestamp
+	23, // 3: kcp.tunnel.v1.AgentInfo.last_probe_rtt:type_name -> google.protobuf.Duration
+	5,  // 4: kcp.tunnel.v1.ListTunnelsResponse.tunnels:type_name -> kcp.tunnel.v1.TunnelInfo
+	6,  // 5: kcp.tunnel.v1.TunnelInfo.target:type_name -> kcp.tunnel.v1.Target
+	22, // 6: kcp.tunnel.v1.TunnelInfo.established:type_name -> google.protobuf.Timestamp
+	23, // 7: kcp.tunnel.v1.TunnelInfo.age:type_name -> google.protobuf.Duration
+	23, // 8: kcp.tunnel.v1.TunnelInfo.idle:type_name -> google.protobuf.Duration
+	6,  // 9: kcp.tunnel.v1.DialRequest.target:type_name -> kcp.tunnel.v1.Target
+	9,  // 10: kcp.tunnel.v1.DialResponse.established:type_name -> kcp.tunnel.v1.Established
+	10, // 11: kcp.tunnel.v1.DialResponse.close_write:type_name -> kcp.tunnel.v1.CloseWrite
+	15, // 12: kcp.tunnel.v1.ConnectRequest.register:type_name -> kcp.tunnel.v1.Register
+	18, // 13: kcp.tunnel.v1.ConnectRequest.dial_failure:type_name -> kcp.tunnel.v1.DialFailure
+	14, // 14: kcp.tunnel.v1.ConnectRequest.drain:type_name -> kcp.tunnel.v1.Drain
+	13, // 15: kcp.tunnel.v1.ConnectRequest.probe:type_name -> kcp.tunnel.v1.Probe
+	16, // 16: kcp.tunnel.v1.ConnectResponse.registered:type_name -> kcp.tunnel.v1.Registered
+	17, // 17: kcp.tunnel.v1.ConnectResponse.dial_order:type_name -> kcp.tunnel.v1.DialOrder
+	14, // 18: kcp.tunnel.v1.ConnectResponse.drain:type_name -> kcp.tunnel.v1.Drain
+	13, // 19: kcp.tunnel.v1.ConnectResponse.probe:type_name -> kcp.tunnel.v1.Probe
+	22, // 20: kcp.tunnel.v1.Registered.since:type_name -> google.protobuf.Timestamp
+	6,  // 21: kcp.tunnel.v1.DialOrder.target:type_name -> kcp.tunnel.v1.Target
+	21, // 22: kcp.tunnel.v1.TunnelRequest.open:type_name -> kcp.tunnel.v1.TunnelOpen
+	10, // 23: kcp.tunnel.v1.TunnelResponse.close_write:type_name -> kcp.tunnel.v1.CloseWrite
+	7,  // 24: kcp.tunnel.v1.DialService.Dial:input_type -> kcp.tunnel.v1.DialRequest
+	0,  // 25: kcp.tunnel.v1.AdminService.ListAgents:input_type -> kcp.tunnel.v1.ListAgentsRequest
+	3,  // 26: kcp.tunnel.v1.AdminService.ListTunnels:input_type -> kcp.tunnel.v1.ListTunnelsRequest
+	11, // 27: kcp.tunnel.v1.AgentService.Connect:input_type -> kcp.tunnel.v1.ConnectRequest
+	19, // 28: kcp.tunnel.v1.AgentService.Tunnel:input_type -> kcp.tunnel.v1.TunnelRequest
+	8,  // 29: kcp.tunnel.v1.DialService.Dial:output_type -> kcp.tunnel.v1.DialResponse
+	1,  // 30: kcp.tunnel.v1.AdminService.ListAgents:output_type -> kcp.tunnel.v1.ListAgentsResponse
+	4,  // 31: kcp.tunnel.v1.AdminService.ListTunnels:output_type -> kcp.tunnel.v1.ListTunnelsResponse
+	12, // 32: kcp.tunnel.v1.AgentService.Connect:output_type -> kcp.tunnel.v1.ConnectResponse
+	20, // 33: kcp.tunnel.v1.AgentService.Tunnel:output_type -> kcp.tunnel.v1.TunnelResponse
+	29, // [29:34] is the sub-list for method output_type
+	24, // [24:29] is the sub-list for method input_type
+	24, // [24:24] is the sub-list for extension type_name
+	24, // [24:24] is the sub-list for extension extendee
+	0,  // [0:24] is the sub-list for field type_name
 }
 
 func init() { file_kcp_tunnel_v1_tunnel_proto_init() }
@@ -1551,32 +1863,32 @@ func file_kcp_tunnel_v1_tunnel_proto_init() {
 	if File_kcp_tunnel_v1_tunnel_proto != nil {
 		return
 	}
-	file_kcp_tunnel_v1_tunnel_proto_msgTypes[4].OneofWrappers = []any{
+	file_kcp_tunnel_v1_tunnel_proto_msgTypes[7].OneofWrappers = []any{
 		(*DialRequest_Target)(nil),
 		(*DialRequest_Data)(nil),
 	}
-	file_kcp_tunnel_v1_tunnel_proto_msgTypes[5].OneofWrappers = []any{
+	file_kcp_tunnel_v1_tunnel_proto_msgTypes[8].OneofWrappers = []any{
 		(*DialResponse_Established)(nil),
 		(*DialResponse_Data)(nil),
 		(*DialResponse_CloseWrite)(nil),
 	}
-	file_kcp_tunnel_v1_tunnel_proto_msgTypes[8].OneofWrappers = []any{
+	file_kcp_tunnel_v1_tunnel_proto_msgTypes[11].OneofWrappers = []any{
 		(*ConnectRequest_Register)(nil),
 		(*ConnectRequest_DialFailure)(nil),
 		(*ConnectRequest_Drain)(nil),
 		(*ConnectRequest_Probe)(nil),
 	}
-	file_kcp_tunnel_v1_tunnel_proto_msgTypes[9].OneofWrappers = []any{
+	file_kcp_tunnel_v1_tunnel_proto_msgTypes[12].OneofWrappers = []any{
 		(*ConnectResponse_Registered)(nil),
 		(*ConnectResponse_DialOrder)(nil),
 		(*ConnectResponse_Drain)(nil),
 		(*ConnectResponse_Probe)(nil),
 	}
-	file_kcp_tunnel_v1_tunnel_proto_msgTypes[16].OneofWrappers = []any{
+	file_kcp_tunnel_v1_tunnel_proto_msgTypes[19].OneofWrappers = []any{
 		(*TunnelRequest_Open)(nil),
 		(*TunnelRequest_Data)(nil),
 	}
-	file_kcp_tunnel_v1_tunnel_proto_msgTypes[17].OneofWrappers = []any{
+	file_kcp_tunnel_v1_tunnel_proto_msgTypes[20].OneofWrappers = []any{
 		(*TunnelResponse_Data)(nil),
 		(*TunnelResponse_CloseWrite)(nil),
 	}
@@ -1586,7 +1898,7 @@ func file_kcp_tunnel_v1_tunnel_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kcp_tunnel_v1_tunnel_proto_rawDesc), len(file_kcp_tunnel_v1_tunnel_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   19,
+			NumMessages:   22,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

@@ -133,7 +133,8 @@ var DialService_ServiceDesc = grpc.ServiceDesc{
 }
 
 const (
-	AdminService_ListAgents_FullMethodName = "/kcp.tunnel.v1.AdminService/ListAgents"
+	AdminService_ListAgents_FullMethodName  = "/kcp.tunnel.v1.AdminService/ListAgents"
+	AdminService_ListTunnels_FullMethodName = "/kcp.tunnel.v1.AdminService/ListTunnels"
 )
 
 // AdminServiceClient is the client API for AdminService service.
@@ -145,6 +146,9 @@ const (
 type AdminServiceClient interface {
 	// ListAgents lists the agents connected to this replica.
 	ListAgents(ctx context.Context, in *ListAgentsRequest, opts ...grpc.CallOption) (*ListAgentsResponse, error)
+	// ListTunnels lists the tunnels open through this replica, by tunnel id,
+	// a page at a time.
+	ListTunnels(ctx context.Context, in *ListTunnelsRequest, opts ...grpc.CallOption) (*ListTunnelsResponse, error)
 }
 
 type adminServiceClient struct {
@@ -165,6 +169,16 @@ func (c *adminServiceClient) ListAgents(ctx context.Context, in *ListAgentsReque
 	return out, nil
 }
 
+func (c *adminServiceClient) ListTunnels(ctx context.Context, in *ListTunnelsRequest, opts ...grpc.CallOption) (*ListTunnelsResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ListTunnelsResponse)
+	err := c.cc.Invoke(ctx, AdminService_ListTunnels_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // AdminServiceServer is the server API for AdminService service.
 // All implementations must embed UnimplementedAdminServiceServer
 // for forward compatibility.
@@ -174,6 +188,9 @@ func (c *adminServiceClient) ListAgents(ctx context.Context, in *ListAgentsReque
 type AdminServiceServer interface {
 	// ListAgents lists the agents connected to this replica.
 	ListAgents(context.Context, *ListAgentsRequest) (*ListAgentsResponse, error)
+	// ListTunnels lists the tunnels open through this replica, by tunnel id,
+	// a page at a time.
+	ListTunnels(context.Context, *ListTunnelsRequest) (*ListTunnelsResponse, error)
 	mustEmbedUnimplementedAdminServiceServer()
 }
 
@@ -186,6 +203,9 @@ type UnimplementedAdminServiceServer struct{}
 
 func (UnimplementedAdminServiceServer) ListAgents(context.Context, *ListAgentsRequest) (*ListAgentsResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ListAgents not implemented")
+}
+func (UnimplementedAdminServiceServer) ListTunnels(context.Context, *ListTunnelsRequest) (*ListTunnelsResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ListTunnels not implemented")
 }
 func (UnimplementedAdminServiceServer) mustEmbedUnimplementedAdminServiceServer() {}
 func (UnimplementedAdminServiceServer) testEmbeddedByValue()                      {}
@@ -226,6 +246,24 @@ func _AdminService_ListAgents_Handler(srv interface{}, ctx context.Context, dec 
 	return interceptor(ctx, in, info, handler)
 }
 
+func _AdminService_ListTunnels_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ListTunnelsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServiceServer).ListTunnels(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: AdminService_ListTunnels_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServiceServer).ListTunnels(ctx, req.(*ListTunnelsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // AdminService_ServiceDesc is the grpc.ServiceDesc for AdminService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -236,6 +274,10 @@ var AdminService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ListAgents",
 			Handler:    _AdminService_ListAgents_Handler,
+		},
+		{
+			MethodName: "ListTunnels",
+			Handler:    _AdminService_ListTunnels_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},
