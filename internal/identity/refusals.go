@@ -118,6 +118,11 @@ func (r *Refusals) report(remote string, err error) {
 	if r.Log == nil || !r.admit(reason) {
 		return
 	}
+	if reason == ReasonPeerRefused {
+		// The refusal is the peer's: say so, lest it read as this side's.
+		r.Log.Warn("TLS handshake refused by the peer: its log says why", "remote", remote, "reason", string(reason), "error", err)
+		return
+	}
 	r.Log.Warn("TLS handshake refused", "remote", remote, "reason", string(reason), "error", err)
 }
 

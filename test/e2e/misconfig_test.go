@@ -97,15 +97,16 @@ func TestWorkloadAPIThatIsNotThere(t *testing.T) {
 }
 
 // An agent that refuses the broker's SVID says what it was shown and what
-// it expected; the broker only sees a refused handshake.
+// it expected; the broker says the refusal was its peer's.
 func TestAgentRefusingTheBrokerSaysWhatItExpected(t *testing.T) {
 	env := harness.NewEnv(t)
-	_, addr := env.StartBrokerProcess()
+	broker, addr := env.StartBrokerProcess()
 	agent := env.RunAgentProcess(addr, "sync-target-1", env.SVID("/agent/sync-target-1"), lookup.StaticFile{Services: []lookup.StaticService{
 		{Cluster: "root", Namespace: "default", Name: "echo", Ports: map[string]string{"80": "127.0.0.1:1"}},
 	}}, "--broker-spiffe-id", "spiffe://tunnel.test/not-the-broker")
 	agent.WaitLogged(t, 1, "TLS handshake refused", "reason=unauthorized",
 		"the peer presented spiffe://tunnel.test/broker, but --broker-spiffe-id expects spiffe://tunnel.test/not-the-broker")
+	broker.WaitLogged(t, 1, "TLS handshake refused by the peer: its log says why", "reason=refused_by_peer")
 }
 
 // writeECKey writes a P-256 key as SEC 1 (-----BEGIN EC PRIVATE KEY-----),
