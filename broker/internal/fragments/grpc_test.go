@@ -50,7 +50,7 @@ var testPolicy = policy.File{
 type broker struct {
 	*brokertest.Server
 	closed atomic.Int64
-	log    syncBuffer
+	log    brokertest.LogBuffer
 }
 
 func startBroker(t *testing.T) *broker {
@@ -280,22 +280,4 @@ func received(total int, recv func() ([]byte, error)) [sha256.Size]byte {
 		got += len(data)
 	}
 	return [sha256.Size]byte(h.Sum(nil))
-}
-
-// syncBuffer is a bytes.Buffer that a logger may write while a test reads.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }

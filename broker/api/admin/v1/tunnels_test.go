@@ -5,7 +5,7 @@ import (
 	"encoding/json"
 	"log/slog"
 	"slices"
-	"sync"
+	"strings"
 	"testing"
 	"time"
 
@@ -31,28 +31,15 @@ const (
 	agentPath = "/agent"
 )
 
-// lockedBuffer is the broker's log, read by the test while handlers write.
-type lockedBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *lockedBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *lockedBuffer) lines() [][]byte {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return bytes.Split(bytes.TrimSpace(b.buf.Bytes()), []byte("\n"))
+// logLines are the lines of the broker's log so far.
+func logLines(b *brokertest.LogBuffer) []string {
+	return strings.Split(strings.TrimSpace(b.String()), "\n")
 }
 
 type tunnelBroker struct {
 	*brokertest.Server
 	admin *Service
-	log   *lockedBuffer
+	log   *brokertest.LogBuffer
 }
 
 func startTunnelBroker(t *testing.T) *tunnelBroker {
@@ -61,7 +48,7 @@ func startTunnelBroker(t *testing.T) *tunnelBroker {
 		Agents:  []policy.AgentRule{{ID: brokertest.ID(agentPath).String(), Clusters: []string{"*"}}},
 		Callers: []policy.CallerRule{{ID: brokertest.ID(kcpPath).String()}, {ID: brokertest.ID(shardPath).String()}},
 	}
-	b := &tunnelBroker{log: &lockedBuffer{}}
+	b := &tunnelBroker{log: &brokertest.LogBuffer{}}
 	table := tunnel.NewTable()
 	b.Server = brokertest.Start(t, pol, func(s *brokertest.Server, srv *grpc.Server) {
 		dialv1.RegisterService(srv, dialv1.New(dialv1.Config{
@@ -168,12 +155,12 @@ func TestEveryTunnelLeavesOneAuditLineWhenItEnds(t *testing.T) {
 	tn.CloseBoth()
 	var audit map[string]any
 	brokertest.Eventually(t, "the audit line", func() bool {
-		for _, line := range b.log.lines() {
+		for _, line := range logLines(b.log) {
 			var entry struct {
 				Level, Msg string
 				Audit      map[string]any
 			}
-			if json.Unmarshal(line, &entry) == nil && entry.Msg == dialv1.AuditMessage && entry.Level == "INFO" {
+			if json.Unmarshal([]byte(line), &entry) == nil && entry.Msg == dialv1.AuditMessage && entry.Level == "INFO" {
 				audit = entry.Audit
 				return true
 			}
