@@ -28,8 +28,10 @@ func TestMain(m *testing.M) {
 }
 
 // waitLong bounds every "this eventually happens" in the tests. It is far
-// above anything a healthy run needs, so hitting it means a hang.
-const waitLong = 20 * time.Second
+// above anything a healthy run needs, so hitting it means a hang. A minute,
+// because a 32 MiB write under the race detector took over 20 s on a machine
+// loaded twenty times over its two cores.
+const waitLong = time.Minute
 
 // The target the tests dial unless they test the target itself.
 const (
