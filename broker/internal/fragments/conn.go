@@ -67,14 +67,16 @@ func (c *conn) Write(p []byte) (int, error) {
 	return n, err
 }
 
-// refuse ends the connection's reads, tells the peer why and reports it.
+// refuse ends the connection's reads, reports it and tells the peer why.
+// It reports first, so that whoever hears of the closing from the peer
+// finds it counted already.
 func (c *conn) refuse() {
 	t := c.tally
 	c.err = fmt.Errorf("fragmented data: the peer sent %d DATA frames of fewer than %d bytes of data or padded, "+
 		"in %d bytes of data; gRPC would hold %d bytes for them, more than the %d allowed",
 		t.fragments, MinData, t.data, t.cost, t.allowance())
-	c.goAway(c.err.Error())
 	c.guard.closing(c, t)
+	c.goAway(c.err.Error())
 }
 
 // goAway sends the peer an HTTP/2 GOAWAY (ENHANCE_YOUR_CALM) with debug, if
