@@ -4,6 +4,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"math"
@@ -76,8 +77,13 @@ func run() error {
 	if err := ops.Serve(ctx, ops.Options{Listen: o.opsListen, Pprof: o.pprof, Ready: srv.Ready, Metrics: metrics.Registry}, log); err != nil {
 		return err
 	}
+	egress, err := o.egress.listen(srv, src, log)
+	if err != nil {
+		return err
+	}
 	log.Info("broker serving", "address", l.Addr().String(), "id", self.String(), "replica", cfg.ID, "version", version.Get().String())
-	return srv.Serve(ctx, l)
+	err = srv.Serve(ctx, l)
+	return errors.Join(err, egress())
 }
 
 // options are the broker's flags: the replica's Config, but for what run
@@ -87,6 +93,7 @@ type options struct {
 	listen, policyFile, opsListen, pprof string
 	jsonLogs, verbose, showVersion       bool
 	identity                             *identity.Options
+	egress                               egressFlags
 }
 
 func parseFlags() *options {
@@ -118,6 +125,7 @@ func parseFlags() *options {
 	flag.BoolVar(&o.jsonLogs, "log-json", false, "log JSON lines instead of text")
 	flag.BoolVar(&o.verbose, "v", false, "log every tunnel, not only failures")
 	o.identity = identity.AddFlags(flag.CommandLine)
+	o.egress.add(flag.CommandLine)
 	flag.BoolVar(&o.showVersion, "version", false, "print the version and exit")
 	flag.Parse()
 	c.MaxConcurrentStreams = uint32(min(*maxStreams, math.MaxUint32))

@@ -26,6 +26,7 @@ import (
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"google.golang.org/grpc"
 	"k8s.io/utils/clock"
 
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
@@ -42,7 +43,7 @@ type Tunnel struct {
 
 	claim  *registry.Claim
 	agent  tunnelv1.AgentService_TunnelServer
-	caller tunnelv1.DialService_DialServer // set by Splice
+	caller grpc.ServerStream // set by Splice: a Dial stream, or a connection (SpliceConn)
 
 	// The hand-over from the Dial RPC to the agent's Tunnel RPC.
 	mu          sync.Mutex
