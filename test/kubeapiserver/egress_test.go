@@ -3,6 +3,7 @@ package kubeapiserver
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"fmt"
 	"net"
 	"net/http"
@@ -31,23 +32,29 @@ import (
 // --egress-selector-config-file points at the broker's CONNECT front end,
 // once over a Unix socket and once over TCP with mTLS (its own SVID): a
 // ValidatingWebhookConfiguration with a Service reference and a caBundle
-// admits and denies through the tunnel, TLS end to end. Run alone with:
+// admits and denies through the tunnel, TLS end to end, and an APIService
+// backed by the same Service answers GET /apis/<group>/<version> through
+// it (the aggregated-API case). Run alone with:
 // cd test && go test -run Egress ./...
-func TestEgressSelectorCallsWebhooksThroughTheBroker(t *testing.T) {
+func TestEgressSelectorCallsWebhooksAndAggregatedAPIsThroughTheBroker(t *testing.T) {
 	for _, transport := range []string{"uds", "mtls"} {
 		t.Run(transport, func(t *testing.T) {
 			w := newWorld(t)
 			ns := w.plainNamespace()
 			ip := newIP()
 			var reviewed atomic.Int64
-			hook := harness.StartWebhook(t, harness.WebhookOptions{Namespace: ns, Name: "webhook", Listen: net.JoinHostPort(ip, "8443")},
-				func(req *admissionv1.AdmissionRequest, _ string) *admissionv1.AdmissionResponse {
-					reviewed.Add(1)
-					if strings.HasPrefix(req.Name, "deny-") {
-						return &admissionv1.AdmissionResponse{Allowed: false, Result: &metav1.Status{Message: "denied by the egress test webhook"}}
-					}
-					return &admissionv1.AdmissionResponse{Allowed: true}
-				})
+			// One server is both the webhook (at /) and an aggregated API
+			// server (at /apis/), behind one Service.
+			mux := http.NewServeMux()
+			mux.Handle("/", harness.AdmissionHandler(func(req *admissionv1.AdmissionRequest, _ string) *admissionv1.AdmissionResponse {
+				reviewed.Add(1)
+				if strings.HasPrefix(req.Name, "deny-") {
+					return &admissionv1.AdmissionResponse{Allowed: false, Result: &metav1.Status{Message: "denied by the egress test webhook"}}
+				}
+				return &admissionv1.AdmissionResponse{Allowed: true}
+			}))
+			mux.HandleFunc("/apis/", serveAPIResources)
+			hook := harness.StartTLSWebhook(t, harness.WebhookOptions{Namespace: ns, Name: "webhook", Listen: net.JoinHostPort(ip, "8443")}, mux)
 			w.service(ns, "webhook", intstr.FromInt32(8443))
 			w.mustSetEndpoints(ns, "webhook", "webhook-abcde", 8443, ready(ip)...)
 			w.startAgent(lookup.KubeOptions{PlainCluster: "hcp"})
@@ -70,6 +77,7 @@ func TestEgressSelectorCallsWebhooksThroughTheBroker(t *testing.T) {
 			if reviewed.Load() == before {
 				t.Fatal("allow-1 was admitted without a call to the webhook")
 			}
+			w.apiService(ns, hook.CABundle)
 			if socket != "" {
 				w.checkRefusals(socket, ns)
 			}
@@ -212,4 +220,53 @@ func connectOnce(t *testing.T, socket, authority string) (int, string) {
 	var body strings.Builder
 	_, _ = bufio.NewReader(resp.Body).WriteTo(&body)
 	return resp.StatusCode, strings.TrimSpace(body.String())
+}
+
+// The aggregated API the webhook's server also serves.
+const aggregatedGroup, aggregatedVersion = "egress.example.org", "v1"
+
+// serveAPIResources answers discovery of the aggregated group version, as
+// an aggregated API server does; the aggregator's availability check and
+// a client's GET /apis/<group>/<version> both land here.
+func serveAPIResources(w http.ResponseWriter, r *http.Request) {
+	if r.URL.Path != "/apis/"+aggregatedGroup+"/"+aggregatedVersion {
+		http.NotFound(w, r)
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	fmt.Fprintf(w, `{"kind":"APIResourceList","apiVersion":"v1","groupVersion":"%s/%s","resources":[{"name":"gadgets","singularName":"gadget","namespaced":true,"kind":"Gadget","verbs":["get","list"]}]}`,
+		aggregatedGroup, aggregatedVersion)
+}
+
+// apiService registers the webhook Service of ns as the aggregated API
+// server of aggregatedGroup, with caBundle, and checks that
+// GET /apis/<group>/<version> reaches it through the tunnel.
+func (w *world) apiService(ns string, caBundle []byte) {
+	w.t.Helper()
+	name := aggregatedVersion + "." + aggregatedGroup
+	body, err := json.Marshal(map[string]any{
+		"apiVersion": "apiregistration.k8s.io/v1", "kind": "APIService",
+		"metadata": map[string]any{"name": name},
+		"spec": map[string]any{
+			"group": aggregatedGroup, "version": aggregatedVersion,
+			"service":              map[string]any{"namespace": ns, "name": "webhook", "port": 443},
+			"caBundle":             caBundle,
+			"groupPriorityMinimum": 1000, "versionPriority": 15,
+		},
+	})
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	rest := w.admin.Discovery().RESTClient()
+	const apiServices = "/apis/apiregistration.k8s.io/v1/apiservices"
+	if _, err := rest.Post().AbsPath(apiServices).Body(body).SetHeader("Content-Type", "application/json").DoRaw(context.Background()); err != nil {
+		w.t.Fatal(err)
+	}
+	w.t.Cleanup(func() { _, _ = rest.Delete().AbsPath(apiServices, name).DoRaw(context.Background()) })
+	var got []byte
+	harness.Eventually(w.t, 90*time.Second, "GET /apis/"+aggregatedGroup+"/"+aggregatedVersion+" to reach the aggregated API server", func() bool {
+		got, err = rest.Get().AbsPath("/apis", aggregatedGroup, aggregatedVersion).DoRaw(context.Background())
+		return err == nil && strings.Contains(string(got), `"gadgets"`)
+	})
+	w.t.Logf("GET /apis/%s/%s: %s", aggregatedGroup, aggregatedVersion, got)
 }
