@@ -15,7 +15,6 @@ import (
 
 	"github.com/kcp-dev/tunnel-broker/broker/internal/quota"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
-	"github.com/kcp-dev/tunnel-broker/broker/registry"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
@@ -106,24 +105,11 @@ func (s *Server) open(conn net.Conn, who caller, deadline time.Time) (*tunnel.Tu
 func (s *Server) dial(target *tunnelv1.Target, who caller, deadline time.Time) (*tunnel.Tunnel, error) {
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
-	start := time.Now()
-	t, err := tunnel.Dial(ctx, s.cfg.Registry, target)
-	took := time.Since(start)
-	code := status.Code(err)
-	metrics.Dials.WithLabelValues(code.String()).Inc()
-	metrics.DialSeconds.WithLabelValues(code.String()).Observe(took.Seconds())
-	if err == nil {
-		return t, nil
+	t, _, failure, err := tunnel.DialCounted(ctx, s.cfg.Registry, target)
+	if err != nil {
+		s.cfg.Log.Info("dial failed", append([]any{"target", target.Key(), "caller", who.String()}, failure...)...)
 	}
-	if limit, ok := errors.AsType[*registry.LimitError](err); ok {
-		metrics.LimitsHit.WithLabelValues(limit.Limit).Inc()
-	}
-	log := s.cfg.Log.With("target", target.Key(), "caller", who.String())
-	if failed, ok := errors.AsType[*registry.DialError](err); ok {
-		log = log.With(failed.LogAttrs()...)
-	}
-	log.Info("dial failed", "code", code.String(), "error", status.Convert(err).Message(), "took", took)
-	return nil, err
+	return t, err
 }
 
 // splice carries the tunnel until it ends.
