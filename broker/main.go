@@ -107,8 +107,13 @@ func serve(ctx context.Context, o *options, cfg server.Config, ready *ops.Readin
 		}
 		return nil
 	})
+	egress, err := o.egress.listen(srv, cfg.Identity, cfg.Log)
+	if err != nil {
+		return err
+	}
 	cfg.Log.Info("broker serving", "address", l.Addr().String(), "id", self.String(), "replica", cfg.ID, "version", version.Get().String())
-	return srv.Serve(ctx, l)
+	err = srv.Serve(ctx, l)
+	return errors.Join(err, egress())
 }
 
 // options are the broker's flags: the replica's Config, but for what run
@@ -119,6 +124,7 @@ type options struct {
 	jsonLogs, verbose, showVersion       bool
 	metricsPerCluster                    bool
 	identity                             *identity.Options
+	egress                               egressFlags
 }
 
 func parseFlags() (*options, error) {
@@ -154,6 +160,7 @@ func parseFlags() (*options, error) {
 	flag.BoolVar(&o.jsonLogs, "log-json", false, "log JSON lines instead of text")
 	flag.BoolVar(&o.verbose, "v", false, "log every tunnel, not only failures")
 	o.identity = identity.AddFlags(flag.CommandLine)
+	o.egress.add(flag.CommandLine)
 	flag.BoolVar(&o.showVersion, "version", false, "print the version and exit")
 	flag.Parse()
 	if err := flagcheck.Check(flag.CommandLine, "max-message-size", "max-concurrent-streams"); err != nil {

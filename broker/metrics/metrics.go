@@ -98,6 +98,20 @@ var (
 	// ClosedFragmented counts connections whose peer sent data in
 	// fragments (package fragments).
 	ClosedFragmented = ConnectionsClosed.WithLabelValues("fragmented_data")
+
+	// EgressRequests counts the CONNECT front end's requests by front end
+	// (uds, tls) and the HTTP status they got.
+	EgressRequests = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: ns, Name: "egress_requests_total",
+		Help: "Requests to the CONNECT front end, by front end (uds, tls) and HTTP status answered (0: the connection ended before an answer).",
+	}, []string{"frontend", "code"})
+
+	// EgressTunnels is the number of tunnels the CONNECT front end splices,
+	// by front end; they count in tunnels too.
+	EgressTunnels = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Namespace: ns, Name: "egress_tunnels",
+		Help: "Tunnels open through the CONNECT front end, by front end (uds, tls).",
+	}, []string{"frontend"})
 )
 
 // CountRefusedHandshake counts one failed TLS handshake.
@@ -107,7 +121,8 @@ func CountRefusedHandshake(reason identity.Reason) {
 
 func init() {
 	Registry.MustRegister(GRPC, Denied, Dials, DialSeconds, Tunnels, Bytes, LimitsHit,
-		Registrations, ProbeRTT, ProbeSuccess, Reachable, HandshakesRefused, ConnectionsClosed)
+		Registrations, ProbeRTT, ProbeSuccess, Reachable, HandshakesRefused, ConnectionsClosed,
+		EgressRequests, EgressTunnels)
 	for _, r := range identity.Reasons {
 		HandshakesRefused.WithLabelValues(string(r))
 	}

@@ -81,3 +81,12 @@ func (m agentMatcher) matches(id spiffeid.ID) bool {
 	}
 	return m.exact == id
 }
+
+// EgressCluster is the one logical cluster whose Services id may reach
+// through the CONNECT front end.
+func (p *Policy) EgressCluster(id spiffeid.ID) (string, error) {
+	if c, ok := p.egress[id]; ok {
+		return c, nil
+	}
+	return "", fmt.Errorf("%s has no egress rule", id)
+}

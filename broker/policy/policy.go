@@ -31,11 +31,24 @@ import (
 //	  clusters: [2x3y4z5w6v7u8t9s]                # only these
 //	operators:
 //	- id: spiffe://example.org/ns/kcp-system/sa/oncall
+//	egress:                                       # the CONNECT front end
+//	- id: spiffe://example.org/ns/hcp-1/sa/kube-apiserver
+//	  cluster: hcp-1                              # exactly one
 type File struct {
 	Agents      []AgentRule         `json:"agents"`
 	SyncTargets map[string][]string `json:"syncTargets,omitempty"`
 	Callers     []CallerRule        `json:"callers"`
 	Operators   []OperatorRule      `json:"operators,omitempty"`
+	Egress      []EgressRule        `json:"egress,omitempty"`
+}
+
+// EgressRule lets an ID use the broker's CONNECT front end over TLS, and
+// says which logical cluster its connections go to: a CONNECT names only
+// host:port, so the caller's identity decides the cluster, and each
+// identity has exactly one.
+type EgressRule struct {
+	ID      string `json:"id"`
+	Cluster string `json:"cluster"`
 }
 
 // AgentRule lets an ID register as an agent. An ID with the {syncTarget}
@@ -71,6 +84,7 @@ type Policy struct {
 	syncTargets map[string]clusterSet
 	// warnings are rules that can never match, for the log.
 	warnings []string
+	egress   map[spiffeid.ID]string
 }
 
 // Warnings are the policy's rules that can never match: valid, but most
@@ -129,6 +143,7 @@ func Parse(raw []byte) (*Policy, error) {
 
 // New validates f.
 func New(f File) (*Policy, error) {
+	var err error
 	p := &Policy{operators: map[spiffeid.ID]bool{}}
 	syncTargets := map[string]clusterSet{}
 	for name, clusters := range f.SyncTargets {
@@ -168,11 +183,14 @@ func New(f File) (*Policy, error) {
 		}
 		p.operators[id] = true
 	}
+	if p.egress, err = parseEgress(f.Egress); err != nil {
+		return nil, err
+	}
 	if len(p.agents) == 0 {
 		return nil, fmt.Errorf("agents: no rule, so no agent could register")
 	}
-	if len(p.callers) == 0 {
-		return nil, fmt.Errorf("callers: no rule, so nobody could dial")
+	if len(p.callers) == 0 && len(p.egress) == 0 {
+		return nil, fmt.Errorf("callers: no rule (nor egress), so nobody could dial")
 	}
 	p.syncTargets = syncTargets
 	p.warnings = unmatchable(f)
@@ -231,4 +249,23 @@ func parseClusters(names []string, allowAny bool) (clusterSet, error) {
 		set.names[c] = struct{}{}
 	}
 	return set, nil
+}
+
+// parseEgress validates the egress rules: one cluster per ID, each ID once.
+func parseEgress(rules []EgressRule) (map[spiffeid.ID]string, error) {
+	egress := map[spiffeid.ID]string{}
+	for i, r := range rules {
+		id, err := spiffeid.FromString(r.ID)
+		if err != nil {
+			return nil, fmt.Errorf("egress[%d].id: %w", i, err)
+		}
+		if err := tunnelv1.ValidateClusterName(r.Cluster); err != nil {
+			return nil, fmt.Errorf("egress[%d].cluster: %w", i, err)
+		}
+		if _, dup := egress[id]; dup {
+			return nil, fmt.Errorf("egress[%d].id: %s has a rule already: an egress caller goes to exactly one logical cluster", i, id)
+		}
+		egress[id] = r.Cluster
+	}
+	return egress, nil
 }

@@ -122,3 +122,39 @@ func TestPolicyRefusesBadFilesWithTheFieldAtFault(t *testing.T) {
 		})
 	}
 }
+
+func TestPolicyMapsEachEgressCallerToOneCluster(t *testing.T) {
+	p, err := Parse([]byte(`
+agents:
+- id: spiffe://example.org/agent
+  clusters: ["*"]
+egress:
+- id: spiffe://example.org/hcp-1/kube-apiserver
+  cluster: hcp-1
+`))
+	if err != nil {
+		t.Fatalf("a policy with egress rules and no callers: %v", err)
+	}
+	if c, err := p.EgressCluster(spiffeid.RequireFromString("spiffe://example.org/hcp-1/kube-apiserver")); err != nil || c != "hcp-1" {
+		t.Errorf("EgressCluster = %q, %v; want hcp-1", c, err)
+	}
+	if c, err := p.EgressCluster(spiffeid.RequireFromString("spiffe://example.org/other")); err == nil {
+		t.Errorf("an ID without a rule got cluster %q", c)
+	}
+	if err := p.MayDial(spiffeid.RequireFromString("spiffe://example.org/hcp-1/kube-apiserver"), "hcp-1"); err == nil {
+		t.Error("an egress rule let its ID call Dial")
+	}
+	for name, egress := range map[string]string{
+		"two rules for one ID": "- {id: spiffe://example.org/a, cluster: c1}\n- {id: spiffe://example.org/a, cluster: c2}",
+		"a path for a cluster": "- {id: spiffe://example.org/a, cluster: 'root:org'}",
+		"no cluster":           "- {id: spiffe://example.org/a}",
+		"a list of clusters":   "- {id: spiffe://example.org/a, cluster: [c1, c2]}",
+		"no ID":                "- {cluster: c1}",
+	} {
+		if _, err := Parse([]byte("agents: [{id: spiffe://example.org/agent, clusters: ['*']}]\negress:\n" + egress)); err == nil {
+			t.Errorf("%s: accepted", name)
+		} else {
+			t.Logf("%s: %v", name, err)
+		}
+	}
+}

@@ -6,6 +6,7 @@ package server
 import (
 	"cmp"
 	"context"
+	"crypto/tls"
 	"log/slog"
 	"net"
 	"time"
@@ -22,6 +23,7 @@ import (
 	adminv1 "github.com/kcp-dev/tunnel-broker/broker/api/admin/v1"
 	agentv1 "github.com/kcp-dev/tunnel-broker/broker/api/agent/v1"
 	dialv1 "github.com/kcp-dev/tunnel-broker/broker/api/dial/v1"
+	egressv1 "github.com/kcp-dev/tunnel-broker/broker/api/egress/v1"
 	"github.com/kcp-dev/tunnel-broker/broker/authz"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/fragments"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/opening"
@@ -179,6 +181,7 @@ type Server struct {
 	grpc     *grpc.Server
 	health   *health.Server
 	dial     *dialv1.Service
+	egress   []*egressv1.Server
 	draining context.Context // ends when the replica stops taking dials
 	drain    context.CancelFunc
 	stopping context.Context // ends when the grace period is over
@@ -302,6 +305,34 @@ func (s *Server) registerServices() {
 	metrics.GRPC.InitializeMetrics(s.grpc)
 }
 
+// Egress is a CONNECT front end of this replica (package egress): plain
+// for cluster if tlsConfig is nil (a Unix socket), else SPIFFE mTLS with
+// each caller's cluster from the policy. It shares the replica's registry,
+// dial timeout, tunnel limits and shutdown; serve it with its Serve.
+func (s *Server) Egress(name string, tlsConfig *tls.Config, cluster string) *egressv1.Server {
+	cfg := s.cfg
+	e := egressv1.New(egressv1.Config{
+		Name: name, TLS: tlsConfig, Cluster: cluster,
+		Registry: s.Registry, Policy: cfg.Policy, Timeout: cfg.DialTimeout,
+		MaxTunnelsPerCaller: cfg.MaxTunnelsPerCaller,
+		Tunnels:             tunnel.Config{IdleTimeout: cfg.IdleTimeout, Stopping: s.stopping, Clock: cfg.Clock},
+		Draining:            s.draining,
+		Log:                 cfg.Log.With("service", "egress"),
+	})
+	s.egress = append(s.egress, e)
+	return e
+}
+
+// active is the number of tunnels the replica splices, Dial's and the
+// CONNECT front ends'.
+func (s *Server) active() int64 {
+	n := s.dial.Active()
+	for _, e := range s.egress {
+		n += e.Active()
+	}
+	return n
+}
+
 // Ready reports whether the replica takes dials: it serves and does not drain.
 func (s *Server) Ready() bool { return s.draining.Err() == nil }
 
@@ -324,20 +355,20 @@ func (s *Server) shutdown() {
 	log := s.cfg.Log
 	s.health.Shutdown()
 	s.drain()
-	log.Info("draining", "tunnels", s.dial.Active(), "grace", s.cfg.Grace)
+	log.Info("draining", "tunnels", s.active(), "grace", s.cfg.Grace)
 	deadline := time.NewTimer(s.cfg.Grace)
 	defer deadline.Stop()
 	tick := time.NewTicker(50 * time.Millisecond)
 	defer tick.Stop()
 wait:
-	for s.dial.Active() > 0 {
+	for s.active() > 0 {
 		select {
 		case <-deadline.C:
 			break wait
 		case <-tick.C:
 		}
 	}
-	if n := s.dial.Active(); n > 0 {
+	if n := s.active(); n > 0 {
 		log.Info("grace period over, ending tunnels", "tunnels", n)
 	}
 	s.stop()

@@ -39,7 +39,7 @@ type Config struct {
 // and the agent's RPC (nil: OK); the agent's RPC has ended by then. ended, if
 // set, runs once as soon as the end is known, before either peer can hear
 // of it: a caller told that its tunnel ended may dial again at once.
-func (t *Tunnel) Splice(caller tunnelv1.DialService_DialServer, cfg Config, ended func()) (callerStatus, agentStatus error) {
+func (t *Tunnel) Splice(caller grpc.ServerStream, cfg Config, ended func()) (callerStatus, agentStatus error) {
 	t.caller = caller
 	t.clock = cfg.Clock
 	if t.clock == nil {

@@ -21,13 +21,17 @@ package tunnel
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/status"
 	"k8s.io/utils/clock"
 
+	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
@@ -48,7 +52,7 @@ type Tunnel struct {
 
 	claim  *registry.Claim
 	agent  tunnelv1.AgentService_TunnelServer
-	caller tunnelv1.DialService_DialServer // set by Splice
+	caller grpc.ServerStream // set by Splice: a Dial stream, or a connection (SpliceConn)
 
 	// The hand-over from the Dial RPC to the agent's Tunnel RPC.
 	mu          sync.Mutex
@@ -155,4 +159,27 @@ func (t *Tunnel) End(err error) {
 		t.agentStatus = err
 		close(t.ended)
 	})
+}
+
+// DialCounted is Dial for a front end (the Dial RPC, the CONNECT front
+// end): it counts the dial in the dial metrics, and the limit that refused
+// it if one did, and returns how long it took and, for a failure, what to
+// log it with.
+func DialCounted(ctx context.Context, r *registry.Registry, target *tunnelv1.Target) (t *Tunnel, took time.Duration, logAttrs []any, err error) {
+	start := time.Now()
+	t, err = Dial(ctx, r, target)
+	took = time.Since(start)
+	code := status.Code(err)
+	metrics.Dials.WithLabelValues(code.String()).Inc()
+	metrics.DialSeconds.WithLabelValues(code.String()).Observe(took.Seconds())
+	if err == nil {
+		return t, took, nil, nil
+	}
+	if limit, ok := errors.AsType[*registry.LimitError](err); ok {
+		metrics.LimitsHit.WithLabelValues(limit.Limit).Inc()
+	}
+	if failed, ok := errors.AsType[*registry.DialError](err); ok {
+		logAttrs = failed.LogAttrs()
+	}
+	return nil, took, append(logAttrs, "code", code.String(), "error", status.Convert(err).Message(), "took", took), err
 }

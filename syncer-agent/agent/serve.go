@@ -91,6 +91,9 @@ func (a *Agent) connect(ctx context.Context, order *tunnelv1.DialOrder) (*net.TC
 		return nil, &dialError{codes.InvalidArgument, err.Error(), err}
 	}
 	svc := fmt.Sprintf("Service %s/%s port %d", t.GetNamespace(), t.GetService(), t.GetPort())
+	if t.GetIp() != "" {
+		svc = fmt.Sprintf("the Service of the address dialled, port %d", t.GetPort())
+	}
 	timeout := time.Duration(order.GetTimeoutMs()) * time.Millisecond
 	if timeout <= 0 {
 		timeout = defaultConnectTimeout

@@ -93,6 +93,12 @@ func NewKube(client kubernetes.Interface, opts KubeOptions) (*Kube, error) {
 	if err := k.slices.AddIndexers(endpointSliceIndexers()); err != nil {
 		return nil, err
 	}
+	if err := k.slices.AddIndexers(endpointAddressIndexers()); err != nil {
+		return nil, err
+	}
+	if err := k.services.AddIndexers(serviceIndexers()); err != nil {
+		return nil, err
+	}
 	k.picker = &endpointPicker{slices: k.slices.GetIndexer(), pods: k.pods.GetIndexer()}
 	if err := k.mapNamespaces(opts); err != nil {
 		return nil, err
@@ -245,13 +251,18 @@ func (k *Kube) noteClusters() {
 }
 
 // Resolve implements Resolver: the ready endpoints of the target's Service
-// port in the namespace mapped to the target's namespace, best first.
-func (k *Kube) Resolve(_ context.Context, t *tunnelv1.Target) ([]string, error) {
+// port in the namespace mapped to the target's namespace, best first. A
+// target that names an address is resolved as the Service it belongs to
+// (byaddress.go).
+func (k *Kube) Resolve(ctx context.Context, t *tunnelv1.Target) ([]string, error) {
 	if err := t.Validate(); err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
 	if !k.synced() {
 		return nil, status.Error(codes.Unavailable, "the agent has not yet read the physical cluster's Services")
+	}
+	if t.GetIp() != "" {
+		return k.resolveAddress(ctx, t)
 	}
 	what := fmt.Sprintf("service %s/%s port %d of logical cluster %s", t.GetNamespace(), t.GetService(), t.GetPort(), t.GetCluster())
 	ns, err := k.mapper.downstream(t)

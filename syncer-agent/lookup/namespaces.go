@@ -129,6 +129,9 @@ type namespaceMapper interface {
 	downstream(t *tunnelv1.Target) (string, error)
 	// clusters are the logical clusters that have namespaces here, sorted.
 	clusters() []string
+	// upstream is the logical cluster and namespace that the namespace
+	// of the physical cluster named ns holds the Services of, if any.
+	upstream(ns string) (cluster, namespace string, ok bool)
 }
 
 // syncerNamespaces maps through the syncer's locator annotations.
@@ -157,6 +160,14 @@ func (m *syncerNamespaces) downstream(t *tunnelv1.Target) (string, error) {
 		return "", status.Errorf(codes.FailedPrecondition, "namespace %s of logical cluster %s is claimed by several namespaces of the physical cluster (%v); refusing to guess",
 			t.GetNamespace(), t.GetCluster(), names)
 	}
+}
+
+func (m *syncerNamespaces) upstream(ns string) (cluster, namespace string, ok bool) {
+	obj, exists, err := m.indexer.GetByKey(ns)
+	if err != nil || !exists {
+		return "", "", false
+	}
+	return locatorOf(obj.(*corev1.Namespace), m.syncTarget)
 }
 
 func (m *syncerNamespaces) clusters() []string {
@@ -192,3 +203,11 @@ func (m *plainNamespaces) downstream(t *tunnelv1.Target) (string, error) {
 }
 
 func (m *plainNamespaces) clusters() []string { return []string{m.cluster} }
+
+func (m *plainNamespaces) upstream(ns string) (cluster, namespace string, ok bool) {
+	obj, exists, err := m.indexer.GetByKey(ns)
+	if err != nil || !exists || hasLocator(obj.(*corev1.Namespace)) {
+		return "", "", false
+	}
+	return m.cluster, ns, true
+}

@@ -115,6 +115,9 @@ func (s *Static) Clusters() []string { return s.clusters }
 
 // Resolve implements Resolver.
 func (s *Static) Resolve(_ context.Context, t *tunnelv1.Target) ([]string, error) {
+	if t.GetIp() != "" {
+		return nil, status.Errorf(codes.PermissionDenied, "refused: a static table maps Services to addresses, not addresses to Services, so it cannot tell whose address %s is", t.GetIp())
+	}
 	addr, ok := s.table[t.Key()]
 	if !ok {
 		return nil, status.Errorf(codes.NotFound, "no service %s/%s with port %d in logical cluster %s",

@@ -32,6 +32,9 @@ type KubeCluster struct {
 	Host      string
 	etcd      *daemon
 	apiServer *daemon
+	// ExtraArgs are added to kube-apiserver's flags at its next start,
+	// e.g. --egress-selector-config-file.
+	ExtraArgs []string
 }
 
 const (
@@ -129,23 +132,23 @@ func (c *KubeCluster) startEtcd() error {
 // StartAPIServer starts kube-apiserver (again, after StopAPIServer) and
 // waits until /readyz answers ok.
 func (c *KubeCluster) StartAPIServer() error {
-	d, err := startDaemon(filepath.Join(c.bin, "kube-apiserver"), c.path("kube-apiserver.log"),
-		"--etcd-servers="+etcdClientURL,
-		"--bind-address="+IsolatedAPIServerIP, "--advertise-address="+IsolatedAPIServerIP,
-		"--secure-port="+apiServerPort,
-		"--cert-dir="+c.path("apiserver-certs"),
-		"--tls-cert-file="+c.path("apiserver.crt"), "--tls-private-key-file="+c.path("apiserver.key"),
-		"--client-ca-file="+c.path("ca.crt"),
+	d, err := startDaemon(filepath.Join(c.bin, "kube-apiserver"), c.path("kube-apiserver.log"), append([]string{
+		"--etcd-servers=" + etcdClientURL,
+		"--bind-address=" + IsolatedAPIServerIP, "--advertise-address=" + IsolatedAPIServerIP,
+		"--secure-port=" + apiServerPort,
+		"--cert-dir=" + c.path("apiserver-certs"),
+		"--tls-cert-file=" + c.path("apiserver.crt"), "--tls-private-key-file=" + c.path("apiserver.key"),
+		"--client-ca-file=" + c.path("ca.crt"),
 		"--authorization-mode=RBAC",
 		"--service-account-issuer=https://kubernetes.default.svc",
-		"--service-account-key-file="+c.path("sa.key"), "--service-account-signing-key-file="+c.path("sa.key"),
+		"--service-account-key-file=" + c.path("sa.key"), "--service-account-signing-key-file=" + c.path("sa.key"),
 		"--service-cluster-ip-range=10.0.0.0/24",
 		// The test writes EndpointSlices itself; nothing reconciles the
 		// API server's own endpoints.
 		"--endpoint-reconciler-type=none",
 		"--enable-priority-and-fairness=false",
 		"--profiling=false",
-		"--v=1")
+		"--v=1"}, c.ExtraArgs...)...)
 	if err != nil {
 		return err
 	}

@@ -11,7 +11,8 @@ import (
 
 // DefaultPolicy is what tests get unless they bring their own: agents
 // /agent/sync-target-1, /agent/sync-target-2 and /agent/silent may serve any
-// cluster, /kcp may dial any, /operator administers.
+// cluster, /kcp may dial any, /operator administers, /kube-apiserver
+// reaches cluster hcp through the CONNECT front end.
 func DefaultPolicy() policy.File {
 	td := "spiffe://" + TrustDomain
 	return policy.File{
@@ -22,6 +23,9 @@ func DefaultPolicy() policy.File {
 		},
 		Callers:   []policy.CallerRule{{ID: td + "/kcp"}},
 		Operators: []policy.OperatorRule{{ID: td + "/operator"}},
+		// A kube-apiserver whose egress selector uses the broker's CONNECT
+		// front end over mTLS reaches logical cluster hcp.
+		Egress: []policy.EgressRule{{ID: td + "/kube-apiserver", Cluster: "hcp"}},
 	}
 }
 

@@ -27,6 +27,8 @@ type WebhookOptions struct {
 	// ClientCA, if set, makes the server require a client certificate
 	// signed by it.
 	ClientCA *devca.CA
+	// Listen is the address to serve on; default 127.0.0.1:0.
+	Listen string
 }
 
 // StartWebhook serves review on a loopback port until the test ends. The
@@ -63,7 +65,10 @@ func StartTLSWebhook(t T, opts WebhookOptions, handler http.Handler) *Webhook {
 		cfg.ClientCAs = pool
 		cfg.ClientAuth = tls.RequireAndVerifyClientCert
 	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if opts.Listen == "" {
+		opts.Listen = "127.0.0.1:0"
+	}
+	l, err := net.Listen("tcp", opts.Listen)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -5,7 +5,6 @@ package dial
 import (
 	"cmp"
 	"context"
-	"errors"
 	"log/slog"
 	"sync/atomic"
 	"time"
@@ -164,23 +163,11 @@ func (s *Service) receiveTarget(stream tunnelv1.DialService_DialServer, caller s
 func (s *Service) dial(ctx context.Context, target *tunnelv1.Target, log *slog.Logger) (*tunnel.Tunnel, time.Duration, error) {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
 	defer cancel()
-	start := time.Now()
-	t, err := tunnel.Dial(ctx, s.cfg.Registry, target)
-	took := time.Since(start)
-	code := status.Code(err)
-	metrics.Dials.WithLabelValues(code.String()).Inc()
-	metrics.DialSeconds.WithLabelValues(code.String()).Observe(took.Seconds())
-	if err == nil {
-		return t, took, nil
+	t, took, failure, err := tunnel.DialCounted(ctx, s.cfg.Registry, target)
+	if err != nil {
+		log.Info("dial failed", failure...)
 	}
-	if limit, ok := errors.AsType[*registry.LimitError](err); ok {
-		metrics.LimitsHit.WithLabelValues(limit.Limit).Inc()
-	}
-	if failed, ok := errors.AsType[*registry.DialError](err); ok {
-		log = log.With(failed.LogAttrs()...)
-	}
-	log.Info("dial failed", "code", code.String(), "error", status.Convert(err).Message(), "took", took)
-	return nil, took, err
+	return t, took, err
 }
 
 // splice splices the established tunnel t with the caller's stream until

@@ -52,6 +52,17 @@ func (f *Frame) DataLen() (int, error) {
 	return int(size), nil
 }
 
+// NewDataFrame is a data frame that carries a copy of payload (not empty),
+// encoded as every sender encodes data: for a sender that reads its bytes
+// from elsewhere than a gRPC stream, such as the broker's CONNECT front end.
+func NewDataFrame(payload []byte) Frame {
+	b := make([]byte, 1+binary.MaxVarintLen64+len(payload))
+	b[0] = dataTag
+	m := binary.PutUvarint(b[1:], uint64(len(payload)))
+	n := 1 + m + copy(b[1+m:], payload)
+	return Frame{buf: mem.BufferSlice{mem.SliceBuffer(b[:n])}}
+}
+
 // Decode decodes f into m, for frames that are not data.
 func (f *Frame) Decode(m proto.Message) error {
 	return proto.Unmarshal(f.buf.Materialize(), m)

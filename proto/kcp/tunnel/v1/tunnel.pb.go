@@ -520,8 +520,17 @@ type Target struct {
 	Namespace string `protobuf:"bytes,2,opt,name=namespace,proto3" json:"namespace,omitempty"`
 	// Service name (a DNS-1035 label).
 	Service string `protobuf:"bytes,3,opt,name=service,proto3" json:"service,omitempty"`
-	// Service port (the Service's port, not its targetPort), 1-65535.
-	Port          uint32 `protobuf:"varint,4,opt,name=port,proto3" json:"port,omitempty"`
+	// Service port (the Service's port, not its targetPort), 1-65535; with
+	// ip, the port at that address.
+	Port uint32 `protobuf:"varint,4,opt,name=port,proto3" json:"port,omitempty"`
+	// An address instead of a Service, for callers that know only the
+	// address they dial (kube-apiserver's egress selector): a Service's
+	// ClusterIP, or the IP of a ready endpoint of a Service, in canonical
+	// form (no zone). With ip set, namespace and service are empty, and the
+	// agent maps the address and port to the Service and port they belong
+	// to in the cluster, refusing any other address. Agents that predate
+	// this field see an empty namespace and refuse the dial.
+	Ip            string `protobuf:"bytes,5,opt,name=ip,proto3" json:"ip,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -582,6 +591,13 @@ func (x *Target) GetPort() uint32 {
 		return x.Port
 	}
 	return 0
+}
+
+func (x *Target) GetIp() string {
+	if x != nil {
+		return x.Ip
+	}
+	return ""
 }
 
 type DialRequest struct {
@@ -1698,12 +1714,13 @@ const file_kcp_tunnel_v1_tunnel_proto_rawDesc = "" +
 	" \x01(\x04R\abytesUp\x12\x1d\n" +
 	"\n" +
 	"bytes_down\x18\v \x01(\x04R\tbytesDown\x12-\n" +
-	"\x04idle\x18\f \x01(\v2\x19.google.protobuf.DurationR\x04idle\"n\n" +
+	"\x04idle\x18\f \x01(\v2\x19.google.protobuf.DurationR\x04idle\"~\n" +
 	"\x06Target\x12\x18\n" +
 	"\acluster\x18\x01 \x01(\tR\acluster\x12\x1c\n" +
 	"\tnamespace\x18\x02 \x01(\tR\tnamespace\x12\x18\n" +
 	"\aservice\x18\x03 \x01(\tR\aservice\x12\x12\n" +
-	"\x04port\x18\x04 \x01(\rR\x04port\"]\n" +
+	"\x04port\x18\x04 \x01(\rR\x04port\x12\x0e\n" +
+	"\x02ip\x18\x05 \x01(\tR\x02ip\"]\n" +
 	"\vDialRequest\x12/\n" +
 	"\x06target\x18\x01 \x01(\v2\x15.kcp.tunnel.v1.TargetH\x00R\x06target\x12\x14\n" +
 	"\x04data\x18\x02 \x01(\fH\x00R\x04dataB\a\n" +

@@ -2,7 +2,10 @@ package tunnelv1
 
 import (
 	"fmt"
+	"net"
+	"net/netip"
 	"regexp"
+	"strconv"
 	"strings"
 )
 
@@ -56,6 +59,9 @@ func (t *Target) Validate() error {
 	if err := ValidateClusterName(t.GetCluster()); err != nil {
 		return err
 	}
+	if t.GetIp() != "" {
+		return t.validateAddress()
+	}
 	if ns := t.GetNamespace(); len(ns) > maxLabelLength || !dns1123LabelRE.MatchString(ns) {
 		return fmt.Errorf("namespace %q is not a DNS-1123 label", ns)
 	}
@@ -68,10 +74,39 @@ func (t *Target) Validate() error {
 	return nil
 }
 
+// validateAddress checks a target that names an address: one IP address,
+// spelt the one way netip spells it (so that a target has one key), and a
+// port, but no Service.
+func (t *Target) validateAddress() error {
+	ip, err := netip.ParseAddr(t.GetIp())
+	switch {
+	case err != nil:
+		return fmt.Errorf("ip %s is not an IP address", quoteShort(t.GetIp()))
+	case ip.Zone() != "":
+		return fmt.Errorf("ip %s has an IPv6 zone, which names an interface of the agent's host", quoteShort(t.GetIp()))
+	case ip.Is4In6():
+		return fmt.Errorf("ip %s is an IPv4 address in IPv6 form: write it as %s", quoteShort(t.GetIp()), ip.Unmap())
+	case ip.String() != t.GetIp():
+		return fmt.Errorf("ip %s is not in canonical form (%s)", quoteShort(t.GetIp()), ip)
+	case t.GetNamespace() != "" || t.GetService() != "":
+		return fmt.Errorf("a target names either an ip or a namespace and service, not both")
+	}
+	if p := t.GetPort(); p < 1 || p > 65535 {
+		return fmt.Errorf("port %d is outside 1-65535", p)
+	}
+	return nil
+}
+
 // Key is the target as cluster/namespace/service:port, the one way the
 // project writes a target (kcpplugin's errors, tunnelctl, logs), and a map
 // key: the parts of a valid target hold no '/', and the port follows the
 // last ':', so two valid targets never share a key.
+//
+// A target that names an address is cluster/ip:port (IPv6 in brackets):
+// one '/', so it never shares a key with a Service's.
 func (t *Target) Key() string {
+	if t.GetIp() != "" {
+		return t.GetCluster() + "/" + net.JoinHostPort(t.GetIp(), strconv.FormatUint(uint64(t.GetPort()), 10))
+	}
 	return fmt.Sprintf("%s/%s/%s:%d", t.GetCluster(), t.GetNamespace(), t.GetService(), t.GetPort())
 }

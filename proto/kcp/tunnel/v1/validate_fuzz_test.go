@@ -1,6 +1,7 @@
 package tunnelv1
 
 import (
+	"net/netip"
 	"strconv"
 	"strings"
 	"testing"
@@ -159,8 +160,7 @@ func checkDecodedTarget(t *testing.T, target *Target) {
 		}
 		return
 	}
-	if !isClusterName(target.GetCluster()) || !isLabel(target.GetNamespace(), false) ||
-		!isLabel(target.GetService(), true) || target.GetPort() < 1 || target.GetPort() > 65535 {
+	if !isClusterName(target.GetCluster()) || !namesOneThing(target) || target.GetPort() < 1 || target.GetPort() > 65535 {
 		t.Fatalf("decoded target %v accepted against the rules", target)
 	}
 	wire, err := proto.Marshal(&DialOrder{DialId: 1, Target: target})
@@ -179,6 +179,17 @@ func checkDecodedTarget(t *testing.T, target *Target) {
 	}
 }
 
+// namesOneThing: a Service (a namespace and a service label) or, without
+// them, one IP address in netip's spelling.
+func namesOneThing(target *Target) bool {
+	if target.GetIp() == "" {
+		return isLabel(target.GetNamespace(), false) && isLabel(target.GetService(), true)
+	}
+	ip, err := netip.ParseAddr(target.GetIp())
+	return err == nil && ip.Zone() == "" && !ip.Is4In6() && ip.String() == target.GetIp() &&
+		target.GetNamespace() == "" && target.GetService() == ""
+}
+
 // keyOf splits a target's key, cluster/namespace/service:port, at the last
 // ':' and at the '/'s before it.
 func keyOf(key string) [4]string {
@@ -194,5 +205,32 @@ func TestAKeyIsClusterNamespaceServicePort(t *testing.T) {
 	target := &Target{Cluster: "system:admin", Namespace: "default", Service: "webhook", Port: 443}
 	if got, want := target.Key(), "system:admin/default/webhook:443"; got != want {
 		t.Errorf("Key() = %q, want %q", got, want)
+	}
+}
+
+func TestATargetNamesAServiceOrAnAddress(t *testing.T) {
+	for _, c := range []struct {
+		target *Target
+		ok     bool
+		key    string
+	}{
+		{&Target{Cluster: "root", Ip: "10.96.0.10", Port: 443}, true, "root/10.96.0.10:443"},
+		{&Target{Cluster: "root", Ip: "fd00::a", Port: 8443}, true, "root/[fd00::a]:8443"},
+		{&Target{Cluster: "root", Ip: "fd00:0::a", Port: 443}, false, ""},           // not canonical
+		{&Target{Cluster: "root", Ip: "fe80::1%eth0", Port: 443}, false, ""},        // a zone
+		{&Target{Cluster: "root", Ip: "010.96.0.10", Port: 443}, false, ""},         // not an address
+		{&Target{Cluster: "root", Ip: "webhook.default.svc", Port: 443}, false, ""}, // a name
+		{&Target{Cluster: "root", Ip: "10.96.0.10", Port: 0}, false, ""},
+		{&Target{Cluster: "root", Ip: "::ffff:10.96.0.10", Port: 443}, false, ""}, // IPv4 in IPv6 form
+		{&Target{Cluster: "root", Ip: "10.96.0.10", Namespace: "default", Service: "webhook", Port: 443}, false, ""},
+		{&Target{Cluster: "root:org", Ip: "10.96.0.10", Port: 443}, false, ""},
+	} {
+		err := c.target.Validate()
+		if (err == nil) != c.ok {
+			t.Errorf("Validate(%v) = %v, want ok %v", c.target, err, c.ok)
+		}
+		if c.ok && c.target.Key() != c.key {
+			t.Errorf("Key(%v) = %q, want %q", c.target, c.target.Key(), c.key)
+		}
 	}
 }

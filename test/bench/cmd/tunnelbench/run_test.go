@@ -74,6 +74,7 @@ func TestTinyRunPrintsEveryFigure(t *testing.T) {
 		"rtt64_4conns_per_s", "dial_p99_us", "relay_handshake_p50_us",
 		"grpc_rtt64_p50_us", "grpc_new_stream_rtt64_p99_us",
 		"isolation_slowdown_p50", "tenants_dial_loaded_p50_us", "tenants_dial_loaded_failed", "webhook_1conn_per_s", "webhook_4conns_p99_us",
+		"connect_webhook_1conn_per_s", "connect_webhook_4conns_per_s",
 		"idle_20_broker_rss_KiB_per_tunnel", "idle_20_broker_goroutines_per_tunnel",
 		"hostile_dial_most_broker_rss_MiB_peak", "hostile_connect_most_streams_not_ended",
 		"hostile_tunnel_unfinished_broker_rss_MiB_peak", "hostile_tunnel_stalled_small_MiB_sent_per_tunnel",

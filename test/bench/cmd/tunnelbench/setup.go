@@ -73,6 +73,7 @@ type pair struct {
 	broker, agent           *harness.Process
 	brokerAddr              string
 	brokerPprof, agentPprof string // "" without pprof
+	egressSocket            string // the CONNECT front end's; "" without one
 	conn                    *grpc.ClientConn
 	dialer                  *kcpplugin.Dialer
 }
@@ -149,7 +150,9 @@ func (r *runner) startPair() *pair {
 		brokerExtra = []string{"--pprof-listen", p.brokerPprof}
 		agentExtra = []string{"--pprof-listen", p.agentPprof}
 	}
-	p.broker, p.brokerAddr = r.env.StartBrokerProcess(brokerExtra...)
+	var egress []string
+	p.egressSocket, egress = egressFlags(harness.Binaries(r.m), r.env.Dir)
+	p.broker, p.brokerAddr = r.env.StartBrokerProcess(append(brokerExtra, egress...)...)
 	p.agent = r.env.StartAgentProcess(p.brokerAddr, agentPath, r.services(), agentExtra...)
 	p.conn = r.env.BrokerConn(p.brokerAddr, "/kcp")
 	p.dialer = kcpplugin.NewDialer(p.conn)

@@ -52,7 +52,11 @@ func (r *runner) webhookRate(ctx context.Context) {
 		concRate  float64
 	}
 	res := map[string]result{}
-	for _, p := range r.withPeer() {
+	paths := r.withPeer()
+	if c, ok := r.main.connect(); ok {
+		paths = append(paths, c)
+	}
+	for _, p := range paths {
 		var out result
 		var err error
 		client := r.webhookClient(p, 1)
@@ -84,6 +88,13 @@ func (r *runner) webhookRate(ctx context.Context) {
 		r.report.floorRow(peerName, "webhook_"+n+"conns_per_s", d.concRate, pr.concRate)
 		r.report.floorRow(peerName, "webhook_"+n+"conns_p50_us", bench.Micros(d.conc.Quantile(0.5)), bench.Micros(pr.conc.Quantile(0.5)))
 		r.report.floorRow(peerName, "webhook_"+n+"conns_p99_us", bench.Micros(d.conc.Quantile(0.99)), bench.Micros(pr.conc.Quantile(0.99)))
+	}
+	if c, ok := res[connectName]; ok {
+		// The CONNECT front end (kube-apiserver's egress selector) in the
+		// tunneled= column; the Dial path's figures are the rows above.
+		r.report.row("connect_webhook_1conn_per_s", d.seqRate, c.seqRate)
+		r.report.row("connect_webhook_"+n+"conns_per_s", d.concRate, c.concRate)
+		r.report.row("connect_webhook_1conn_p50_us", bench.Micros(d.seq.Quantile(0.5)), bench.Micros(c.seq.Quantile(0.5)))
 	}
 	r.webhookFirstRequest(ctx, body)
 }

@@ -1,0 +1,186 @@
+// Package egress serves the broker's HTTP CONNECT front end: the egress
+// protocol of kube-apiserver's EgressSelectorConfiguration
+// (proxyProtocol: HTTPConnect), over a Unix socket or TCP with SPIFFE mTLS,
+// so that any API server reaches the Services of one logical cluster
+// through the broker and an agent, as Konnectivity's users do, without a
+// change to the API server.
+//
+// One connection is one CONNECT host:port and, after the 200, one tunnel:
+// the same dial, agent leg, limits and metrics as the Dial RPC's
+// (tunnel.SpliceConn). A CONNECT names no cluster: a Unix socket's
+// front end serves the one cluster it was configured with, and a TLS
+// caller goes to the cluster of its SPIFFE ID's egress rule in the policy.
+package egress
+
+import (
+	"cmp"
+	"context"
+	"crypto/tls"
+	"errors"
+	"log/slog"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+
+	"github.com/kcp-dev/tunnel-broker/broker/internal/quota"
+	"github.com/kcp-dev/tunnel-broker/broker/metrics"
+	"github.com/kcp-dev/tunnel-broker/broker/policy"
+	"github.com/kcp-dev/tunnel-broker/broker/registry"
+	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
+	"github.com/kcp-dev/tunnel-broker/internal/identity"
+)
+
+// Defaults of Config.
+const (
+	// DefaultTimeout bounds a connection from its accept to its 200: the
+	// TLS handshake, the request head and the dial.
+	DefaultTimeout = 5 * time.Second
+	// DefaultMaxHeaderBytes bounds a request head; kube-apiserver's is a
+	// request line and a Host header.
+	DefaultMaxHeaderBytes = 4 << 10
+	// DefaultMaxOpening bounds the connections that have not had their
+	// answer yet; past it a new connection is closed at once.
+	DefaultMaxOpening = 128
+	// DefaultMaxTunnelsPerCaller bounds the tunnels of one caller (one
+	// SPIFFE ID; all of a Unix socket's callers together).
+	DefaultMaxTunnelsPerCaller = 20000
+)
+
+// Config is one front end. A zero value means the default, and a negative
+// limit none.
+type Config struct {
+	// Name labels the front end's metrics and logs: "uds" or "tls".
+	Name string
+	// TLS, if set, is the server side of SPIFFE mTLS
+	// (identity.ServerTLSConfig); nil serves plain connections, for a
+	// Unix socket whose file permissions decide who may connect.
+	TLS *tls.Config
+	// Cluster is the logical cluster of every connection of a plain front
+	// end; a TLS front end takes each caller's from Policy.EgressCluster.
+	Cluster  string
+	Registry *registry.Registry
+	Policy   *policy.Policy
+	// Timeout bounds a connection until its answer (DefaultTimeout).
+	Timeout             time.Duration
+	MaxHeaderBytes      int   // DefaultMaxHeaderBytes
+	MaxOpening          int   // DefaultMaxOpening
+	MaxTunnelsPerCaller int64 // DefaultMaxTunnelsPerCaller
+	// Tunnels is what ends tunnels besides their peers.
+	Tunnels tunnel.Config
+	// Draining ends when the broker stops taking dials; nil: never.
+	Draining context.Context
+	Log      *slog.Logger
+}
+
+// Server is one CONNECT front end.
+type Server struct {
+	cfg     Config
+	callers quota.Quota
+	opening chan struct{} // a token per connection without its answer
+	active  atomic.Int64
+	conns   sync.WaitGroup
+}
+
+// New is a front end with cfg, its defaults resolved.
+func New(cfg Config) *Server {
+	cfg.Name = cmp.Or(cfg.Name, "uds")
+	cfg.Timeout = cmp.Or(max(cfg.Timeout, 0), DefaultTimeout)
+	cfg.MaxHeaderBytes = cmp.Or(max(cfg.MaxHeaderBytes, 0), DefaultMaxHeaderBytes)
+	cfg.MaxOpening = cmp.Or(cfg.MaxOpening, DefaultMaxOpening)
+	if cfg.Draining == nil {
+		cfg.Draining = context.Background()
+	}
+	cfg.Log = cmp.Or(cfg.Log, slog.Default()).With("frontend", cfg.Name)
+	s := &Server{cfg: cfg, callers: quota.Quota{PerID: cmp.Or(cfg.MaxTunnelsPerCaller, DefaultMaxTunnelsPerCaller)}}
+	if cfg.MaxOpening > 0 {
+		s.opening = make(chan struct{}, cfg.MaxOpening)
+	}
+	return s
+}
+
+// Active is the number of tunnels this front end splices right now.
+func (s *Server) Active() int64 { return s.active.Load() }
+
+// Serve serves connections from l until ctx ends or l fails, and returns
+// once every connection it took has ended (tunnels end with
+// Config.Tunnels.Stopping).
+func (s *Server) Serve(ctx context.Context, l net.Listener) error {
+	stop := context.AfterFunc(ctx, func() { l.Close() })
+	defer stop()
+	defer s.conns.Wait()
+	for {
+		conn, err := l.Accept()
+		if err != nil {
+			if ctx.Err() != nil || errors.Is(err, net.ErrClosed) {
+				return nil
+			}
+			var temporary interface{ Timeout() bool }
+			if errors.As(err, &temporary) && temporary.Timeout() {
+				continue
+			}
+			return err
+		}
+		if !s.takeOpening() {
+			metrics.LimitsHit.WithLabelValues("egress_opening").Inc()
+			conn.Close()
+			continue
+		}
+		s.conns.Add(1)
+		go func() {
+			defer s.conns.Done()
+			s.serveConn(conn)
+		}()
+	}
+}
+
+func (s *Server) takeOpening() bool {
+	if s.opening == nil {
+		return true
+	}
+	select {
+	case s.opening <- struct{}{}:
+		return true
+	default:
+		return false
+	}
+}
+
+func (s *Server) releaseOpening() {
+	if s.opening != nil {
+		<-s.opening
+	}
+}
+
+// caller is who sent a connection: the SPIFFE ID of a TLS peer, zero on a
+// plain front end, and the cluster its connections go to.
+type caller struct {
+	id      spiffeid.ID
+	cluster string
+}
+
+func (c caller) String() string {
+	if c.id.IsZero() {
+		return "unix socket"
+	}
+	return c.id.String()
+}
+
+// handshake finishes the TLS handshake of a TLS front end, and says whose
+// connection conn is.
+func (s *Server) handshake(conn net.Conn) (net.Conn, caller, error) {
+	if s.cfg.TLS == nil {
+		return conn, caller{cluster: s.cfg.Cluster}, nil
+	}
+	tc := tls.Server(conn, s.cfg.TLS)
+	if err := tc.Handshake(); err != nil {
+		return nil, caller{}, err
+	}
+	info, err := identity.PeerOf(tc.ConnectionState())
+	if err != nil {
+		return nil, caller{}, err
+	}
+	return tc, caller{id: info.ID}, nil
+}
