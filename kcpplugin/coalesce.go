@@ -3,7 +3,7 @@ package kcpplugin
 import (
 	"google.golang.org/grpc/credentials"
 
-	"github.com/kcp-dev/tunnel-broker/kcpplugin/coalesce"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // CoalesceWrites wraps the transport credentials of kcp's connection to the
@@ -14,8 +14,8 @@ import (
 //	grpc.WithTransportCredentials(kcpplugin.CoalesceWrites(creds)),
 //	grpc.WithWriteBufferSize(256<<10),
 //
-// It is coalesce.Writes; the handshake and AuthInfo stay the wrapped
+// It is wire.CoalesceWrites; the handshake and AuthInfo stay the wrapped
 // credentials'. The broker and the agent wrap theirs the same way.
 func CoalesceWrites(creds credentials.TransportCredentials) credentials.TransportCredentials {
-	return coalesce.Writes(creds)
+	return wire.CoalesceWrites(creds)
 }

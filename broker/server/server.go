@@ -30,8 +30,8 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
-	"github.com/kcp-dev/tunnel-broker/kcpplugin/coalesce"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // Defaults of Config for what the server itself bounds; the services'
@@ -81,7 +81,7 @@ const (
 	// WriteBufferSize is gRPC's write buffer per connection (its default
 	// is 32 KiB). gRPC writes it out when it is full or has nothing more
 	// to send, so in bulk transfers one flush carries 16 TLS records,
-	// which coalesce.Writes sends with one syscall. gRPC lends the buffer
+	// which wire.CoalesceWrites sends with one syscall. gRPC lends the buffer
 	// from a pool only while it holds data, so idle connections cost
 	// nothing more.
 	WriteBufferSize = 256 << 10
@@ -220,7 +220,7 @@ func (s *Server) credentials() credentials.TransportCredentials {
 		identity.MaxConcurrentHandshakes(cfg.MaxHandshakes),
 		identity.CloseExpiredPeers(cfg.ExpiredPeerGrace))
 	// One write syscall per gRPC flush, not one per 16 KiB TLS record.
-	creds = coalesce.Writes(creds)
+	creds = wire.CoalesceWrites(creds)
 	// A peer that sends its data in tiny or padded DATA frames would make
 	// gRPC hold some 40 times what it sends; its connection is closed.
 	return fragments.Refuse(creds, fragments.Report{Log: cfg.Log, Count: metrics.ClosedFragmented.Inc})

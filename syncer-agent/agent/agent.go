@@ -15,8 +15,8 @@ import (
 	"google.golang.org/grpc/keepalive"
 	"k8s.io/utils/clock"
 
-	"github.com/kcp-dev/tunnel-broker/kcpplugin/coalesce"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
 )
 
@@ -100,7 +100,7 @@ func (a *Agent) dial() (*grpc.ClientConn, error) {
 		// One write syscall per gRPC flush, not one per 16 KiB TLS record,
 		// and flushes of up to 256 KiB, as the broker's (see its
 		// WriteBufferSize).
-		grpc.WithTransportCredentials(coalesce.Writes(a.Credentials)),
+		grpc.WithTransportCredentials(wire.CoalesceWrites(a.Credentials)),
 		grpc.WithWriteBufferSize(WriteBufferSize),
 		// Ping every 5s, give up after 5s more: a broker that vanished
 		// without a word is noticed in about ten seconds.

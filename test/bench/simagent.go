@@ -16,8 +16,8 @@ import (
 	"google.golang.org/grpc/keepalive"
 
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
-	"github.com/kcp-dev/tunnel-broker/kcpplugin/coalesce"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/agent"
 )
 
@@ -108,7 +108,7 @@ func (c *simConn) Close() error {
 func StartSimAgent(ctx context.Context, cfg SimAgentConfig) (*SimAgent, error) {
 	opts := []grpc.DialOption{
 		// As syncer-agent/agent.Agent.Run connects.
-		grpc.WithTransportCredentials(coalesce.Writes(identity.ClientCredentials(cfg.Source, tlsconfig.AuthorizeID(cfg.BrokerID)))),
+		grpc.WithTransportCredentials(wire.CoalesceWrites(identity.ClientCredentials(cfg.Source, tlsconfig.AuthorizeID(cfg.BrokerID)))),
 		grpc.WithWriteBufferSize(agent.WriteBufferSize),
 		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 5 * time.Second, Timeout: 5 * time.Second, PermitWithoutStream: true}),
 		grpc.WithInitialWindowSize(agent.WindowSize),
