@@ -15,6 +15,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 const (
@@ -40,20 +41,20 @@ type conn struct {
 
 	// The receive goroutine hands frames to Read one at a time; gRPC's flow
 	// control holds back the rest, so a slow reader stalls only its tunnel.
-	frames chan *tunnelv1.Frame
+	frames chan *wire.Frame
 	// Set by the receive goroutine before it closes frames: what Read
 	// returns once it has read backlog, io.EOF or the stream's status.
 	readErr error
 	// Frames that arrived after a Send failed, for Read; set before frames
 	// is closed. A failed Send means the stream is over, so Write need not
 	// wait for a reader to learn why.
-	backlog []*tunnelv1.Frame
+	backlog []*wire.Frame
 	// Why the stream ended: io.EOF for OK, else the error that ended it. Set
 	// before received is closed.
 	endErr error
 
 	readMu sync.Mutex
-	unread *tunnelv1.Frame // a data frame Read has not finished
+	unread *wire.Frame // a data frame Read has not finished
 	readDL *deadline
 
 	writeMu     sync.Mutex
@@ -77,7 +78,7 @@ func newConn(stream tunnelv1.DialService_DialClient, cancel context.CancelFunc, 
 		cancel:     cancel,
 		local:      addr("kcp-tunnel-client"),
 		remote:     remote,
-		frames:     make(chan *tunnelv1.Frame),
+		frames:     make(chan *wire.Frame),
 		readDL:     newDeadline(nil),
 		closed:     make(chan struct{}),
 		sendFailed: make(chan struct{}),
@@ -105,8 +106,8 @@ func (c *conn) receive() {
 	}
 	for {
 		// Data frames stay in gRPC's buffers until Read copies them out:
-		// one copy, not two (tunnelv1.Frame).
-		f := new(tunnelv1.Frame)
+		// one copy, not two (wire.Frame).
+		f := new(wire.Frame)
 		err := c.stream.RecvMsg(f)
 		if err != nil {
 			switch {

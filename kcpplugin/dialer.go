@@ -16,6 +16,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // DefaultDialTimeout bounds a dial when the caller's context sets no shorter
@@ -87,7 +88,7 @@ func (d *Dialer) DialService(ctx context.Context, cluster, namespace, name strin
 
 // open sends the target and waits for the broker's answer.
 func (d *Dialer) open(ctx context.Context, target *tunnelv1.Target) (tunnelv1.DialService_DialClient, error) {
-	stream, err := d.client.Dial(ctx, tunnelv1.FrameCallOption())
+	stream, err := d.client.Dial(ctx, wire.FrameCallOption())
 	if err != nil {
 		return nil, err
 	}

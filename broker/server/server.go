@@ -247,7 +247,7 @@ func (s *Server) serverOptions(guard *opening.Guard) []grpc.ServerOption {
 		grpc.Creds(s.credentials()),
 		grpc.ConnectionTimeout(cfg.HandshakeTimeout),
 		grpc.WriteBufferSize(WriteBufferSize),
-		tunnelv1.FrameServerOption(),
+		wire.FrameServerOption(),
 		grpc.MaxRecvMsgSize(cfg.MaxMessageSize),
 		// Agents ping to notice a dead broker quickly; allow it.
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}),

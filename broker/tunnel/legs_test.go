@@ -15,6 +15,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // What a real stream cannot be made to do on cue, tunnels over legs without
@@ -60,7 +61,7 @@ func (l *leg) RecvMsg(m any) error {
 		if err != nil {
 			return err
 		}
-		return tunnelv1.FrameCodec().Unmarshal(mem.BufferSlice{mem.SliceBuffer(enc)}, m)
+		return wire.FrameCodec().Unmarshal(mem.BufferSlice{mem.SliceBuffer(enc)}, m)
 	case <-l.ctx.Done():
 		return status.FromContextError(l.ctx.Err()).Err()
 	}

@@ -18,6 +18,7 @@ import (
 
 	"github.com/kcp-dev/tunnel-broker/internal/redact"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // defaultConnectTimeout applies when an order carries no timeout.
@@ -53,7 +54,7 @@ func (a *Agent) serve(ctx context.Context, client tunnelv1.AgentServiceClient, o
 
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	stream, tunnelErr := client.Tunnel(ctx, tunnelv1.FrameCallOption())
+	stream, tunnelErr := client.Tunnel(ctx, wire.FrameCallOption())
 	if tunnelErr == nil {
 		tunnelErr = stream.Send(&tunnelv1.TunnelRequest{Frame: &tunnelv1.TunnelRequest_Open{Open: &tunnelv1.TunnelOpen{DialId: order.GetDialId()}}})
 	}
@@ -219,8 +220,8 @@ func targetToStream(conn *net.TCPConn, stream tunnelv1.AgentService_TunnelClient
 func streamToTarget(stream tunnelv1.AgentService_TunnelClient, conn *net.TCPConn) error {
 	for {
 		// Data goes from gRPC's buffers to the socket in one vectored
-		// write, without being decoded or copied (tunnelv1.Frame).
-		var f tunnelv1.Frame
+		// write, without being decoded or copied (wire.Frame).
+		var f wire.Frame
 		err := stream.RecvMsg(&f)
 		if errors.Is(err, io.EOF) {
 			return nil

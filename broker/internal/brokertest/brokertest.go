@@ -36,6 +36,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/internal/devca"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // WaitLong bounds every wait for something that should happen. A healthy run
@@ -116,7 +117,7 @@ func StartWithCredentials(t *testing.T, pol policy.File, wrap func(credentials.T
 	}
 	srv := grpc.NewServer(append([]grpc.ServerOption{
 		grpc.Creds(creds),
-		tunnelv1.FrameServerOption(),
+		wire.FrameServerOption(),
 		// Stop returns once every handler has: nothing outlives the test.
 		grpc.WaitForHandlers(true),
 	}, opts...)...)
