@@ -19,13 +19,6 @@ import (
 )
 
 const (
-	// maxFrame is the largest data frame a Write sends; larger writes are
-	// split. Frames well below gRPC's 4 MiB message limit keep latency low
-	// for other tunnels sharing the connection. 16 bytes under 32 KiB so
-	// that an encoded frame (tag, length) fits gRPC's 32 KiB buffer class:
-	// a byte more and every encode and decode takes, and clears, a 1 MiB
-	// buffer, a third of the CPU of a bulk transfer.
-	maxFrame = 32<<10 - 16
 	// closeLinger is how long a closed conn keeps its stream open so that
 	// bytes written before Close, and the half-close after them, still
 	// arrive. The stream is cancelled when it runs out.
@@ -238,7 +231,7 @@ func (c *conn) Write(b []byte) (int, error) {
 	written := 0
 	var err error
 	for len(b) > 0 {
-		chunk := b[:min(len(b), maxFrame)]
+		chunk := b[:min(len(b), wire.MaxFrame)]
 		if err = c.stream.Send(&tunnelv1.DialRequest{Frame: &tunnelv1.DialRequest_Data{Data: chunk}}); err != nil {
 			break
 		}

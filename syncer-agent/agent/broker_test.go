@@ -26,6 +26,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/internal/devca"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
 )
 
@@ -350,8 +351,8 @@ func (tu *tunnel) recv() ([]byte, error) {
 	if len(data) == 0 {
 		return nil, fmt.Errorf("protocol error: agent sent %T, want non-empty data", msg.GetFrame())
 	}
-	if len(data) > copyBufferSize {
-		return nil, fmt.Errorf("agent sent a frame of %d bytes, more than %d", len(data), copyBufferSize)
+	if len(data) > wire.MaxFrame {
+		return nil, fmt.Errorf("agent sent a frame of %d bytes, more than %d", len(data), wire.MaxFrame)
 	}
 	return data, nil
 }

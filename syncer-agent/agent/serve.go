@@ -164,12 +164,9 @@ func reason(err error) string {
 	return "the connection failed"
 }
 
-// copyBufferSize is the largest data frame the agent sends.
-// 16 bytes under 32 KiB, so that the encoded frame fits gRPC's 32 KiB
-// buffer class (see kcpplugin's maxFrame).
-const copyBufferSize = 32<<10 - 16
-
-var buffers = sync.Pool{New: func() any { b := make([]byte, copyBufferSize); return &b }}
+// buffers hold what the agent reads from a target: one data frame each, at
+// most wire.MaxFrame bytes.
+var buffers = sync.Pool{New: func() any { b := make([]byte, wire.MaxFrame); return &b }}
 
 // pipe carries bytes between the target connection and the tunnel stream
 // until both directions are closed or either fails; cancel aborts the stream.
