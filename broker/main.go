@@ -55,15 +55,11 @@ func run() error {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	src, err := identity.Open(ctx, *o.identity, log)
+	src, self, err := identity.OpenWithID(ctx, *o.identity, log)
 	if err != nil {
 		return err
 	}
 	defer src.Close()
-	self, err := identity.IDOf(src)
-	if err != nil {
-		return err
-	}
 	l, err := net.Listen("tcp", o.listen)
 	if err != nil {
 		return err

@@ -88,15 +88,11 @@ func run() error {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	src, err := identity.Open(ctx, *o.identity, log)
+	src, self, err := identity.OpenWithID(ctx, *o.identity, log)
 	if err != nil {
 		return err
 	}
 	defer src.Close()
-	self, err := identity.IDOf(src)
-	if err != nil {
-		return err
-	}
 	authorize, err := o.authorizeBroker(self)
 	if err != nil {
 		return err
