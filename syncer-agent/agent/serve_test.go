@@ -15,6 +15,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -59,17 +60,17 @@ func TestDialOrderOpensTunnelAndCarriesBytesBothWays(t *testing.T) {
 	}
 
 	for range 2 {
-		if err := wait(t, targetErr, "the target's read and write"); err != nil {
+		if err := testutil.Wait(t, "the target's read and write", targetErr); err != nil {
 			t.Fatalf("target: %v", err)
 		}
 	}
-	if got := wait(t, targetGot, "the target's bytes"); !bytes.Equal(got, up) {
+	if got := testutil.Wait(t, "the target's bytes", targetGot); !bytes.Equal(got, up) {
 		t.Error("the target did not receive the bytes the broker sent")
 	}
-	if err := wait(t, brokerErr, "the broker's read"); err != nil {
+	if err := testutil.Wait(t, "the broker's read", brokerErr); err != nil {
 		t.Fatalf("broker: %v", err)
 	}
-	if got := wait(t, brokerGot, "the broker's bytes"); !bytes.Equal(got, down) {
+	if got := testutil.Wait(t, "the broker's bytes", brokerGot); !bytes.Equal(got, down) {
 		t.Error("the broker did not receive the bytes the target sent")
 	}
 }

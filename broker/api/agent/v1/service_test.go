@@ -9,6 +9,7 @@ import (
 	"google.golang.org/grpc/codes"
 
 	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -29,10 +30,10 @@ func TestRegisterMakesTheAgentRoutableForItsClusters(t *testing.T) {
 
 func TestRegisterRefusesClustersThePolicyDoesNotGive(t *testing.T) {
 	b := startBroker(t, config{})
-	brokertest.CheckStatus(t, "agent-b claiming team-a", b.connectStatus(t, agentB, register("root", "team-a")),
+	testutil.CheckStatus(t, "agent-b claiming team-a", b.connectStatus(t, agentB, register("root", "team-a")),
 		codes.PermissionDenied, `spiffe://example.org/agent-b may not serve logical cluster "team-a"`)
 	// An ID without an agent rule may serve nothing.
-	brokertest.CheckStatus(t, "kcp claiming root", b.connectStatus(t, kcpPath, register("root")),
+	testutil.CheckStatus(t, "kcp claiming root", b.connectStatus(t, kcpPath, register("root")),
 		codes.PermissionDenied, `spiffe://example.org/kcp may not serve logical cluster "root"`)
 	if got := b.Registry.AgentsPerCluster(); len(got) != 0 {
 		t.Errorf("refused agents are routed: %v", got)
@@ -45,7 +46,7 @@ func TestRegisterRefusesInvalidClusterNames(t *testing.T) {
 		t.Run(fmt.Sprintf("%q", name), func(t *testing.T) {
 			// Names are checked before the policy: agent-a may serve
 			// root, and the valid name beside the bad one changes nothing.
-			brokertest.CheckStatus(t, "Connect", b.connectStatus(t, agentA, register("root", name)),
+			testutil.CheckStatus(t, "Connect", b.connectStatus(t, agentA, register("root", name)),
 				codes.InvalidArgument, fmt.Sprintf("logical cluster %q is not a valid logical cluster name", name))
 		})
 	}
@@ -63,16 +64,16 @@ func TestConnectRefusesAFirstMessageThatIsNotARegistration(t *testing.T) {
 		{"empty", &tunnelv1.ConnectRequest{}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			brokertest.CheckStatus(t, "Connect", b.connectStatus(t, agentA, tc.msg),
+			testutil.CheckStatus(t, "Connect", b.connectStatus(t, agentA, tc.msg),
 				codes.InvalidArgument, "the first message on a control stream must be a registration")
 		})
 	}
 	t.Run("closed before a message", func(t *testing.T) {
-		brokertest.CheckStatus(t, "Connect", b.connectStatus(t, agentA), codes.InvalidArgument, "stream closed before registering")
+		testutil.CheckStatus(t, "Connect", b.connectStatus(t, agentA), codes.InvalidArgument, "stream closed before registering")
 	})
 	t.Run("not a ConnectRequest", func(t *testing.T) {
 		err := b.RawStatus(t, agentA, tunnelv1.AgentService_Connect_FullMethodName, brokertest.NotProtobuf)
-		brokertest.CheckStatus(t, "Connect", err, codes.InvalidArgument, "not a ConnectRequest")
+		testutil.CheckStatus(t, "Connect", err, codes.InvalidArgument, "not a ConnectRequest")
 	})
 }
 
@@ -80,9 +81,9 @@ func TestConnectRefusesMessagesAnAgentMayNotSend(t *testing.T) {
 	b := startBroker(t, config{})
 	a := b.connectAgent(t, agentA, "a", "root")
 	a.send(t, &tunnelv1.ConnectRequest{})
-	brokertest.CheckStatus(t, "Connect", a.end(t), codes.InvalidArgument, "after registering, an agent may only report dial failures or re-register")
+	testutil.CheckStatus(t, "Connect", a.end(t), codes.InvalidArgument, "after registering, an agent may only report dial failures or re-register")
 	// The agent is no longer routed once it hears so.
-	brokertest.CheckStatus(t, "Dial", dialStatus(t, b.startDial(t, brokertest.Target("root"))), codes.Unavailable, `no agent serves logical cluster "root"`)
+	testutil.CheckStatus(t, "Dial", dialStatus(t, b.startDial(t, brokertest.Target("root"))), codes.Unavailable, `no agent serves logical cluster "root"`)
 }
 
 func TestDialFailuresReachTheDialerWithTheAgentsCode(t *testing.T) {
@@ -108,7 +109,7 @@ func TestDialFailuresReachTheDialerWithTheAgentsCode(t *testing.T) {
 			stream := b.startDial(t, brokertest.Target("root"))
 			order := a.order(t, brokertest.Target("root"))
 			a.fail(t, order.GetDialId(), tc.reported, "no service default/webhook")
-			brokertest.CheckStatus(t, "Dial", dialStatus(t, stream), tc.want,
+			testutil.CheckStatus(t, "Dial", dialStatus(t, stream), tc.want,
 				"agent a: no service default/webhook")
 		})
 	}
@@ -133,10 +134,10 @@ func TestReRegisterChangesRouting(t *testing.T) {
 	a := b.connectAgent(t, agentA, "a", "root")
 
 	a.send(t, register("team-a"))
-	eventually(t, "the new clusters to be routed", func() bool {
+	testutil.Eventually(t, "the new clusters to be routed", func() bool {
 		return maps.Equal(b.Registry.AgentsPerCluster(), map[string]int{"team-a": 1})
 	})
-	brokertest.CheckStatus(t, "Dial root", dialStatus(t, b.startDial(t, brokertest.Target("root"))), codes.Unavailable, `no agent serves logical cluster "root"`)
+	testutil.CheckStatus(t, "Dial root", dialStatus(t, b.startDial(t, brokertest.Target("root"))), codes.Unavailable, `no agent serves logical cluster "root"`)
 	// A re-registration is not answered: the next message is the order.
 	stream := b.startDial(t, brokertest.Target("team-a"))
 	order := a.order(t, brokertest.Target("team-a"))
@@ -145,8 +146,8 @@ func TestReRegisterChangesRouting(t *testing.T) {
 
 	// A claim the policy refuses ends the registration altogether.
 	a.send(t, register("root", "team-b"))
-	brokertest.CheckStatus(t, "Connect", a.end(t), codes.PermissionDenied, `spiffe://example.org/agent-a may not serve logical cluster "team-b"`)
-	brokertest.CheckStatus(t, "Dial team-a", dialStatus(t, b.startDial(t, brokertest.Target("team-a"))), codes.Unavailable, `no agent serves logical cluster "team-a"`)
+	testutil.CheckStatus(t, "Connect", a.end(t), codes.PermissionDenied, `spiffe://example.org/agent-a may not serve logical cluster "team-b"`)
+	testutil.CheckStatus(t, "Dial team-a", dialStatus(t, b.startDial(t, brokertest.Target("team-a"))), codes.Unavailable, `no agent serves logical cluster "team-a"`)
 }
 
 func TestAgentEndingItsControlStream(t *testing.T) {
@@ -160,14 +161,14 @@ func TestAgentEndingItsControlStream(t *testing.T) {
 		if err := a.end(t); err != nil {
 			t.Errorf("Connect ended with %v, want OK", err)
 		}
-		brokertest.CheckStatus(t, "Dial", dialStatus(t, b.startDial(t, brokertest.Target("root"))), codes.Unavailable, `no agent serves logical cluster "root"`)
+		testutil.CheckStatus(t, "Dial", dialStatus(t, b.startDial(t, brokertest.Target("root"))), codes.Unavailable, `no agent serves logical cluster "root"`)
 	})
 	t.Run("dials waiting on it fail with Unavailable", func(t *testing.T) {
 		a := b.connectAgent(t, agentA, "a", "root")
 		stream := b.startDial(t, brokertest.Target("root"))
 		a.order(t, brokertest.Target("root"))
 		a.cancel()
-		brokertest.CheckStatus(t, "Dial", dialStatus(t, stream), codes.Unavailable, "agent a went away")
+		testutil.CheckStatus(t, "Dial", dialStatus(t, stream), codes.Unavailable, "agent a went away")
 	})
 	t.Run("tunnels established go on", func(t *testing.T) {
 		a := b.connectAgent(t, agentA, "a", "root")
@@ -202,7 +203,7 @@ func TestTunnelRefusesAFirstMessageThatIsNotOpen(t *testing.T) {
 		if err := tun.Send(&tunnelv1.TunnelRequest{Frame: &tunnelv1.TunnelRequest_Data{Data: []byte("x")}}); err != nil {
 			t.Fatal(err)
 		}
-		brokertest.CheckStatus(t, "Tunnel", tunnelStatus(t, tun), codes.InvalidArgument, "the first message on a tunnel must name its dial")
+		testutil.CheckStatus(t, "Tunnel", tunnelStatus(t, tun), codes.InvalidArgument, "the first message on a tunnel must name its dial")
 	})
 	t.Run("closed before a message", func(t *testing.T) {
 		ctx, _ := brokertest.StreamContext(t)
@@ -213,11 +214,11 @@ func TestTunnelRefusesAFirstMessageThatIsNotOpen(t *testing.T) {
 		if err := tun.CloseSend(); err != nil {
 			t.Fatal(err)
 		}
-		brokertest.CheckStatus(t, "Tunnel", tunnelStatus(t, tun), codes.InvalidArgument, "stream closed before naming its dial")
+		testutil.CheckStatus(t, "Tunnel", tunnelStatus(t, tun), codes.InvalidArgument, "stream closed before naming its dial")
 	})
 	t.Run("not a TunnelRequest", func(t *testing.T) {
 		err := b.RawStatus(t, agentA, tunnelv1.AgentService_Tunnel_FullMethodName, brokertest.NotProtobuf)
-		brokertest.CheckStatus(t, "Tunnel", err, codes.InvalidArgument, "not a TunnelRequest")
+		testutil.CheckStatus(t, "Tunnel", err, codes.InvalidArgument, "not a TunnelRequest")
 	})
 }
 
@@ -226,19 +227,19 @@ func TestTunnelForADialNotPendingForThePeerIsNotFound(t *testing.T) {
 	a := b.connectAgent(t, agentA, "a", "root")
 	b.connectAgent(t, agentB, "b")
 
-	brokertest.CheckStatus(t, "unknown dial", tunnelStatus(t, b.open(t, agentA, 42)),
+	testutil.CheckStatus(t, "unknown dial", tunnelStatus(t, b.open(t, agentA, 42)),
 		codes.NotFound, "no pending dial 42 for spiffe://example.org/agent-a")
 
 	stream := b.startDial(t, brokertest.Target("root"))
 	order := a.order(t, brokertest.Target("root"))
 	id := order.GetDialId()
 	// Another agent cannot take the dial, nor spoil it.
-	brokertest.CheckStatus(t, "another agent's dial", tunnelStatus(t, b.open(t, agentB, id)),
+	testutil.CheckStatus(t, "another agent's dial", tunnelStatus(t, b.open(t, agentB, id)),
 		codes.NotFound, fmt.Sprintf("no pending dial %d for spiffe://example.org/agent-b", id))
 	b.open(t, agentA, id)
 	established(t, stream)
 	// A dial is claimed once.
-	brokertest.CheckStatus(t, "dial already claimed", tunnelStatus(t, b.open(t, agentA, id)),
+	testutil.CheckStatus(t, "dial already claimed", tunnelStatus(t, b.open(t, agentA, id)),
 		codes.NotFound, fmt.Sprintf("no pending dial %d for spiffe://example.org/agent-a", id))
 }
 
@@ -247,8 +248,8 @@ func TestTunnelForADialThatTimedOutIsNotFound(t *testing.T) {
 	a := b.connectAgent(t, agentA, "a", "root")
 	stream := b.startDial(t, brokertest.Target("root"))
 	order := a.order(t, brokertest.Target("root"))
-	brokertest.CheckStatus(t, "Dial", dialStatus(t, stream), codes.DeadlineExceeded, "agent a did not connect in time")
-	brokertest.CheckStatus(t, "Tunnel", tunnelStatus(t, b.open(t, agentA, order.GetDialId())),
+	testutil.CheckStatus(t, "Dial", dialStatus(t, stream), codes.DeadlineExceeded, "agent a did not connect in time")
+	testutil.CheckStatus(t, "Tunnel", tunnelStatus(t, b.open(t, agentA, order.GetDialId())),
 		codes.NotFound, fmt.Sprintf("no pending dial %d", order.GetDialId()))
 }
 
@@ -296,7 +297,7 @@ func TestProbesAreAnsweredAndRecorded(t *testing.T) {
 	sent := clk.Now()
 	clk.Step(250 * time.Millisecond)
 	a.answer(t, 3)
-	brokertest.Eventually(t, "the answer to be recorded", func() bool {
+	testutil.Eventually(t, "the answer to be recorded", func() bool {
 		at, _ := reg.LastProbe()
 		return !at.IsZero()
 	})
@@ -320,7 +321,7 @@ func TestStaleProbeAnswersAreNotRecorded(t *testing.T) {
 	// Messages are handled in order: once the stream has ended on the bad
 	// message after it, the stale answer has been handled.
 	a.send(t, &tunnelv1.ConnectRequest{})
-	brokertest.CheckStatus(t, "Connect", a.end(t), codes.InvalidArgument, "after registering")
+	testutil.CheckStatus(t, "Connect", a.end(t), codes.InvalidArgument, "after registering")
 	if at, rtt := reg.LastProbe(); !at.IsZero() || rtt != 0 {
 		t.Errorf("a stale answer was recorded: %v, %v", at, rtt)
 	}
@@ -332,7 +333,7 @@ func TestDrainingAgentIsUsedOnlyWhenNoOtherServesTheCluster(t *testing.T) {
 	other := b.connectAgent(t, agentB, "b", "root")
 
 	a.send(t, &tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_Drain{Drain: &tunnelv1.Drain{GraceMs: 1000}}})
-	eventually(t, "a to drain", func() bool { return b.registered("a").Draining() })
+	testutil.Eventually(t, "a to drain", func() bool { return b.registered("a").Draining() })
 	// Round-robin would give a every other dial.
 	for range 4 {
 		stream := b.startDial(t, brokertest.Target("root"))
@@ -342,14 +343,14 @@ func TestDrainingAgentIsUsedOnlyWhenNoOtherServesTheCluster(t *testing.T) {
 			t.Fatalf("the draining agent got %v", msg)
 		case msg := <-other.msgs:
 			order = msg.GetDialOrder()
-		case <-time.After(brokertest.WaitLong):
+		case <-time.After(testutil.WaitLong):
 			t.Fatal("no agent got the dial")
 		}
 		if order == nil {
 			t.Fatal("the other agent got no dial order")
 		}
 		other.fail(t, order.GetDialId(), codes.Unavailable, "refused")
-		brokertest.CheckStatus(t, "Dial", dialStatus(t, stream), codes.Unavailable, "agent b: refused")
+		testutil.CheckStatus(t, "Dial", dialStatus(t, stream), codes.Unavailable, "agent b: refused")
 	}
 
 	// Alone, the draining agent still gets dials.
@@ -373,7 +374,7 @@ func TestBrokerDrainingAndStoppingReachTheAgent(t *testing.T) {
 		t.Fatalf("got %v, want drain with grace_ms 1500", msg)
 	}
 	b.Stop()
-	brokertest.CheckStatus(t, "Connect", a.end(t), codes.Unavailable, "the broker is shutting down")
+	testutil.CheckStatus(t, "Connect", a.end(t), codes.Unavailable, "the broker is shutting down")
 	if n := len(b.Registry.Agents()); n != 0 {
 		t.Errorf("%d agents still registered after the control stream ended", n)
 	}
