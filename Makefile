@@ -42,15 +42,17 @@ demo: build
 	$(GO) run ./test/cmd/demo
 
 ## test: everything CI checks
+# The first run builds the release check's consumer modules and the images
+# from nothing: a package can take more than go test's default 10 minutes.
 test: lint check-generated build tools
-	$(GO) test -race -count=1 $(MODULES)
+	$(GO) test -race -count=1 -timeout 45m $(MODULES)
 
 ## release-check: the modules served at $(VERSION) by a local module proxy; a
 ## kcp-shaped module outside the repository go gets kcpplugin from it, on the
 ## oldest and the newest k8s.io/apiserver kcpplugin supports, and calls a
 ## webhook through the tunnel (make test runs it too, with ./test/...)
 release-check: build
-	cd test && RELEASE_VERSION=$(VERSION) $(GO) test -count=1 -run Release ./release/
+	cd test && RELEASE_VERSION=$(VERSION) $(GO) test -count=1 -timeout 45m -run Release ./release/
 
 ## images: OCI images of the broker and the syncer-agent, kcp-dev/tunnel-broker:$(VERSION)
 ## and kcp-dev/tunnel-syncer-agent:$(VERSION), without a container engine: static

@@ -13,6 +13,8 @@ import (
 	"os/signal"
 	"syscall"
 
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+
 	agentv1 "github.com/kcp-dev/tunnel-broker/broker/api/agent/v1"
 	dialv1 "github.com/kcp-dev/tunnel-broker/broker/api/dial/v1"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/abortable"
@@ -72,22 +74,18 @@ func run() error {
 	if err := ops.Serve(opsCtx, ops.Options{Listen: o.opsListen, Pprof: o.pprof, Ready: ready.Check, Metrics: metrics.Registry}, log); err != nil {
 		return err
 	}
-	src, err := identity.Open(ctx, *o.identity, log)
+	src, self, err := identity.OpenWithID(ctx, *o.identity, log)
 	if err != nil {
 		return err
 	}
 	defer src.Close()
 	cfg := o.cfg
 	cfg.Identity, cfg.Policy, cfg.Log = src, pol, log
-	return serve(ctx, o, cfg, ready)
+	return serve(ctx, o, cfg, self, ready)
 }
 
-// serve runs the replica on o.listen until ctx ends.
-func serve(ctx context.Context, o *options, cfg server.Config, ready *ops.Readiness) error {
-	self, err := identity.IDOf(cfg.Identity)
-	if err != nil {
-		return err
-	}
+// serve runs the replica, whose ID is self, on o.listen until ctx ends.
+func serve(ctx context.Context, o *options, cfg server.Config, self spiffeid.ID, ready *ops.Readiness) error {
 	l, err := net.Listen("tcp", o.listen)
 	if err != nil {
 		return fmt.Errorf("--listen: %w", err)

@@ -16,6 +16,8 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	grpcpeer "google.golang.org/grpc/peer"
+
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // mtlsConfigs are a server's and a client's TLS configs that trust each
@@ -53,8 +55,9 @@ func selfSignedMTLS(t *testing.T) mtlsConfigs {
 }
 
 // TestDialerOverCoalescedMTLS runs the Dialer as kcp does: the broker's Dial
-// over mTLS with coalesced writes and a 256 KiB write buffer on both
-// sides. The server reads the caller's certificate from the peer's AuthInfo.
+// over mTLS with the transport settings of package wire (coalesced writes,
+// the 256 KiB write buffer, fixed windows) on both sides. The server reads
+// the caller's certificate from the peer's AuthInfo.
 func TestDialerOverCoalescedMTLS(t *testing.T) {
 	certs := selfSignedMTLS(t)
 	var peerCerts atomic.Int32
@@ -67,8 +70,8 @@ func TestDialerOverCoalescedMTLS(t *testing.T) {
 		return p.echo()
 	})
 	dialer := serveFakeBrokerWith(t, handle,
-		[]grpc.ServerOption{grpc.Creds(CoalesceWrites(credentials.NewTLS(certs.server))), grpc.WriteBufferSize(256 << 10)},
-		grpc.WithTransportCredentials(CoalesceWrites(credentials.NewTLS(certs.client))), grpc.WithWriteBufferSize(256<<10))
+		append(wire.ServerOptions(wire.WindowSize), grpc.Creds(wire.CoalesceWrites(credentials.NewTLS(certs.server)))),
+		DialOptions(credentials.NewTLS(certs.client))...)
 	c := dial(t, dialer)
 	if err := c.SetDeadline(time.Now().Add(waitLong)); err != nil {
 		t.Fatal(err)

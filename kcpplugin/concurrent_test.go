@@ -8,6 +8,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // Many tunnels over one client connection at once, each echoing its own data.
@@ -79,7 +81,7 @@ func TestSlowReaderDoesNotStallOtherConns(t *testing.T) {
 			_, _ = p.recvAll()
 			close(eof)
 		}()
-		chunk := make([]byte, maxFrame)
+		chunk := make([]byte, wire.MaxFrame)
 		var err error
 		for floodSent.Load() < flood {
 			select {
@@ -133,7 +135,7 @@ func TestSlowReaderDoesNotStallOtherConns(t *testing.T) {
 // together, also when a Write is split into several frames.
 func TestConcurrentWritesDoNotInterleave(t *testing.T) {
 	const writers, writes = 8, 20
-	const size = 2*maxFrame + 100
+	const size = 2*wire.MaxFrame + 100
 	got := make(chan result, 1)
 	d := startTunnels(t, func(p *peer) error {
 		data, err := p.recvAll()

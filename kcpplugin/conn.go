@@ -15,16 +15,10 @@ import (
 	"google.golang.org/grpc/status"
 
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 const (
-	// maxFrame is the largest data frame a Write sends; larger writes are
-	// split. Frames well below gRPC's 4 MiB message limit keep latency low
-	// for other tunnels sharing the connection. 16 bytes under 32 KiB so
-	// that an encoded frame (tag, length) fits gRPC's 32 KiB buffer class:
-	// a byte more and every encode and decode takes, and clears, a 1 MiB
-	// buffer, a third of the CPU of a bulk transfer.
-	maxFrame = 32<<10 - 16
 	// closeLinger is how long a closed conn keeps its stream open so that
 	// bytes written before Close, and the half-close after them, still
 	// arrive. The stream is cancelled when it runs out.
@@ -38,22 +32,25 @@ type conn struct {
 	local  net.Addr
 	remote net.Addr
 
-	// The receive goroutine hands frames to Read one at a time; gRPC's flow
-	// control holds back the rest, so a slow reader stalls only its tunnel.
-	frames chan *tunnelv1.Frame
-	// Set by the receive goroutine before it closes frames: what Read
-	// returns once it has read backlog, io.EOF or the stream's status.
+	// frames carries data frames from the receive goroutine to Read, one
+	// at a time. gRPC's flow control holds back the frames that follow, so
+	// a slow reader stalls only its own tunnel.
+	frames chan *wire.Frame
+	// readErr is what Read returns once it has read every frame: io.EOF,
+	// or the error that ended the stream. The receive goroutine sets it
+	// before it closes frames.
 	readErr error
-	// Frames that arrived after a Send failed, for Read; set before frames
-	// is closed. A failed Send means the stream is over, so Write need not
-	// wait for a reader to learn why.
-	backlog []*tunnelv1.Frame
-	// Why the stream ended: io.EOF for OK, else the error that ended it. Set
-	// before received is closed.
+	// backlog holds the data frames that arrived after a Send failed,
+	// until Read takes them. The receive goroutine stops waiting for Read
+	// then, because Write waits for the stream's status to say why the
+	// Send failed. It is set before frames is closed.
+	backlog []*wire.Frame
+	// endErr is why the stream ended: io.EOF for a clean end, else the
+	// error. It is set before received is closed.
 	endErr error
 
 	readMu sync.Mutex
-	unread *tunnelv1.Frame // a data frame Read has not finished
+	unread *wire.Frame // a data frame Read has not finished
 	readDL *deadline
 
 	writeMu     sync.Mutex
@@ -77,7 +74,7 @@ func newConn(stream tunnelv1.DialService_DialClient, cancel context.CancelFunc, 
 		cancel:     cancel,
 		local:      addr("kcp-tunnel-client"),
 		remote:     remote,
-		frames:     make(chan *tunnelv1.Frame),
+		frames:     make(chan *wire.Frame),
 		readDL:     newDeadline(nil),
 		closed:     make(chan struct{}),
 		sendFailed: make(chan struct{}),
@@ -88,78 +85,108 @@ func newConn(stream tunnelv1.DialService_DialClient, cancel context.CancelFunc, 
 	return c
 }
 
-// receive runs for the life of the stream: it hands data to Read until the
-// peer half-closes, then drains the stream to its final status.
+// receive runs until the stream ends: it hands data frames to Read until the
+// broker half-closes, then reads on to the stream's final status.
 func (c *conn) receive() {
 	defer close(c.received)
 	defer c.cancel()
-	open := true    // frames not yet closed
-	holding := true // frames go to Read one at a time, not to backlog
-	var brokeProtocol error
-	finish := func(err error) {
-		if open {
-			c.readErr = err
-			close(c.frames)
-			open = false
-		}
-	}
+	r := &receiver{conn: c, readsOpen: true, handing: true}
 	for {
 		// Data frames stay in gRPC's buffers until Read copies them out:
-		// one copy, not two (tunnelv1.Frame).
-		f := new(tunnelv1.Frame)
-		err := c.stream.RecvMsg(f)
-		if err != nil {
-			switch {
-			case brokeProtocol != nil:
-				err = brokeProtocol // we cancelled the stream for it
-			case errors.Is(err, io.EOF):
-				// A clean end always follows the peer's close_write, but
-				// should it not, it still means no more data.
-				err = io.EOF
-			default:
-				err = streamError(err)
-			}
-			c.endErr = err
-			finish(err)
+		// one copy, not two (wire.Frame).
+		f := new(wire.Frame)
+		if err := c.stream.RecvMsg(f); err != nil {
+			r.streamEnded(err)
 			return
 		}
 		if _, err := f.DataLen(); err == nil {
-			switch {
-			case !open:
-				// Data after close_write: the broker is broken.
-				f.Free()
-				brokeProtocol = status.Error(codes.Internal, "protocol error: data after close_write from broker")
-				c.cancel()
-			case !holding:
-				c.backlog = append(c.backlog, f)
-			default:
-				select {
-				case c.frames <- f:
-				case <-c.sendFailed:
-					holding = false
-					c.backlog = append(c.backlog, f)
-				case <-c.closed:
-					// Nobody reads any more: discard until the stream ends.
-					f.Free()
-				}
-			}
-			continue
+			r.data(f)
+		} else {
+			r.control(f)
 		}
-		var msg tunnelv1.DialResponse
-		err = f.Decode(&msg)
+	}
+}
+
+// receiver is what the receive goroutine keeps track of.
+type receiver struct {
+	*conn
+	// readsOpen is true until frames is closed: at the broker's
+	// close_write, at the end of the stream or at a protocol error.
+	readsOpen bool
+	// handing is true while data frames go to Read one at a time. Once a
+	// Send failed, they go to backlog instead.
+	handing bool
+	// protocolErr is the broker's protocol error, for which the stream was
+	// cancelled.
+	protocolErr error
+}
+
+// streamEnded records why the stream ended, for Read and Write.
+func (r *receiver) streamEnded(err error) {
+	switch {
+	case r.protocolErr != nil:
+		err = r.protocolErr // we cancelled the stream for it
+	case errors.Is(err, io.EOF):
+		// A clean end always follows the broker's close_write, but should
+		// it not, it still means no more data.
+		err = io.EOF
+	default:
+		err = streamError(err)
+	}
+	r.endErr = err
+	r.endReads(err)
+}
+
+// endReads closes frames, once: Read returns err after the frames it has.
+func (r *receiver) endReads(err error) {
+	if r.readsOpen {
+		r.readErr = err
+		close(r.frames)
+		r.readsOpen = false
+	}
+}
+
+// data hands a data frame to Read, or keeps it in backlog once a Send
+// failed.
+func (r *receiver) data(f *wire.Frame) {
+	switch {
+	case !r.readsOpen:
+		// Data after close_write: the broker is broken.
 		f.Free()
-		switch {
-		case err == nil && msg.GetCloseWrite() != nil:
-			finish(io.EOF)
-		case err == nil && msg.GetData() != nil && len(msg.GetData()) == 0:
-			// Empty data: nothing to read, and no reason to fail.
-		default:
-			if brokeProtocol == nil {
-				brokeProtocol = status.Errorf(codes.Internal, "protocol error: unexpected %T from broker", msg.GetFrame())
-			}
-			finish(brokeProtocol)
-			c.cancel()
+		r.protocolErr = status.Error(codes.Internal, "protocol error: data after close_write from broker")
+		r.cancel()
+	case !r.handing:
+		r.backlog = append(r.backlog, f)
+	default:
+		select {
+		case r.frames <- f:
+		case <-r.sendFailed:
+			r.handing = false
+			r.backlog = append(r.backlog, f)
+		case <-r.closed:
+			// Nobody reads any more: discard until the stream ends.
+			f.Free()
 		}
+	}
+}
+
+// control handles a frame that is not data: close_write ends what Read
+// returns, empty data is ignored, and anything else is a protocol error.
+func (r *receiver) control(f *wire.Frame) {
+	var msg tunnelv1.DialResponse
+	err := f.Decode(&msg)
+	f.Free()
+	switch {
+	case err == nil && msg.GetCloseWrite() != nil:
+		r.endReads(io.EOF)
+	case err == nil && msg.GetData() != nil && len(msg.GetData()) == 0:
+		// Empty data: nothing to read, and no reason to fail.
+	default:
+		if r.protocolErr == nil {
+			r.protocolErr = status.Errorf(codes.Internal, "protocol error: unexpected %T from broker", msg.GetFrame())
+		}
+		r.endReads(r.protocolErr)
+		r.cancel()
 	}
 }
 
@@ -237,7 +264,7 @@ func (c *conn) Write(b []byte) (int, error) {
 	written := 0
 	var err error
 	for len(b) > 0 {
-		chunk := b[:min(len(b), maxFrame)]
+		chunk := b[:min(len(b), wire.MaxFrame)]
 		if err = c.stream.Send(&tunnelv1.DialRequest{Frame: &tunnelv1.DialRequest_Data{Data: chunk}}); err != nil {
 			break
 		}

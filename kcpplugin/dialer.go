@@ -6,7 +6,6 @@ package kcpplugin
 import (
 	"context"
 	"errors"
-	"fmt"
 	"io"
 	"net"
 	"time"
@@ -16,6 +15,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // DefaultDialTimeout bounds a dial when the caller's context sets no shorter
@@ -72,7 +72,7 @@ func (d *Dialer) DialService(ctx context.Context, cluster, namespace, name strin
 		// dialCtx ended first and cancelled the stream.
 		cancel()
 		if errors.Is(dialCtx.Err(), context.DeadlineExceeded) && ctx.Err() == nil {
-			return nil, status.Errorf(codes.DeadlineExceeded, "dial %s timed out after %v", targetString(target), timeout)
+			return nil, status.Errorf(codes.DeadlineExceeded, "dial %s timed out after %v", target.Key(), timeout)
 		}
 		if ctx.Err() != nil {
 			return nil, status.FromContextError(ctx.Err()).Err()
@@ -82,12 +82,12 @@ func (d *Dialer) DialService(ctx context.Context, cluster, namespace, name strin
 		cancel()
 		return nil, err
 	}
-	return newConn(c, cancel, addr(targetString(target))), nil
+	return newConn(c, cancel, addr(target.Key())), nil
 }
 
 // open sends the target and waits for the broker's answer.
 func (d *Dialer) open(ctx context.Context, target *tunnelv1.Target) (tunnelv1.DialService_DialClient, error) {
-	stream, err := d.client.Dial(ctx, tunnelv1.FrameCallOption())
+	stream, err := d.client.Dial(ctx, wire.FrameCallOption())
 	if err != nil {
 		return nil, err
 	}
@@ -115,8 +115,4 @@ func answerError(err error) error {
 		return status.Error(codes.Internal, "protocol error: broker ended a dial without answering")
 	}
 	return err
-}
-
-func targetString(t *tunnelv1.Target) string {
-	return fmt.Sprintf("%s/%s/%s:%d", t.GetCluster(), t.GetNamespace(), t.GetService(), t.GetPort())
 }

@@ -9,6 +9,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // failAfter is a broker that sends frames and then ends the tunnel with err.
@@ -28,7 +29,7 @@ func failAfter(err error, frames ...string) func(p *peer) error {
 func writeUntilError(c net.Conn, limit int) <-chan result {
 	ch := make(chan result, 1)
 	go func() {
-		chunk := make([]byte, maxFrame)
+		chunk := make([]byte, wire.MaxFrame)
 		written := 0
 		for written < limit {
 			n, err := c.Write(chunk)

@@ -8,6 +8,8 @@ import (
 	"io"
 	"math/rand/v2"
 	"testing"
+
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // stream is a reproducible pseudo-random byte stream of a given length.
@@ -74,7 +76,7 @@ func (w peerWriter) Write(b []byte) (int, error) {
 }
 
 // varyingWriter writes to w in pseudo-random sizes from 1 byte to max, many
-// of them larger than maxFrame.
+// of them larger than wire.MaxFrame.
 type varyingWriter struct {
 	w   io.Writer
 	rng *rand.Rand
@@ -129,7 +131,7 @@ func TestLargeTransferBothWays(t *testing.T) {
 
 	sent := make(chan error, 1)
 	go func() {
-		w := varyingWriter{w: c, rng: rand.New(rand.NewPCG(1, 2)), max: 3 * maxFrame}
+		w := varyingWriter{w: c, rng: rand.New(rand.NewPCG(1, 2)), max: 3 * wire.MaxFrame}
 		if _, err := io.CopyBuffer(w, stream(up, size), make([]byte, 256<<10)); err != nil {
 			sent <- err
 			return
@@ -174,7 +176,7 @@ func TestLargeWritesAreSplitIntoFrames(t *testing.T) {
 	})
 	c := dial(t, d)
 
-	for _, size := range []int{0, 1, maxFrame - 1, maxFrame, maxFrame + 1, 1<<20 + 1} {
+	for _, size := range []int{0, 1, wire.MaxFrame - 1, wire.MaxFrame, wire.MaxFrame + 1, 1<<20 + 1} {
 		if n, err := c.Write(make([]byte, size)); n != size || err != nil {
 			t.Fatalf("Write(%d bytes) = %d, %v", size, n, err)
 		}
@@ -184,11 +186,11 @@ func TestLargeWritesAreSplitIntoFrames(t *testing.T) {
 		t.Fatalf("reading to the end: %v", err)
 	}
 	got := within(t, frames, "the frame sizes")
-	want := []int{1, maxFrame - 1, maxFrame, maxFrame, 1}
-	for range (1<<20 + 1) / maxFrame {
-		want = append(want, maxFrame)
+	want := []int{1, wire.MaxFrame - 1, wire.MaxFrame, wire.MaxFrame, 1}
+	for range (1<<20 + 1) / wire.MaxFrame {
+		want = append(want, wire.MaxFrame)
 	}
-	want = append(want, (1<<20+1)%maxFrame)
+	want = append(want, (1<<20+1)%wire.MaxFrame)
 	if fmt.Sprint(got) != fmt.Sprint(want) {
 		t.Errorf("frame sizes = %v\nwant %v", got, want)
 	}
@@ -196,15 +198,15 @@ func TestLargeWritesAreSplitIntoFrames(t *testing.T) {
 
 // Reads smaller than a frame return it piece by piece, in order.
 func TestSmallReads(t *testing.T) {
-	data := make([]byte, 3*maxFrame+7)
+	data := make([]byte, 3*wire.MaxFrame+7)
 	for i := range data {
 		data[i] = byte(i % 251)
 	}
 	d := startTunnels(t, func(p *peer) error {
-		if err := p.send(data[:maxFrame+3]); err != nil {
+		if err := p.send(data[:wire.MaxFrame+3]); err != nil {
 			return err
 		}
-		if err := p.send(data[maxFrame+3:]); err != nil {
+		if err := p.send(data[wire.MaxFrame+3:]); err != nil {
 			return err
 		}
 		if err := p.closeWrite(); err != nil {

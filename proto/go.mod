@@ -7,6 +7,7 @@ module github.com/kcp-dev/tunnel-broker/proto
 go 1.25.0
 
 require (
+	go.uber.org/goleak v1.3.0
 	google.golang.org/grpc v1.72.2
 	google.golang.org/protobuf v1.36.8
 )

@@ -105,20 +105,16 @@ func run() error {
 	if err := ops.Serve(opsCtx, ops.Options{Listen: o.metricsListen, Pprof: o.pprofListen, Ready: ready.Check, Metrics: reg}, log); err != nil {
 		return err
 	}
-	src, err := identity.Open(ctx, *o.identity, log)
+	src, self, err := identity.OpenWithID(ctx, *o.identity, log)
 	if err != nil {
 		return err
 	}
 	defer src.Close()
-	return o.serve(ctx, src, ready, log)
+	return o.serve(ctx, src, self, ready, log)
 }
 
-// serve runs the agent with its identity until ctx ends.
-func (o *options) serve(ctx context.Context, src identity.Source, ready *ops.Readiness, log *slog.Logger) error {
-	self, err := identity.IDOf(src)
-	if err != nil {
-		return err
-	}
+// serve runs the agent, whose ID is self, with its identity until ctx ends.
+func (o *options) serve(ctx context.Context, src identity.Source, self spiffeid.ID, ready *ops.Readiness, log *slog.Logger) error {
 	authorize, err := o.authorizeBroker(self)
 	if err != nil {
 		return err

@@ -6,6 +6,7 @@ import (
 
 	"google.golang.org/grpc/codes"
 
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -190,7 +191,7 @@ func TestFailureEndsTheDialWithTheAgentsCode(t *testing.T) {
 
 			r.Fail(a, &tunnelv1.DialFailure{DialId: o.GetDialId(), Code: int32(tc.reported), Message: "connection refused"})
 			out := d.wait()
-			checkStatus(t, "dial", out.err, tc.want, "agent sync-target-1: connection refused"+inTunnel(o.GetDialId()))
+			testutil.CheckStatus(t, "dial", out.err, tc.want, "agent sync-target-1: connection refused"+inTunnel(o.GetDialId()))
 			if out.claim != nil {
 				t.Error("a failed dial returned a tunnel")
 			}

@@ -7,6 +7,8 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 )
 
 // How a dial ends without the agent's answer, and what becomes of a tunnel
@@ -18,7 +20,7 @@ func TestDialEndsWhenTheAgentGoes(t *testing.T) {
 	d, o := orderedDial(t, r, "root", a)
 
 	r.Unregister(a)
-	checkStatus(t, "dial", d.wait().err, codes.Unavailable, "agent a went away"+inTunnel(o.GetDialId()))
+	testutil.CheckStatus(t, "dial", d.wait().err, codes.Unavailable, "agent a went away"+inTunnel(o.GetDialId()))
 	_, err := r.Claim(o.GetDialId(), a.ID)
 	if status.Code(err) != codes.NotFound {
 		t.Errorf("claim after the dial ended: %v, want NotFound", err)
@@ -31,7 +33,7 @@ func TestDialEndsWhenTheAgentGoesBeforeTakingItsOrder(t *testing.T) {
 	d, id := queuedDial(t, r, "root", a)
 
 	r.Unregister(a)
-	checkStatus(t, "dial", d.wait().err, codes.Unavailable, "agent a went away"+inTunnel(id))
+	testutil.CheckStatus(t, "dial", d.wait().err, codes.Unavailable, "agent a went away"+inTunnel(id))
 }
 
 func TestDialTimesOutWhenTheAgentDoesNotConnect(t *testing.T) {
@@ -41,7 +43,7 @@ func TestDialTimesOutWhenTheAgentDoesNotConnect(t *testing.T) {
 	defer cancel()
 
 	_, err := r.Dial(ctx, target("root"))
-	checkStatus(t, "dial", err, codes.DeadlineExceeded, "agent a did not connect in time"+inTunnel(nextOrder(t, a).GetDialId()))
+	testutil.CheckStatus(t, "dial", err, codes.DeadlineExceeded, "agent a did not connect in time"+inTunnel(nextOrder(t, a).GetDialId()))
 }
 
 func TestCancelledDialIsCanceled(t *testing.T) {
@@ -50,7 +52,7 @@ func TestCancelledDialIsCanceled(t *testing.T) {
 	d, _ := orderedDial(t, r, "root", a)
 
 	d.cancel()
-	checkStatus(t, "dial", d.wait().err, codes.Canceled, "context canceled")
+	testutil.CheckStatus(t, "dial", d.wait().err, codes.Canceled, "context canceled")
 }
 
 func TestClaimAfterTheDialGaveUpIsRefused(t *testing.T) {
@@ -78,11 +80,11 @@ func TestAnAbandonedClaimEndsItsTunnel(t *testing.T) {
 
 	d.cancel()
 	out := d.wait()
-	checkStatus(t, "dial", out.err, codes.Canceled, "context canceled")
+	testutil.CheckStatus(t, "dial", out.err, codes.Canceled, "context canceled")
 	if out.claim != nil {
 		t.Error("a cancelled dial returned a tunnel")
 	}
-	checkStatus(t, "the abandoned tunnel", tun.waitEnded(t), codes.Canceled, "context canceled")
+	testutil.CheckStatus(t, "the abandoned tunnel", tun.waitEnded(t), codes.Canceled, "context canceled")
 	if n := a.Tunnels(); n != 0 {
 		t.Errorf("the agent carries %d tunnels after the abandoned one ended, want 0", n)
 	}
@@ -96,11 +98,11 @@ func TestAClaimedDialWhoseAgentGoesEndsItsTunnel(t *testing.T) {
 
 	r.Unregister(a)
 	out := d.wait()
-	checkStatus(t, "dial", out.err, codes.Unavailable, "agent a went away"+inTunnel(id))
+	testutil.CheckStatus(t, "dial", out.err, codes.Unavailable, "agent a went away"+inTunnel(id))
 	if out.claim != nil {
 		t.Error("a dial whose agent went away returned a tunnel")
 	}
-	checkStatus(t, "the abandoned tunnel", tun.waitEnded(t), codes.Unavailable, "agent a went away"+inTunnel(id))
+	testutil.CheckStatus(t, "the abandoned tunnel", tun.waitEnded(t), codes.Unavailable, "agent a went away"+inTunnel(id))
 	if n := a.Tunnels(); n != 0 {
 		t.Errorf("the agent carries %d tunnels after the abandoned one ended, want 0", n)
 	}

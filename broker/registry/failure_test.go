@@ -9,6 +9,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -25,7 +26,7 @@ func TestAFailureShowsTheCallerNoAddressesNorTheAgentsSPIFFEID(t *testing.T) {
 	said := "dial tcp 10.1.2.3:8443: connect: connection refused"
 	r.Fail(a, &tunnelv1.DialFailure{DialId: o.GetDialId(), Code: int32(codes.Unavailable), Message: said})
 	err := d.wait().err
-	checkStatus(t, "dial", err, codes.Unavailable, "agent sync-target-1: dial tcp <address>: connect: connection refused"+inTunnel(o.GetDialId()))
+	testutil.CheckStatus(t, "dial", err, codes.Unavailable, "agent sync-target-1: dial tcp <address>: connect: connection refused"+inTunnel(o.GetDialId()))
 	failed, ok := errors.AsType[*DialError](err)
 	if !ok {
 		t.Fatalf("%v is not a DialError", err)
@@ -70,6 +71,6 @@ func TestAnAgentsNameIsRedactedForTheCaller(t *testing.T) {
 		r.Register(a)
 		d, o := orderedDial(t, r, "root", a)
 		r.Fail(a, &tunnelv1.DialFailure{DialId: o.GetDialId(), Code: int32(codes.Unavailable), Message: "refused"})
-		checkStatus(t, fmt.Sprintf("agent named %.20q", tc.name), d.wait().err, codes.Unavailable, tc.want+inTunnel(o.GetDialId()))
+		testutil.CheckStatus(t, fmt.Sprintf("agent named %.20q", tc.name), d.wait().err, codes.Unavailable, tc.want+inTunnel(o.GetDialId()))
 	}
 }

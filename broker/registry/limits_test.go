@@ -7,6 +7,7 @@ import (
 
 	"google.golang.org/grpc/codes"
 
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -20,7 +21,7 @@ func TestPendingDialsPerClusterAreBounded(t *testing.T) {
 	}
 
 	_, err := r.Dial(t.Context(), target("root"))
-	checkStatus(t, "dial past the limit", err, codes.ResourceExhausted, `every agent of logical cluster "root" has 2 of its dials pending`)
+	testutil.CheckStatus(t, "dial past the limit", err, codes.ResourceExhausted, `every agent of logical cluster "root" has 2 of its dials pending`)
 	checkLimit(t, err, LimitPendingPerCluster)
 	noOrder(t, a)
 }
@@ -83,7 +84,7 @@ func TestTunnelsPerAgentAreBounded(t *testing.T) {
 	tun := claimedTunnel(t, r, "root", a)
 
 	_, err := r.Dial(t.Context(), target("root"))
-	checkStatus(t, "dial past the limit", err, codes.ResourceExhausted, `every agent of logical cluster "root" carries 1 tunnels`)
+	testutil.CheckStatus(t, "dial past the limit", err, codes.ResourceExhausted, `every agent of logical cluster "root" carries 1 tunnels`)
 	checkLimit(t, err, LimitTunnelsPerAgent)
 	noOrder(t, a)
 
@@ -104,7 +105,7 @@ func TestDialsInFlightCountAgainstTheTunnelLimit(t *testing.T) {
 	ctx, cancel := context.WithTimeout(t.Context(), waitLong)
 	defer cancel()
 	_, err := r.Dial(ctx, target("root"))
-	checkStatus(t, "dial past the limit", err, codes.ResourceExhausted, `every agent of logical cluster "root" carries 1 tunnels`)
+	testutil.CheckStatus(t, "dial past the limit", err, codes.ResourceExhausted, `every agent of logical cluster "root" carries 1 tunnels`)
 	noOrder(t, a)
 }
 

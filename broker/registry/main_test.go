@@ -9,8 +9,8 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"go.uber.org/goleak"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -204,26 +204,13 @@ func claimedTunnel(t *testing.T, r *Registry, cluster string, a *Agent) *Claim {
 func checkClaimRefused(t *testing.T, what string, r *Registry, dialID uint64, agentID spiffeid.ID) {
 	t.Helper()
 	_, err := r.Claim(dialID, agentID)
-	checkStatus(t, what, err, codes.NotFound,
+	testutil.CheckStatus(t, what, err, codes.NotFound,
 		fmt.Sprintf("no pending dial %d for %s (it timed out or was cancelled)", dialID, agentID))
 }
 
 // inTunnel ends the message of a dial that failed after its order: the
 // tunnel id under which the broker logs it.
 func inTunnel(dialID uint64) string { return fmt.Sprintf(" (tunnel %016x)", dialID) }
-
-// checkStatus checks err's gRPC code and message.
-func checkStatus(t *testing.T, what string, err error, code codes.Code, msg string) {
-	t.Helper()
-	s, ok := status.FromError(err)
-	if !ok {
-		t.Errorf("%s: %v is not a gRPC status", what, err)
-		return
-	}
-	if s.Code() != code || s.Message() != msg {
-		t.Errorf("%s: got %s %q, want %s %q", what, s.Code(), s.Message(), code, msg)
-	}
-}
 
 // fakeTunnel stands in for the tunnel an agent's Tunnel RPC hands over: the
 // registry only passes it on, or ends it.

@@ -5,6 +5,7 @@ import (
 
 	"google.golang.org/grpc/codes"
 
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -61,7 +62,7 @@ func TestADialThatEveryAgentFailsReturnsOneErrorNamingBoth(t *testing.T) {
 	o2 := nextOrder(t, second)
 	failOrder(r, second, o2, codes.Unavailable, "refused twice")
 	err := d.wait().err
-	checkStatus(t, "dial", err, codes.Unavailable, "agent "+second.Name+": refused twice"+inTunnel(o2.GetDialId())+
+	testutil.CheckStatus(t, "dial", err, codes.Unavailable, "agent "+second.Name+": refused twice"+inTunnel(o2.GetDialId())+
 		"; before it, agent "+first.Name+": refused once"+inTunnel(o1.GetDialId()))
 	noOrder(t, first)
 	noOrder(t, second)
@@ -89,7 +90,7 @@ func TestADialIsNotRetriedWhenNoOtherAgentServesTheCluster(t *testing.T) {
 	d := startDial(t, r, target("root"))
 	o := nextOrder(t, a)
 	failOrder(r, a, o, codes.Unavailable, "refused")
-	checkStatus(t, "dial", d.wait().err, codes.Unavailable, "agent a: refused"+inTunnel(o.GetDialId()))
+	testutil.CheckStatus(t, "dial", d.wait().err, codes.Unavailable, "agent a: refused"+inTunnel(o.GetDialId()))
 	noOrder(t, a)
 }
 
@@ -100,7 +101,7 @@ func TestADialFailedForAnotherReasonIsNotRetried(t *testing.T) {
 	d := startDial(t, r, target("root"))
 	first, o := orderedTo(t, a, b)
 	failOrder(r, first, o, codes.NotFound, "no such Service")
-	checkStatus(t, "dial", d.wait().err, codes.NotFound, "agent "+first.Name+": no such Service"+inTunnel(o.GetDialId()))
+	testutil.CheckStatus(t, "dial", d.wait().err, codes.NotFound, "agent "+first.Name+": no such Service"+inTunnel(o.GetDialId()))
 	noOrder(t, a)
 	noOrder(t, b)
 }

@@ -7,6 +7,8 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 )
 
 // Which agent a dial goes to: one that serves the target's cluster,
@@ -37,7 +39,7 @@ func TestDialWithNoAgentForTheClusterIsUnavailable(t *testing.T) {
 	registerAgent(t, r, "a", "root")
 
 	_, err := r.Dial(t.Context(), target("elsewhere"))
-	checkStatus(t, "dial", err, codes.Unavailable, `no agent serves logical cluster "elsewhere"`)
+	testutil.CheckStatus(t, "dial", err, codes.Unavailable, `no agent serves logical cluster "elsewhere"`)
 }
 
 func TestDialsTakeTurnsAmongTheAgentsOfACluster(t *testing.T) {
@@ -51,7 +53,7 @@ func TestDialsTakeTurnsAmongTheAgentsOfACluster(t *testing.T) {
 		to, _ := orderedTo(t, a, b)
 		got = append(got, to)
 		d.cancel()
-		checkStatus(t, "cancelled dial", d.wait().err, codes.Canceled, "context canceled")
+		testutil.CheckStatus(t, "cancelled dial", d.wait().err, codes.Canceled, "context canceled")
 	}
 	if got[0] == got[1] || got[0] != got[2] || got[1] != got[3] {
 		t.Errorf("dials went to %v, want the two agents in turn", got)
@@ -103,7 +105,7 @@ func TestUnregisteredAgentGetsNoDials(t *testing.T) {
 	r.Unregister(a)
 
 	_, err := r.Dial(t.Context(), target("root"))
-	checkStatus(t, "dial", err, codes.Unavailable, `no agent serves logical cluster "root"`)
+	testutil.CheckStatus(t, "dial", err, codes.Unavailable, `no agent serves logical cluster "root"`)
 	noOrder(t, a)
 }
 
@@ -126,7 +128,7 @@ func TestUpdateRoutesTheNewClustersAndNotTheOldOnes(t *testing.T) {
 	r.Update(a, []string{"kept", "new"})
 
 	_, err := r.Dial(t.Context(), target("old"))
-	checkStatus(t, "dial to a cluster the agent no longer serves", err, codes.Unavailable, `no agent serves logical cluster "old"`)
+	testutil.CheckStatus(t, "dial to a cluster the agent no longer serves", err, codes.Unavailable, `no agent serves logical cluster "old"`)
 	for _, c := range []string{"kept", "new"} {
 		startDial(t, r, target(c))
 		if o := nextOrder(t, a); o.GetTarget().GetCluster() != c {

@@ -32,8 +32,8 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
-	"github.com/kcp-dev/tunnel-broker/kcpplugin/coalesce"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // Defaults of Config for what the server itself bounds; the services'
@@ -41,11 +41,9 @@ import (
 const (
 	DefaultGrace = 20 * time.Second
 	// DefaultMaxMessageSize fits the largest message any sender of the
-	// protocol makes: a data frame of 32 KiB - 16 bytes and its 4 bytes of
-	// tag and length (kcpplugin, the agent), or a Register of at most
-	// agent.ClustersPerRegister clusters. It bounds what an unfinished
+	// protocol makes (wire.MaxMessageSize). It bounds what an unfinished
 	// message can make gRPC hold (package opening).
-	DefaultMaxMessageSize = 32 << 10
+	DefaultMaxMessageSize = wire.MaxMessageSize
 	// DefaultMaxConcurrentStreams bounds the streams of one connection,
 	// above --max-tunnels-per-caller (20000) so that kcp holds every
 	// tunnel it may on one connection; a gRPC client queues the streams
@@ -74,19 +72,9 @@ const (
 	// it expires, as long as SVIDs live more than 2 x 11 minutes. RPCs in
 	// flight, tunnels and control streams, run on.
 	DefaultMaxConnectionAge = 10 * time.Minute
-	// DefaultWindowSize is a fixed per-stream window. gRPC's dynamic
-	// windows send a PING with nearly every message of ping-pong traffic
-	// (webhook calls), costing a write and a wakeup per message; a fixed
-	// window does not. 1 MiB carries 20 MiB/s per tunnel at 50 ms RTT, and
-	// bounds what a stalled reader leaves buffered in the broker.
-	DefaultWindowSize = 1 << 20
-	// WriteBufferSize is gRPC's write buffer per connection (its default
-	// is 32 KiB). gRPC writes it out when it is full or has nothing more
-	// to send, so in bulk transfers one flush carries 16 TLS records,
-	// which coalesce.Writes sends with one syscall. gRPC lends the buffer
-	// from a pool only while it holds data, so idle connections cost
-	// nothing more.
-	WriteBufferSize = 256 << 10
+	// DefaultWindowSize is the fixed per-stream window kcp and the agent
+	// use too (wire.WindowSize).
+	DefaultWindowSize = wire.WindowSize
 )
 
 // Config is what a broker replica needs. As in every Config of the broker,
@@ -229,7 +217,7 @@ func (s *Server) credentials() credentials.TransportCredentials {
 		identity.MaxConcurrentHandshakes(cfg.MaxHandshakes),
 		identity.CloseExpiredPeers(cfg.ExpiredPeerGrace))
 	// One write syscall per gRPC flush, not one per 16 KiB TLS record.
-	creds = coalesce.Writes(creds)
+	creds = wire.CoalesceWrites(creds)
 	// A peer that sends its data in tiny or padded DATA frames would make
 	// gRPC hold some 40 times what it sends; its connection is closed.
 	return fragments.Refuse(creds, fragments.Report{Log: cfg.Log, Count: metrics.ClosedFragmented.Inc})
@@ -255,14 +243,6 @@ func (s *Server) serverOptions(guard *opening.Guard) []grpc.ServerOption {
 		grpc.MaxHeaderListSize(MaxHeaderListSize),
 		grpc.Creds(s.credentials()),
 		grpc.ConnectionTimeout(cfg.HandshakeTimeout),
-		grpc.WriteBufferSize(WriteBufferSize),
-		// No read buffer of gRPC's own: crypto/tls already reads whole
-		// records, and gRPC's 32 KiB buffer per connection was the largest
-		// item of an idle agent's memory (BENCHMARKS.md, Scale: RSS per
-		// agent 95-97 KiB with it, 75 KiB without; throughput and CPU
-		// per GiB unchanged).
-		grpc.ReadBufferSize(0),
-		tunnelv1.FrameServerOption(),
 		grpc.MaxRecvMsgSize(cfg.MaxMessageSize),
 		// Agents ping to notice a dead broker quickly; allow it.
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}),
@@ -272,10 +252,13 @@ func (s *Server) serverOptions(guard *opening.Guard) []grpc.ServerOption {
 		grpc.KeepaliveParams(keepalive.ServerParameters{Time: 10 * time.Second, Timeout: 5 * time.Second,
 			MaxConnectionAge: max(cfg.MaxConnectionAge, 0)}),
 	)
-	if cfg.WindowSize > 0 {
-		opts = append(opts, grpc.InitialWindowSize(cfg.WindowSize), grpc.InitialConnWindowSize(16*cfg.WindowSize))
-	}
-	return opts
+	// No read buffer of gRPC's own: crypto/tls already reads whole records,
+	// and gRPC's 32 KiB buffer per connection was the largest item of an
+	// idle agent's memory (BENCHMARKS.md, Scale: RSS per agent 95-97 KiB
+	// with it, 75 KiB without; throughput and CPU per GiB unchanged).
+	opts = append(opts, grpc.ReadBufferSize(0))
+	// The write buffer, Frame streams and windows kcp and the agent share.
+	return append(opts, wire.ServerOptions(cfg.WindowSize)...)
 }
 
 // registerServices registers the broker's services, health and reflection.

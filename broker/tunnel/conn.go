@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // SpliceConn is Splice for a caller that is a plain connection rather than
@@ -67,13 +68,13 @@ func (c *connStream) SetTrailer(metadata.MD)       {}
 // data frame; the end of the connection's reading side is io.EOF, as a
 // client's CloseSend is on a stream.
 func (c *connStream) RecvMsg(m any) error {
-	f, ok := m.(*tunnelv1.Frame)
+	f, ok := m.(*wire.Frame)
 	if !ok {
 		return errors.New("a connection's leg receives only frames")
 	}
 	n, err := c.conn.Read(c.buf)
 	if n > 0 {
-		*f = tunnelv1.NewDataFrame(c.buf[:n])
+		*f = wire.NewDataFrame(c.buf[:n])
 		return nil
 	}
 	if err == nil {
@@ -87,7 +88,7 @@ func (c *connStream) RecvMsg(m any) error {
 // connection's CloseWrite.
 func (c *connStream) SendMsg(m any) error {
 	switch msg := m.(type) {
-	case *tunnelv1.Frame:
+	case *wire.Frame:
 		defer msg.Free()
 		_, err := msg.WriteTo(c.conn)
 		return err

@@ -14,7 +14,9 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // What a real stream cannot be made to do on cue, tunnels over legs without
@@ -60,7 +62,7 @@ func (l *leg) RecvMsg(m any) error {
 		if err != nil {
 			return err
 		}
-		return tunnelv1.FrameCodec().Unmarshal(mem.BufferSlice{mem.SliceBuffer(enc)}, m)
+		return wire.FrameCodec().Unmarshal(mem.BufferSlice{mem.SliceBuffer(enc)}, m)
 	case <-l.ctx.Done():
 		return status.FromContextError(l.ctx.Err()).Err()
 	}
@@ -105,7 +107,7 @@ func dialLegs(t *testing.T, agent *leg) *legTunnel {
 		tunnel *tunnel.Tunnel
 		err    error
 	}
-	ctx, cancel := context.WithTimeout(t.Context(), brokertest.WaitLong)
+	ctx, cancel := context.WithTimeout(t.Context(), testutil.WaitLong)
 	defer cancel()
 	got := make(chan dialed, 1)
 	go func() {
@@ -146,10 +148,10 @@ func TestATunnelEndsWhenTheCallerGoesAwayWhileSendingToTheAgent(t *testing.T) {
 	done := lt.splice(caller)
 	<-agent.sending // blocked in Send to the agent; and receiving from it
 	caller.cancel()
-	got := brokertest.Wait(t, "the splice", done)
-	brokertest.CheckStatus(t, "caller", got.caller, codes.Canceled, "caller went away")
-	brokertest.CheckStatus(t, "agent", got.agent, codes.Canceled, "caller went away")
-	brokertest.CheckStatus(t, "the agent's RPC", brokertest.Wait(t, "the agent's RPC", lt.opened), codes.Canceled, "caller went away")
+	got := testutil.Wait(t, "the splice", done)
+	testutil.CheckStatus(t, "caller", got.caller, codes.Canceled, "caller went away")
+	testutil.CheckStatus(t, "agent", got.agent, codes.Canceled, "caller went away")
+	testutil.CheckStatus(t, "the agent's RPC", testutil.Wait(t, "the agent's RPC", lt.opened), codes.Canceled, "caller went away")
 }
 
 func TestATunnelEndsWhenTheAgentGoesAwayWhileSendingToTheCaller(t *testing.T) {
@@ -159,10 +161,10 @@ func TestATunnelEndsWhenTheAgentGoesAwayWhileSendingToTheCaller(t *testing.T) {
 	done := lt.splice(caller)
 	<-caller.sending
 	agent.cancel()
-	got := brokertest.Wait(t, "the splice", done)
-	brokertest.CheckStatus(t, "caller", got.caller, codes.Unavailable, "tunnel lost on the agent's side")
-	brokertest.CheckStatus(t, "agent", got.agent, codes.Aborted, "tunnel aborted")
-	brokertest.Wait(t, "the agent's RPC", lt.opened)
+	got := testutil.Wait(t, "the splice", done)
+	testutil.CheckStatus(t, "caller", got.caller, codes.Unavailable, "tunnel lost on the agent's side")
+	testutil.CheckStatus(t, "agent", got.agent, codes.Aborted, "tunnel aborted")
+	testutil.Wait(t, "the agent's RPC", lt.opened)
 }
 
 func TestAnAgentWhoseStreamEndsBeforeTheSpliceLosesTheTunnel(t *testing.T) {
@@ -170,11 +172,11 @@ func TestAnAgentWhoseStreamEndsBeforeTheSpliceLosesTheTunnel(t *testing.T) {
 	lt := dialLegs(t, agent)
 	agent.cancel()
 	// The agent's RPC returns at once, and the splice then finds it gone.
-	if err := brokertest.Wait(t, "the agent's RPC", lt.opened); err != context.Canceled {
+	if err := testutil.Wait(t, "the agent's RPC", lt.opened); err != context.Canceled {
 		t.Errorf("the agent's RPC returned %v, want its stream's end", err)
 	}
-	got := brokertest.Wait(t, "the splice", lt.splice(caller))
-	brokertest.CheckStatus(t, "caller", got.caller, codes.Unavailable, "tunnel lost on the agent's side")
+	got := testutil.Wait(t, "the splice", lt.splice(caller))
+	testutil.CheckStatus(t, "caller", got.caller, codes.Unavailable, "tunnel lost on the agent's side")
 	if n := lt.agent.Tunnels(); n != 0 {
 		t.Errorf("the agent carries %d tunnels, want 0", n)
 	}
@@ -189,8 +191,8 @@ func TestASpliceThatBeginsAsTheAgentsStreamEndsEndsBothRPCs(t *testing.T) {
 		caller, agent := newLeg(t), newLeg(t)
 		lt := dialLegs(t, agent)
 		go agent.cancel()
-		got := brokertest.Wait(t, "the splice", lt.splice(caller))
-		brokertest.Wait(t, "the agent's RPC", lt.opened)
+		got := testutil.Wait(t, "the splice", lt.splice(caller))
+		testutil.Wait(t, "the agent's RPC", lt.opened)
 		if status.Code(got.caller) != codes.Unavailable {
 			t.Errorf("round %d: the caller's status is %v, want Unavailable", i, got.caller)
 		}

@@ -13,6 +13,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 )
 
 // This file holds the broker the tests tunnel through: brokertest's real
@@ -53,7 +54,7 @@ func startBroker(t *testing.T, cfg config) *broker {
 	b := &broker{}
 	b.Server = brokertest.Start(t, testPolicy, func(s *brokertest.Server, srv *grpc.Server) {
 		b.dial = dialv1.New(dialv1.Config{
-			Registry: s.Registry, Policy: s.Policy, Timeout: brokertest.WaitLong,
+			Registry: s.Registry, Policy: s.Policy, Timeout: testutil.WaitLong,
 			Tunnels:  tunnel.Config{IdleTimeout: cfg.idleTimeout, Stopping: s.Stopping, Clock: cfg.clock},
 			Draining: s.Draining, Log: s.Log,
 		})

@@ -18,6 +18,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/internal/abortable"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // Config is what ends a broker's tunnels besides their peers.
@@ -130,11 +131,11 @@ func agentSentNotData() error {
 }
 
 // forward copies d's data frames as they were received, without decoding
-// them (tunnelv1.Frame), until its sender half-closes, and then tells the
+// them (wire.Frame), until its sender half-closes, and then tells the
 // receiver so. The first failure on either leg ends the tunnel.
 func (t *Tunnel) forward(d direction) {
 	for {
-		var f tunnelv1.Frame
+		var f wire.Frame
 		err := d.from.RecvMsg(&f)
 		if errors.Is(err, io.EOF) {
 			if err := d.to.SendMsg(d.closeWrite()); err != nil {

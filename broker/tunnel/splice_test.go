@@ -8,6 +8,7 @@ import (
 	"google.golang.org/grpc/codes"
 
 	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -78,7 +79,7 @@ func TestTunnelLostOnTheAgentsSideIsUnavailableToTheCaller(t *testing.T) {
 		tn := a.Establish(t, kcpPath, brokertest.Target("root"))
 		tn.Up("x")
 		tn.CancelAgent()
-		brokertest.CheckStatus(t, "caller", tn.CallerEnd(), codes.Unavailable, "tunnel lost on the agent's side")
+		testutil.CheckStatus(t, "caller", tn.CallerEnd(), codes.Unavailable, "tunnel lost on the agent's side")
 		if n := b.Registry.Agents()[0].Tunnels(); n != 0 {
 			t.Errorf("the agent carries %d tunnels after the end, want 0", n)
 		}
@@ -89,8 +90,8 @@ func TestTunnelLostOnTheAgentsSideIsUnavailableToTheCaller(t *testing.T) {
 		if err := tn.Agent.Send(again); err != nil {
 			t.Fatal(err)
 		}
-		brokertest.CheckStatus(t, "caller", tn.CallerEnd(), codes.Unavailable, "protocol error: after opening, an agent may only send non-empty data")
-		brokertest.CheckStatus(t, "agent", tn.AgentEnd(), codes.Aborted, "tunnel aborted: protocol error")
+		testutil.CheckStatus(t, "caller", tn.CallerEnd(), codes.Unavailable, "protocol error: after opening, an agent may only send non-empty data")
+		testutil.CheckStatus(t, "agent", tn.AgentEnd(), codes.Aborted, "tunnel aborted: protocol error")
 	})
 }
 
@@ -100,7 +101,7 @@ func TestCallerGoingAwayEndsTheAgentsTunnel(t *testing.T) {
 	tn := a.Establish(t, kcpPath, brokertest.Target("root"))
 	tn.Down("x")
 	tn.CancelCaller()
-	brokertest.CheckStatus(t, "agent", tn.AgentEnd(), codes.Canceled, "caller went away")
+	testutil.CheckStatus(t, "agent", tn.AgentEnd(), codes.Canceled, "caller went away")
 }
 
 func TestCallerBreakingTheProtocolAfterTheTarget(t *testing.T) {
@@ -119,8 +120,8 @@ func TestCallerBreakingTheProtocolAfterTheTarget(t *testing.T) {
 			if err := tn.Caller.Send(tc.msg); err != nil {
 				t.Fatal(err)
 			}
-			brokertest.CheckStatus(t, "caller", tn.CallerEnd(), codes.InvalidArgument, "protocol error: after the target, a caller may only send non-empty data")
-			brokertest.CheckStatus(t, "agent", tn.AgentEnd(), codes.Canceled, "caller broke the protocol")
+			testutil.CheckStatus(t, "caller", tn.CallerEnd(), codes.InvalidArgument, "protocol error: after the target, a caller may only send non-empty data")
+			testutil.CheckStatus(t, "agent", tn.AgentEnd(), codes.Canceled, "caller broke the protocol")
 		})
 	}
 }
@@ -135,8 +136,8 @@ func TestIdleTunnelEndsWithDeadlineExceededOnBothLegs(t *testing.T) {
 	tn.Down("y")
 	// Then nothing: the broker ends it.
 	clk.Step(idle)
-	brokertest.CheckStatus(t, "caller", tn.CallerEnd(), codes.DeadlineExceeded, "tunnel carried nothing for 10m0s")
-	brokertest.CheckStatus(t, "agent", tn.AgentEnd(), codes.DeadlineExceeded, "tunnel carried nothing for 10m0s")
+	testutil.CheckStatus(t, "caller", tn.CallerEnd(), codes.DeadlineExceeded, "tunnel carried nothing for 10m0s")
+	testutil.CheckStatus(t, "agent", tn.AgentEnd(), codes.DeadlineExceeded, "tunnel carried nothing for 10m0s")
 }
 
 func TestATunnelThatCarriesDataIsNotIdle(t *testing.T) {
@@ -153,7 +154,7 @@ func TestATunnelThatCarriesDataIsNotIdle(t *testing.T) {
 	clk.WaitForTimers(t, 1)
 	tn.Down("still open")
 	clk.Step(idle)
-	brokertest.CheckStatus(t, "caller", tn.CallerEnd(), codes.DeadlineExceeded, "tunnel carried nothing for 10m0s")
+	testutil.CheckStatus(t, "caller", tn.CallerEnd(), codes.DeadlineExceeded, "tunnel carried nothing for 10m0s")
 }
 
 func TestStoppingEndsTunnelsWithUnavailable(t *testing.T) {
@@ -165,6 +166,6 @@ func TestStoppingEndsTunnelsWithUnavailable(t *testing.T) {
 	// Draining alone leaves tunnels in flight alone.
 	tn.Down("still flowing while draining")
 	b.Stop()
-	brokertest.CheckStatus(t, "caller", tn.CallerEnd(), codes.Unavailable, "the broker is shutting down and its grace period is over")
-	brokertest.CheckStatus(t, "agent", tn.AgentEnd(), codes.Unavailable, "the broker is shutting down")
+	testutil.CheckStatus(t, "caller", tn.CallerEnd(), codes.Unavailable, "the broker is shutting down and its grace period is over")
+	testutil.CheckStatus(t, "agent", tn.AgentEnd(), codes.Unavailable, "the broker is shutting down")
 }

@@ -12,6 +12,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -23,7 +24,7 @@ import (
 // any splice, and the agent's stream.
 func (b *broker) handOver(t *testing.T, a *brokertest.Agent) (*tunnel.Tunnel, tunnelv1.AgentService_TunnelClient) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(t.Context(), brokertest.WaitLong)
+	ctx, cancel := context.WithTimeout(t.Context(), testutil.WaitLong)
 	defer cancel()
 	dialed := make(chan *tunnel.Tunnel, 1)
 	go func() {
@@ -67,7 +68,7 @@ func TestATunnelEndedBeforeItsSpliceEndsTheAgentsRPCWithItsStatus(t *testing.T) 
 
 	tun.End(status.Error(codes.Aborted, "nobody will splice it"))
 	_, err := stream.Recv()
-	brokertest.CheckStatus(t, "the agent's Tunnel RPC", err, codes.Aborted, "nobody will splice it")
+	testutil.CheckStatus(t, "the agent's Tunnel RPC", err, codes.Aborted, "nobody will splice it")
 	if n := tun.Agent.Tunnels(); n != 0 {
 		t.Errorf("the agent carries %d tunnels after the end, want 0", n)
 	}

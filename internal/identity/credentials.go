@@ -107,8 +107,8 @@ func (c *spiffeCreds) ServerHandshake(raw net.Conn) (net.Conn, credentials.AuthI
 		return nil, nil, err
 	}
 	if c.expiredGrace != nil {
-		info.life = newPeerLife(raw, info.Expires, *c.expiredGrace)
-		conn = &lifeConn{Conn: conn, life: info.life}
+		info.expiry = newExpiryCloser(raw, info.Expires, *c.expiredGrace)
+		conn = &expiringConn{Conn: conn, expiry: info.expiry}
 	}
 	return conn, info, nil
 }

@@ -25,8 +25,9 @@ import (
 // well before it expires; a gRPC client whose connection the server closed
 // reconnects with the SVID its source holds then.
 
-// peerLife ends one server connection after its peer's SVID expires.
-type peerLife struct {
+// expiryCloser closes one server connection after its peer's SVID
+// expires, once its RPCs have ended or their grace period is over.
+type expiryCloser struct {
 	expires time.Time
 	grace   time.Duration
 	conn    net.Conn // the raw connection under TLS
@@ -38,8 +39,8 @@ type peerLife struct {
 	timer   *time.Timer
 }
 
-func newPeerLife(conn net.Conn, expires time.Time, grace time.Duration) *peerLife {
-	l := &peerLife{conn: conn, expires: expires, grace: grace}
+func newExpiryCloser(conn net.Conn, expires time.Time, grace time.Duration) *expiryCloser {
+	l := &expiryCloser{conn: conn, expires: expires, grace: grace}
 	l.mu.Lock()
 	l.timer = time.AfterFunc(time.Until(expires), l.expire)
 	l.mu.Unlock()
@@ -48,7 +49,7 @@ func newPeerLife(conn net.Conn, expires time.Time, grace time.Duration) *peerLif
 
 // expire runs at the expiry: the connection closes now if it is idle, else
 // when its last RPC ends or the grace period is over.
-func (l *peerLife) expire() {
+func (l *expiryCloser) expire() {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.done {
@@ -66,8 +67,8 @@ func (l *peerLife) expire() {
 	})
 }
 
-// begin counts an RPC in; false if the peer's SVID has expired.
-func (l *peerLife) begin() bool {
+// startRPC counts an RPC in; false if the peer's SVID has expired.
+func (l *expiryCloser) startRPC() bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.expired || !time.Now().Before(l.expires) {
@@ -77,8 +78,8 @@ func (l *peerLife) begin() bool {
 	return true
 }
 
-// end counts an RPC out.
-func (l *peerLife) end() {
+// endRPC counts an RPC out.
+func (l *expiryCloser) endRPC() {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.rpcs--
@@ -87,7 +88,7 @@ func (l *peerLife) end() {
 	}
 }
 
-func (l *peerLife) closeLocked() {
+func (l *expiryCloser) closeLocked() {
 	if l.done {
 		return
 	}
@@ -98,23 +99,23 @@ func (l *peerLife) closeLocked() {
 }
 
 // stop forgets the timers of a connection that closed on its own.
-func (l *peerLife) stop() {
+func (l *expiryCloser) stop() {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.done = true
 	l.timer.Stop()
 }
 
-// lifeConn is a server connection with a peerLife: closing it stops the
-// life's timers, so that nothing of a closed connection lingers until its
-// peer's expiry.
-type lifeConn struct {
+// expiringConn is a server connection with an expiryCloser: closing it
+// stops the closer's timers, so that nothing of a closed connection lingers
+// until its peer's expiry.
+type expiringConn struct {
 	net.Conn
-	life *peerLife
+	expiry *expiryCloser
 }
 
-func (c *lifeConn) Close() error {
-	c.life.stop()
+func (c *expiringConn) Close() error {
+	c.expiry.stop()
 	return c.Conn.Close()
 }
 
@@ -148,16 +149,16 @@ func beginRPC(ctx context.Context) (end func(), err error) {
 	if !ok {
 		return func() {}, nil
 	}
-	if info.life == nil {
+	if info.expiry == nil {
 		if !time.Now().Before(info.Expires) {
 			return nil, ExpiredError(info)
 		}
 		return func() {}, nil
 	}
-	if !info.life.begin() {
+	if !info.expiry.startRPC() {
 		return nil, ExpiredError(info)
 	}
-	return info.life.end, nil
+	return info.expiry.endRPC, nil
 }
 
 // ExpiredError is the status of an RPC refused because the peer's SVID has

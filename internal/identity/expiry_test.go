@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/kcp-dev/tunnel-broker/internal/devca"
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 )
 
 // expiryWorld is a gRPC server (the health service: Check is a unary RPC,
@@ -79,7 +80,7 @@ func (w *expiryWorld) watch(t *testing.T, ctx context.Context) healthpb.Health_W
 func (w *expiryWorld) waitForExpiry(t *testing.T) {
 	t.Helper()
 	time.Sleep(time.Until(w.expires))
-	eventually(t, "a new RPC to be refused after the SVID's expiry", func() bool {
+	testutil.Eventually(t, "a new RPC to be refused after the SVID's expiry", func() bool {
 		return status.Code(w.check(t)) == codes.Unauthenticated
 	})
 }
@@ -105,7 +106,7 @@ func TestAnExpiredPeerMayNotStartRPCsOnItsOpenConnection(t *testing.T) {
 	}
 	// Its last RPC over, the connection closes.
 	cancel()
-	eventually(t, "the connection to close after its last RPC", func() bool { return w.conn.GetState() != connectivity.Ready })
+	testutil.Eventually(t, "the connection to close after its last RPC", func() bool { return w.conn.GetState() != connectivity.Ready })
 }
 
 func TestAnExpiredPeersStreamsEndAfterTheGrace(t *testing.T) {
@@ -127,5 +128,5 @@ func TestAnExpiredPeersIdleConnectionCloses(t *testing.T) {
 	}
 	time.Sleep(time.Until(w.expires))
 	// With nothing in flight, the server does not wait for the grace.
-	eventually(t, "the idle connection to close at the expiry", func() bool { return w.conn.GetState() != connectivity.Ready })
+	testutil.Eventually(t, "the idle connection to close at the expiry", func() bool { return w.conn.GetState() != connectivity.Ready })
 }

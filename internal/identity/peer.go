@@ -28,9 +28,9 @@ type AuthInfo struct {
 	// NotAfter of the certificate chain it presented.
 	Expires time.Time
 
-	// life, on the server, ends the connection once the peer's SVID has
-	// expired (see CloseExpiredPeers).
-	life *peerLife
+	// expiry, on the server, closes the connection once the peer's SVID
+	// has expired (see CloseExpiredPeers).
+	expiry *expiryCloser
 }
 
 // newAuthInfo reads the verified peer of a finished handshake.

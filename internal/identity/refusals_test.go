@@ -10,6 +10,7 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 
 	"github.com/kcp-dev/tunnel-broker/internal/devca"
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 )
 
 func TestRefusalLogsAreSampledAndSayHowManyWereLeftOut(t *testing.T) {
@@ -26,7 +27,7 @@ func TestRefusalLogsAreSampledAndSayHowManyWereLeftOut(t *testing.T) {
 		t.Fatalf("counted %d refusals, want every one of 1000", got)
 	}
 	// Five lines, then one that says how many more there were, by reason.
-	eventually(t, "the line about the refusals left out", func() bool { return len(log.lines()) == 6 })
+	testutil.Eventually(t, "the line about the refusals left out", func() bool { return len(log.lines()) == 6 })
 	lines := log.lines()
 	for _, l := range lines[:5] {
 		if !strings.Contains(l, `msg="TLS handshake refused"`) || !strings.Contains(l, "reason=protocol") || !strings.Contains(l, "remote=10.0.0.1:1234") {

@@ -8,6 +8,7 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
 
 	"github.com/kcp-dev/tunnel-broker/internal/devca"
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 )
 
 // stall opens a connection that never says a word.
@@ -44,10 +45,10 @@ func TestStalledHandshakesGiveWayAndFreshOnesAreNotDropped(t *testing.T) {
 	good := attackerConfig(rawCert(t, ca, devca.Leaf{SPIFFEID: "/kcp"}))
 
 	first := stall(t, addr)
-	eventually(t, "the first stalled handshake to take a slot", func() bool { return slots.inUse() == 1 })
+	testutil.Eventually(t, "the first stalled handshake to take a slot", func() bool { return slots.inUse() == 1 })
 	clock.advance(time.Millisecond)
 	second := stall(t, addr)
-	eventually(t, "both stalled handshakes to take a slot", func() bool { return slots.inUse() == 2 })
+	testutil.Eventually(t, "both stalled handshakes to take a slot", func() bool { return slots.inUse() == 2 })
 
 	// Both slots are taken by handshakes that just began: a new one is
 	// turned away, the others keep theirs.
@@ -91,5 +92,5 @@ func TestStalledHandshakesGiveWayAndFreshOnesAreNotDropped(t *testing.T) {
 		t.Errorf("%d handshakes in progress, want 1", slots.inUse())
 	}
 	second.Close()
-	eventually(t, "the last slot to be freed", func() bool { return slots.inUse() == 0 })
+	testutil.Eventually(t, "the last slot to be freed", func() bool { return slots.inUse() == 0 })
 }

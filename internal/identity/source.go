@@ -78,6 +78,21 @@ func openFiles(o Options, log *slog.Logger) (Source, error) {
 	return s, nil
 }
 
+// OpenWithID opens the identity the options name, as Open does, and returns
+// the SPIFFE ID it presents too: the process's own ID.
+func OpenWithID(ctx context.Context, o Options, log *slog.Logger) (Source, spiffeid.ID, error) {
+	src, err := Open(ctx, o, log)
+	if err != nil {
+		return nil, spiffeid.ID{}, err
+	}
+	self, err := IDOf(src)
+	if err != nil {
+		src.Close()
+		return nil, spiffeid.ID{}, err
+	}
+	return src, self, nil
+}
+
 // IDOf is the SPIFFE ID a source currently presents.
 func IDOf(s SVIDSource) (spiffeid.ID, error) {
 	svid, err := s.GetX509SVID()

@@ -2,7 +2,6 @@ package identity
 
 import (
 	"bytes"
-	"context"
 	"crypto/tls"
 	"crypto/x509"
 	"log/slog"
@@ -245,19 +244,6 @@ func (c *counts) get(r Reason) int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.n[r]
-}
-
-func eventually(t testing.TB, what string, cond func() bool) {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), waitLong)
-	defer cancel()
-	for !cond() {
-		select {
-		case <-ctx.Done():
-			t.Fatalf("timed out waiting for %s", what)
-		case <-time.After(10 * time.Millisecond):
-		}
-	}
 }
 
 // fakeClock is a clock a test moves by hand.

@@ -18,18 +18,10 @@ import (
 	"google.golang.org/grpc/status"
 	"k8s.io/utils/clock"
 
-	"github.com/kcp-dev/tunnel-broker/kcpplugin/coalesce"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
 )
-
-// WindowSize is the agent's HTTP/2 flow-control window per stream: fixed,
-// like the broker's, so that ping-pong traffic sends no window PINGs.
-const WindowSize = 1 << 20
-
-// WriteBufferSize is gRPC's write buffer on the agent's connection: one
-// flush of bulk data is 16 TLS records, sent with one syscall.
-const WriteBufferSize = 256 << 10
 
 // DefaultGrace is how long tunnels in flight may run once the agent drains.
 const DefaultGrace = 20 * time.Second
@@ -109,12 +101,9 @@ func (a *Agent) Run(ctx context.Context) error {
 
 // dial makes the agent's one gRPC connection to its broker replica.
 func (a *Agent) dial() (*grpc.ClientConn, error) {
-	return grpc.NewClient(a.Broker,
-		// One write syscall per gRPC flush, not one per 16 KiB TLS record,
-		// and flushes of up to 256 KiB, as the broker's (see its
-		// WriteBufferSize).
-		grpc.WithTransportCredentials(coalesce.Writes(a.Credentials)),
-		grpc.WithWriteBufferSize(WriteBufferSize),
+	// The transport settings kcp and the broker use too: coalesced
+	// writes, the write buffer and fixed windows (package wire).
+	opts := append(wire.DialOptions(a.Credentials),
 		// Ping every 5s, give up after 5s more: a broker that vanished
 		// without a word is noticed in about ten seconds.
 		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 5 * time.Second, Timeout: 5 * time.Second, PermitWithoutStream: true}),
@@ -122,11 +111,8 @@ func (a *Agent) dial() (*grpc.ClientConn, error) {
 		// that an attempt the agent logs is an attempt on the wire.
 		grpc.WithConnectParams(grpc.ConnectParams{Backoff: grpcbackoff.Config{
 			BaseDelay: minRetry, Multiplier: 2, Jitter: 0.2, MaxDelay: maxRetry,
-		}, MinConnectTimeout: 20 * time.Second}),
-		// Fixed windows, as the broker's (see its DefaultWindowSize).
-		grpc.WithInitialWindowSize(WindowSize),
-		grpc.WithInitialConnWindowSize(16*WindowSize),
-	)
+		}, MinConnectTimeout: 20 * time.Second}))
+	return grpc.NewClient(a.Broker, opts...)
 }
 
 // agentRun is one Run of an agent: what its sessions and tunnels share.

@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
 )
@@ -43,7 +44,7 @@ func TestRegisterCarriesResolverClustersAndAgentName(t *testing.T) {
 	if s.peer != p.agentID {
 		t.Errorf("broker saw peer %q, want the agent's SVID %q", s.peer, p.agentID)
 	}
-	if got := wait(t, registered, "the Registered callback"); got != b.id {
+	if got := testutil.Wait(t, "the Registered callback", registered); got != b.id {
 		t.Errorf("Registered(%q), want the broker's id %q", got, b.id)
 	}
 	if !a.IsRegistered() {
@@ -66,7 +67,7 @@ func TestAgentReconnectsAfterBrokerEndsControlStream(t *testing.T) {
 			run(t, a)
 
 			first := b.nextSession(t)
-			wait(t, registered, "the first registration")
+			testutil.Wait(t, "the first registration", registered)
 			first.finish(end)
 			first.ended(t)
 			waitUntilWaiting(t, clk, "its backoff")
@@ -76,7 +77,7 @@ func TestAgentReconnectsAfterBrokerEndsControlStream(t *testing.T) {
 			if got := second.register.GetClusters(); !slices.Equal(got, []string{testCluster}) {
 				t.Errorf("register again with clusters %v, want [%s]", got, testCluster)
 			}
-			wait(t, registered, "the second registration")
+			testutil.Wait(t, "the second registration", registered)
 
 			// The new session serves orders.
 			second.order(t, &tunnelv1.DialOrder{DialId: 3, Target: &tunnelv1.Target{Cluster: "root:org"}})
@@ -106,7 +107,7 @@ func TestAgentRetriesRefusedRegistration(t *testing.T) {
 	if s.register.GetAgentName() != "test-agent" {
 		t.Errorf("register agent_name %q", s.register.GetAgentName())
 	}
-	wait(t, registered, "the registration")
+	testutil.Wait(t, "the registration", registered)
 	// A probe's echo comes after the session's Registered call: by then
 	// every call there was to be has been made.
 	s.send(t, &tunnelv1.ConnectResponse{Message: &tunnelv1.ConnectResponse_Probe{Probe: &tunnelv1.Probe{Sequence: 1}}})
@@ -293,7 +294,7 @@ func TestDrainRefusesNewOrdersAndWaitsForTunnelsInFlight(t *testing.T) {
 		t.Fatal(err)
 	}
 	tu.finish(nil)
-	wait(t, stopped, "Run to return after its last tunnel ended")
+	testutil.Wait(t, "Run to return after its last tunnel ended", stopped)
 	s.ended(t)
 }
 
@@ -325,7 +326,7 @@ func TestDrainEndsTunnelsAfterGrace(t *testing.T) {
 	if _, err := conn.Read(make([]byte, 1)); !errors.Is(err, syscall.ECONNRESET) {
 		t.Errorf("target read after the grace period: %v, want a connection reset", err)
 	}
-	wait(t, stopped, "Run to return")
+	testutil.Wait(t, "Run to return", stopped)
 	s.ended(t)
 }
 
@@ -345,14 +346,14 @@ func TestStoppingAgentClosesItsControlStreamCleanly(t *testing.T) {
 	stop := run(t, a)
 	s := b.nextSession(t)
 	// Stopped before it reads "registered", an agent just cancels.
-	wait(t, registered, "the agent to read its registration")
+	testutil.Wait(t, "the agent to read its registration", registered)
 
 	stopped := stopAsync(stop)
 	if m := s.next(t); m.GetDrain() == nil {
 		t.Fatalf("agent sent %v before closing its send direction, want drain", m)
 	}
-	wait(t, s.closedSend, "the agent to close its send direction")
-	wait(t, stopped, "Run to return")
+	testutil.Wait(t, "the agent to close its send direction", s.closedSend)
+	testutil.Wait(t, "Run to return", stopped)
 }
 
 // Until it is registered, a stopping agent has nothing to end cleanly: it
@@ -368,7 +369,7 @@ func TestStoppingAgentThatCannotReachItsBrokerReturns(t *testing.T) {
 	}
 	fakeClock(a) // which the test never moves: no wait may hold the agent up
 	stop := run(t, a)
-	wait(t, stopAsync(stop), "Run to return")
+	testutil.Wait(t, "Run to return", stopAsync(stop))
 }
 
 // A broker that does not end a registration whose agent closed its send
@@ -383,10 +384,10 @@ func TestStoppingAgentCancelsItsControlStreamIfTheBrokerDoesNotEndIt(t *testing.
 	a.Registered = func(brokerID string) { registered <- brokerID }
 	stop := run(t, a)
 	s := b.nextSession(t)
-	wait(t, registered, "the agent to read its registration")
+	testutil.Wait(t, "the agent to read its registration", registered)
 
 	stopped := stopAsync(stop)
-	wait(t, s.closedSend, "the agent to close its send direction")
+	testutil.Wait(t, "the agent to close its send direction", s.closedSend)
 	waitUntilWaiting(t, clk, "the broker to end the registration")
 	select {
 	case <-stopped:
@@ -394,6 +395,6 @@ func TestStoppingAgentCancelsItsControlStreamIfTheBrokerDoesNotEndIt(t *testing.
 	default:
 	}
 	clk.Step(unregisterTimeout)
-	wait(t, stopped, "Run to return")
+	testutil.Wait(t, "Run to return", stopped)
 	s.ended(t)
 }

@@ -25,7 +25,9 @@ import (
 
 	"github.com/kcp-dev/tunnel-broker/internal/devca"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
 )
 
@@ -350,8 +352,8 @@ func (tu *tunnel) recv() ([]byte, error) {
 	if len(data) == 0 {
 		return nil, fmt.Errorf("protocol error: agent sent %T, want non-empty data", msg.GetFrame())
 	}
-	if len(data) > copyBufferSize {
-		return nil, fmt.Errorf("agent sent a frame of %d bytes, more than %d", len(data), copyBufferSize)
+	if len(data) > wire.MaxFrame {
+		return nil, fmt.Errorf("agent sent a frame of %d bytes, more than %d", len(data), wire.MaxFrame)
 	}
 	return data, nil
 }
@@ -390,13 +392,13 @@ func (tu *tunnel) recvN(n int) ([]byte, error) {
 // nextSession waits for the agent's next registered control stream.
 func (b *fakeBroker) nextSession(t *testing.T) *session {
 	t.Helper()
-	return wait(t, b.sessions, "a registration with broker "+b.addr)
+	return testutil.Wait(t, "a registration with broker "+b.addr, b.sessions)
 }
 
 // nextTunnel waits for the agent's next Tunnel stream.
 func (b *fakeBroker) nextTunnel(t *testing.T) *tunnel {
 	t.Helper()
-	return wait(t, b.tunnels, "a Tunnel stream")
+	return testutil.Wait(t, "a Tunnel stream", b.tunnels)
 }
 
 // noTunnel checks that no Tunnel stream has been opened so far.
@@ -407,19 +409,6 @@ func (b *fakeBroker) noTunnel(t *testing.T) {
 		t.Errorf("agent opened a Tunnel for dial %d, want none", tu.open.GetDialId())
 	default:
 	}
-}
-
-// wait returns the next value from c, failing the test after waitLong.
-func wait[T any](t *testing.T, c <-chan T, what string) T {
-	t.Helper()
-	select {
-	case v := <-c:
-		return v
-	case <-time.After(waitLong):
-		t.Fatalf("timed out waiting for %s", what)
-	}
-	var zero T
-	return zero
 }
 
 // newAgent makes an agent of broker b that resolves with r. Its grace is

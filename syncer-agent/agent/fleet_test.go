@@ -10,6 +10,8 @@ import (
 	"time"
 
 	clocktesting "k8s.io/utils/clock/testing"
+
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 )
 
 // fleetHarness runs a Fleet whose DNS answers come from the test, one
@@ -138,7 +140,7 @@ func (h *fleetHarness) parked() {
 	if h.lookups > 0 {
 		h.clock.Step(resolveEvery)
 	}
-	wait(h.t, h.calls, "the fleet to resolve "+fleetDNS)
+	testutil.Wait(h.t, "the fleet to resolve "+fleetDNS, h.calls)
 	h.pending = true
 	h.lookups++
 }
@@ -187,7 +189,7 @@ func TestFleetJoinsEveryResolvedReplicaAndFixedAddress(t *testing.T) {
 		h.session(addr)
 	}
 	for range 3 {
-		wait(t, h.registered, "a registration")
+		testutil.Wait(t, "a registration", h.registered)
 	}
 	if !h.fleet.Ready() {
 		t.Error("not Ready once every replica confirmed the registration")
@@ -281,7 +283,7 @@ func TestFleetForgetsReplicasOnceTheyHaveLeft(t *testing.T) {
 	if len(leaving) != 1 {
 		t.Fatalf("%d agents leaving, want 1", len(leaving))
 	}
-	wait(t, leaving[0].done, "the agent of the vanished replica to end")
+	testutil.Wait(t, "the agent of the vanished replica to end", leaving[0].done)
 
 	h.answer([]string{"10.0.0.1"}, nil)
 	h.parked()

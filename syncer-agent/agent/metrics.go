@@ -8,7 +8,7 @@ import (
 
 const ns = "kcp_tunnel_agent"
 
-// Metrics of the agent; register them with Register.
+// Metrics of the agent; RegisterMetrics adds them to a registry.
 var (
 	reconnects = prometheus.NewCounter(prometheus.CounterOpts{
 		Namespace: ns, Name: "broker_reconnects_total",

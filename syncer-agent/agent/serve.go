@@ -18,6 +18,7 @@ import (
 
 	"github.com/kcp-dev/tunnel-broker/internal/redact"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // defaultConnectTimeout applies when an order carries no timeout.
@@ -53,7 +54,7 @@ func (a *Agent) serve(ctx context.Context, client tunnelv1.AgentServiceClient, o
 
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	stream, tunnelErr := client.Tunnel(ctx, tunnelv1.FrameCallOption())
+	stream, tunnelErr := client.Tunnel(ctx, wire.FrameCallOption())
 	if tunnelErr == nil {
 		tunnelErr = stream.Send(&tunnelv1.TunnelRequest{Frame: &tunnelv1.TunnelRequest_Open{Open: &tunnelv1.TunnelOpen{DialId: order.GetDialId()}}})
 	}
@@ -166,12 +167,9 @@ func reason(err error) string {
 	return "the connection failed"
 }
 
-// copyBufferSize is the largest data frame the agent sends.
-// 16 bytes under 32 KiB, so that the encoded frame fits gRPC's 32 KiB
-// buffer class (see kcpplugin's maxFrame).
-const copyBufferSize = 32<<10 - 16
-
-var buffers = sync.Pool{New: func() any { b := make([]byte, copyBufferSize); return &b }}
+// buffers hold what the agent reads from a target: one data frame each, at
+// most wire.MaxFrame bytes.
+var buffers = sync.Pool{New: func() any { b := make([]byte, wire.MaxFrame); return &b }}
 
 // pipe carries bytes between the target connection and the tunnel stream
 // until both directions are closed or either fails; cancel aborts the stream.
@@ -222,8 +220,8 @@ func targetToStream(conn *net.TCPConn, stream tunnelv1.AgentService_TunnelClient
 func streamToTarget(stream tunnelv1.AgentService_TunnelClient, conn *net.TCPConn) error {
 	for {
 		// Data goes from gRPC's buffers to the socket in one vectored
-		// write, without being decoded or copied (tunnelv1.Frame).
-		var f tunnelv1.Frame
+		// write, without being decoded or copied (wire.Frame).
+		var f wire.Frame
 		err := stream.RecvMsg(&f)
 		if errors.Is(err, io.EOF) {
 			return nil

@@ -15,7 +15,9 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
 )
 
 func randomBytes(t *testing.T, n int) []byte {
@@ -59,17 +61,17 @@ func TestDialOrderOpensTunnelAndCarriesBytesBothWays(t *testing.T) {
 	}
 
 	for range 2 {
-		if err := wait(t, targetErr, "the target's read and write"); err != nil {
+		if err := testutil.Wait(t, "the target's read and write", targetErr); err != nil {
 			t.Fatalf("target: %v", err)
 		}
 	}
-	if got := wait(t, targetGot, "the target's bytes"); !bytes.Equal(got, up) {
+	if got := testutil.Wait(t, "the target's bytes", targetGot); !bytes.Equal(got, up) {
 		t.Error("the target did not receive the bytes the broker sent")
 	}
-	if err := wait(t, brokerErr, "the broker's read"); err != nil {
+	if err := testutil.Wait(t, "the broker's read", brokerErr); err != nil {
 		t.Fatalf("broker: %v", err)
 	}
-	if got := wait(t, brokerGot, "the broker's bytes"); !bytes.Equal(got, down) {
+	if got := testutil.Wait(t, "the broker's bytes", brokerGot); !bytes.Equal(got, down) {
 		t.Error("the broker did not receive the bytes the target sent")
 	}
 }
@@ -209,86 +211,89 @@ func waitCtx(t *testing.T) context.Context {
 	return ctx
 }
 
-func TestRefusedTargetIsReportedUnavailable(t *testing.T) {
-	p := newPKI(t)
-	b := startBroker(t, p)
-	run(t, newAgent(t, p, b, staticResolver(t, refusedAddr(t))))
-	s := b.nextSession(t)
-
-	s.order(t, dialOrder(7))
-	f := s.failure(t)
-	if f.GetDialId() != 7 {
-		t.Errorf("dial_failure for dial %d, want 7", f.GetDialId())
+// TestDialFailuresAreReportedWithTheirCode: each way a dial order fails is
+// reported on the control stream with its dial id, its code and a message
+// that says what failed in words, and opens no tunnel.
+func TestDialFailuresAreReportedWithTheirCode(t *testing.T) {
+	resolving := func(addrs []string, err error) lookup.Resolver {
+		return &funcResolver{clusters: []string{testCluster}, resolve: func(context.Context, *tunnelv1.Target) ([]string, error) {
+			return addrs, err
+		}}
 	}
-	if codes.Code(f.GetCode()) != codes.Unavailable {
-		t.Errorf("code %v, want Unavailable", codes.Code(f.GetCode()))
-	}
-	// What failed and why, in words: no address (the caller may be a
-	// kcp end user).
-	if got, want := f.GetMessage(), "connecting to Service default/webhook port 443: connection refused"; got != want {
-		t.Errorf("message %q, want %q", got, want)
-	}
-	b.noTunnel(t)
-}
-
-func TestServiceWithoutEndpointsIsReportedUnavailable(t *testing.T) {
-	p := newPKI(t)
-	b := startBroker(t, p)
-	r := &funcResolver{clusters: []string{testCluster}, resolve: func(context.Context, *tunnelv1.Target) ([]string, error) {
-		return nil, nil
-	}}
-	run(t, newAgent(t, p, b, r))
-	s := b.nextSession(t)
-
-	s.order(t, dialOrder(8))
-	f := s.failure(t)
-	if f.GetDialId() != 8 || codes.Code(f.GetCode()) != codes.Unavailable {
-		t.Errorf("dial_failure{%d, %v}, want {8, Unavailable}", f.GetDialId(), codes.Code(f.GetCode()))
-	}
-	if want := "default/webhook"; !strings.Contains(f.GetMessage(), want) {
-		t.Errorf("message %q does not name %s", f.GetMessage(), want)
-	}
-	b.noTunnel(t)
-}
-
-func TestResolverErrorIsReportedWithItsCode(t *testing.T) {
-	for _, code := range []codes.Code{codes.NotFound, codes.PermissionDenied, codes.FailedPrecondition} {
-		t.Run(code.String(), func(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		// setup is the agent's resolver, and a check to run after the
+		// failure (nil for none).
+		setup   func(t *testing.T) (lookup.Resolver, func(t *testing.T))
+		service string // the Service the order names; "" for the test's
+		code    codes.Code
+		message string // the failure's message contains it
+		exact   bool   // the failure's message is message, and no more
+	}{{
+		// No address in the message: the caller may be a kcp end user.
+		name:    "the target refuses",
+		setup:   func(t *testing.T) (lookup.Resolver, func(*testing.T)) { return staticResolver(t, refusedAddr(t)), nil },
+		code:    codes.Unavailable,
+		message: "connecting to Service default/webhook port 443: connection refused",
+		exact:   true,
+	}, {
+		name:    "the Service has no endpoints",
+		setup:   func(*testing.T) (lookup.Resolver, func(*testing.T)) { return resolving(nil, nil), nil },
+		code:    codes.Unavailable,
+		message: "default/webhook",
+	}, {
+		name: "the static resolver does not know the Service",
+		setup: func(t *testing.T) (lookup.Resolver, func(*testing.T)) {
+			tg := listenTarget(t)
+			return staticResolver(t, tg.addr()), tg.noConnection
+		},
+		service: "other",
+		code:    codes.NotFound,
+	}, {
+		name: "the resolver says NotFound",
+		setup: func(*testing.T) (lookup.Resolver, func(*testing.T)) {
+			return resolving(nil, status.Error(codes.NotFound, "resolver says NotFound")), nil
+		},
+		code:    codes.NotFound,
+		message: "resolver says NotFound",
+	}, {
+		name: "the resolver says PermissionDenied",
+		setup: func(*testing.T) (lookup.Resolver, func(*testing.T)) {
+			return resolving(nil, status.Error(codes.PermissionDenied, "resolver says PermissionDenied")), nil
+		},
+		code:    codes.PermissionDenied,
+		message: "resolver says PermissionDenied",
+	}, {
+		name: "the resolver says FailedPrecondition",
+		setup: func(*testing.T) (lookup.Resolver, func(*testing.T)) {
+			return resolving(nil, status.Error(codes.FailedPrecondition, "resolver says FailedPrecondition")), nil
+		},
+		code:    codes.FailedPrecondition,
+		message: "resolver says FailedPrecondition",
+	}} {
+		t.Run(tc.name, func(t *testing.T) {
 			p := newPKI(t)
 			b := startBroker(t, p)
-			msg := "resolver says " + code.String()
-			r := &funcResolver{clusters: []string{testCluster}, resolve: func(context.Context, *tunnelv1.Target) ([]string, error) {
-				return nil, status.Error(code, msg)
-			}}
+			r, after := tc.setup(t)
 			run(t, newAgent(t, p, b, r))
 			s := b.nextSession(t)
 
-			s.order(t, dialOrder(9))
+			o := dialOrder(7)
+			if tc.service != "" {
+				o.Target.Service = tc.service
+			}
+			s.order(t, o)
 			f := s.failure(t)
-			if f.GetDialId() != 9 || codes.Code(f.GetCode()) != code || f.GetMessage() != msg {
-				t.Errorf("dial_failure{%d, %v, %q}, want {9, %v, %q}", f.GetDialId(), codes.Code(f.GetCode()), f.GetMessage(), code, msg)
+			msg := f.GetMessage()
+			if f.GetDialId() != 7 || codes.Code(f.GetCode()) != tc.code || !strings.Contains(msg, tc.message) || tc.exact && msg != tc.message {
+				t.Errorf("dial_failure{%d, %v, %q}, want {7, %v, %q}", f.GetDialId(), codes.Code(f.GetCode()), msg, tc.code, tc.message)
+			}
+			if after != nil {
+				after(t)
 			}
 			b.noTunnel(t)
 		})
 	}
-}
-
-func TestUnknownServiceOfStaticResolverIsNotFound(t *testing.T) {
-	p := newPKI(t)
-	b := startBroker(t, p)
-	tg := listenTarget(t)
-	run(t, newAgent(t, p, b, staticResolver(t, tg.addr())))
-	s := b.nextSession(t)
-
-	o := dialOrder(10)
-	o.Target.Service = "other"
-	s.order(t, o)
-	f := s.failure(t)
-	if f.GetDialId() != 10 || codes.Code(f.GetCode()) != codes.NotFound {
-		t.Errorf("dial_failure{%d, %v}, want {10, NotFound}", f.GetDialId(), codes.Code(f.GetCode()))
-	}
-	tg.noConnection(t)
-	b.noTunnel(t)
 }
 
 func TestInvalidTargetIsRefusedBeforeResolving(t *testing.T) {

@@ -12,6 +12,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/intstr"
 
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -115,7 +116,7 @@ func TestKubeFollowsAddressChanges(t *testing.T) {
 	if _, err := client.DiscoveryV1().EndpointSlices("team").Create(ctx, slice, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "the new Service's cluster IP to resolve", func() bool {
+	testutil.Eventually(t, "the new Service's cluster IP to resolve", func() bool {
 		addrs, err := k.Resolve(ctx, addressTarget("root", "10.96.0.30", 443))
 		return err == nil && slices.Equal(addrs, []string{"10.3.0.1:8443"})
 	})

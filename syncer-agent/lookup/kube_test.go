@@ -19,6 +19,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/kubernetes/fake"
 
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -188,19 +189,6 @@ func mustParseScope(t *testing.T, list string) Scope {
 	}
 	return s
 }
-
-// eventually polls cond; the deadline only bounds a broken test.
-func eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
-
 func TestNewKubeRefusesBadOptions(t *testing.T) {
 	for name, opts := range map[string]KubeOptions{
 		"neither mode":             {},
@@ -274,7 +262,7 @@ func TestKubeFollowsChanges(t *testing.T) {
 	if _, err := client.CoreV1().Services("kcp-a").Create(ctx, service("kcp-a", "webhook", "https", 443, intstr.FromInt32(8443)), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "the Service without endpoints", func() bool {
+	testutil.Eventually(t, "the Service without endpoints", func() bool {
 		_, err := k.Resolve(ctx, tg)
 		return status.Code(err) == codes.Unavailable
 	})
@@ -285,14 +273,14 @@ func TestKubeFollowsChanges(t *testing.T) {
 		endpointSlice("kcp-a", "webhook", "webhook-1", "https", 8443, ready("10.1.0.1")), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "the new endpoint", func() bool {
+	testutil.Eventually(t, "the new endpoint", func() bool {
 		addrs, err := k.Resolve(ctx, tg)
 		return err == nil && len(addrs) == 1 && addrs[0] == "10.1.0.1:8443"
 	})
 	if err := client.CoreV1().Services("kcp-a").Delete(ctx, "webhook", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "the Service to be gone", func() bool {
+	testutil.Eventually(t, "the Service to be gone", func() bool {
 		_, err := k.Resolve(ctx, tg)
 		return status.Code(err) == codes.NotFound
 	})

@@ -12,6 +12,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/intstr"
+
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 )
 
 // withWebhook is a namespace plus a Service "webhook" (443 -> 8443) whose one
@@ -124,7 +126,7 @@ func TestKubeClustersChanged(t *testing.T) {
 			t.Fatalf("ClustersChanged did not fire; Clusters() = %v, want %v", k.Clusters(), want)
 		}
 		// One signal may cover several changes: wait for the last.
-		eventually(t, fmt.Sprintf("clusters %v", want), func() bool { return slices.Equal(k.Clusters(), want) })
+		testutil.Eventually(t, fmt.Sprintf("clusters %v", want), func() bool { return slices.Equal(k.Clusters(), want) })
 	}
 	if _, err := client.CoreV1().Namespaces().Create(ctx, syncedNamespace("kcp-b", "c2", "default"), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)

@@ -16,8 +16,8 @@ import (
 	"google.golang.org/grpc/keepalive"
 
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
-	"github.com/kcp-dev/tunnel-broker/kcpplugin/coalesce"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/agent"
 )
 
@@ -106,14 +106,9 @@ func (c *simConn) Close() error {
 // agent.ClustersPerRegister clusters, as the agent sends them) and returns
 // once the broker answered registered, or fails within ctx.
 func StartSimAgent(ctx context.Context, cfg SimAgentConfig) (*SimAgent, error) {
-	opts := []grpc.DialOption{
-		// As syncer-agent/agent.Agent.Run connects.
-		grpc.WithTransportCredentials(coalesce.Writes(identity.ClientCredentials(cfg.Source, tlsconfig.AuthorizeID(cfg.BrokerID)))),
-		grpc.WithWriteBufferSize(agent.WriteBufferSize),
-		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 5 * time.Second, Timeout: 5 * time.Second, PermitWithoutStream: true}),
-		grpc.WithInitialWindowSize(agent.WindowSize),
-		grpc.WithInitialConnWindowSize(16 * agent.WindowSize),
-	}
+	// As syncer-agent/agent.Agent.Run connects.
+	opts := append(wire.DialOptions(identity.ClientCredentials(cfg.Source, tlsconfig.AuthorizeID(cfg.BrokerID))),
+		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 5 * time.Second, Timeout: 5 * time.Second, PermitWithoutStream: true}))
 	a := &SimAgent{cfg: cfg, ended: make(chan struct{})}
 	opts = append(opts, grpc.WithContextDialer(func(ctx context.Context, addr string) (net.Conn, error) {
 		var d net.Dialer

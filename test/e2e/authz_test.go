@@ -11,6 +11,7 @@ import (
 
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/internal/devca"
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	"github.com/kcp-dev/tunnel-broker/kcpplugin"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
@@ -84,7 +85,7 @@ func TestAuthzCallers(t *testing.T) {
 				}
 				return
 			}
-			checkStatus(t, "kcpplugin", err, tc.code, tc.message)
+			testutil.CheckStatus(t, "kcpplugin", err, tc.code, tc.message)
 		})
 	}
 }
@@ -111,12 +112,12 @@ func TestAuthzAgentClaimingAnotherSyncTargetIsRefused(t *testing.T) {
 			}
 			stream.Send(&tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_Register{Register: &tunnelv1.Register{Clusters: tc.clusters}}})
 			_, err = stream.Recv()
-			checkStatus(t, "Connect", err, codes.PermissionDenied, tc.message)
+			testutil.CheckStatus(t, "Connect", err, codes.PermissionDenied, tc.message)
 		})
 	}
 	// Nothing the refused agents claimed is routed: team-b has no agent.
 	kcp := kcpplugin.NewDialer(env.ConnWith(b.Addr, env.Identity("/kcp")))
-	checkStatus(t, "dial", dialAs(t, kcp, "team-b"), codes.Unavailable, `no agent serves logical cluster "team-b"`)
+	testutil.CheckStatus(t, "dial", dialAs(t, kcp, "team-b"), codes.Unavailable, `no agent serves logical cluster "team-b"`)
 
 	// An agent that re-registers with a cluster it is not bound to loses its
 	// control stream, and its earlier registration with it.
@@ -135,7 +136,7 @@ func TestAuthzAgentClaimingAnotherSyncTargetIsRefused(t *testing.T) {
 	for err == nil {
 		_, err = stream.Recv()
 	}
-	checkStatus(t, "re-register", err, codes.PermissionDenied, `may not serve logical cluster "team-a"`)
+	testutil.CheckStatus(t, "re-register", err, codes.PermissionDenied, `may not serve logical cluster "team-a"`)
 	harness.Eventually(t, 10*time.Second, "west's registration to go", func() bool {
 		return dialAs(t, kcp, "team-b") != nil
 	})
@@ -173,7 +174,7 @@ func TestAuthzHandshakeRefusesForeignAndExpiredSVIDs(t *testing.T) {
 			if err == nil {
 				t.Fatal("the broker accepted the handshake")
 			}
-			checkStatus(t, "kcpplugin", err, codes.Unavailable, "")
+			testutil.CheckStatus(t, "kcpplugin", err, codes.Unavailable, "")
 		})
 	}
 }
@@ -196,7 +197,7 @@ func TestAuthzHealthOnlyForKnownPeers(t *testing.T) {
 		case tc.code == codes.OK && err != nil:
 			t.Errorf("%s: health check: %v", tc.path, err)
 		case tc.code != codes.OK:
-			checkStatus(t, tc.path, err, tc.code, "may not call /grpc.health.v1.Health/Check")
+			testutil.CheckStatus(t, tc.path, err, tc.code, "may not call /grpc.health.v1.Health/Check")
 		}
 	}
 }
@@ -281,5 +282,5 @@ func TestAuthzFederatedAgent(t *testing.T) {
 	}
 	stream.Send(&tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_Register{Register: &tunnelv1.Register{Clusters: []string{"root"}}}})
 	_, err = stream.Recv()
-	checkStatus(t, "unlisted partner agent", err, codes.PermissionDenied, "spiffe://partner.test/syncer-west may not call")
+	testutil.CheckStatus(t, "unlisted partner agent", err, codes.PermissionDenied, "spiffe://partner.test/syncer-west may not call")
 }

@@ -10,8 +10,8 @@ import (
 	"time"
 
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
 	"github.com/kcp-dev/tunnel-broker/test/harness"
@@ -74,13 +74,13 @@ func TestBadInputs(t *testing.T) {
 			if conn != nil {
 				conn.Close()
 			}
-			checkStatus(t, "kcpplugin", err, tc.code, tc.message)
+			testutil.CheckStatus(t, "kcpplugin", err, tc.code, tc.message)
 
 			if tc.port < 0 || tc.port > 65535 {
 				return // not expressible on the wire
 			}
 			err = rawDial(ctx, raw, &tunnelv1.Target{Cluster: tc.cluster, Namespace: tc.namespace, Service: tc.service, Port: uint32(tc.port)})
-			checkStatus(t, "Dial RPC", err, tc.code, tc.message)
+			testutil.CheckStatus(t, "Dial RPC", err, tc.code, tc.message)
 		})
 	}
 
@@ -95,7 +95,7 @@ func TestBadInputs(t *testing.T) {
 			t.Fatal(err)
 		}
 		_, err = stream.Recv()
-		checkStatus(t, "Dial RPC", err, codes.InvalidArgument, "must name a target")
+		testutil.CheckStatus(t, "Dial RPC", err, codes.InvalidArgument, "must name a target")
 	})
 	t.Run("stream closed before the target", func(t *testing.T) {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -106,7 +106,7 @@ func TestBadInputs(t *testing.T) {
 		}
 		stream.CloseSend()
 		_, err = stream.Recv()
-		checkStatus(t, "Dial RPC", err, codes.InvalidArgument, "before naming a target")
+		testutil.CheckStatus(t, "Dial RPC", err, codes.InvalidArgument, "before naming a target")
 	})
 	t.Run("a second target after the first", func(t *testing.T) {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -126,19 +126,8 @@ func TestBadInputs(t *testing.T) {
 				break
 			}
 		}
-		checkStatus(t, "Dial RPC", err, codes.InvalidArgument, "may only send non-empty data")
+		testutil.CheckStatus(t, "Dial RPC", err, codes.InvalidArgument, "may only send non-empty data")
 	})
-}
-
-func checkStatus(t *testing.T, via string, err error, code codes.Code, message string) {
-	t.Helper()
-	if status.Code(err) != code {
-		t.Errorf("%s: got %v, want %v", via, err, code)
-		return
-	}
-	if !strings.Contains(status.Convert(err).Message(), message) {
-		t.Errorf("%s: message %q does not mention %q", via, status.Convert(err).Message(), message)
-	}
 }
 
 // rawDial sends one target on the Dial RPC and returns the broker's answer.

@@ -16,6 +16,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	"github.com/kcp-dev/tunnel-broker/kcpplugin"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
@@ -80,13 +81,13 @@ func TestFaults(t *testing.T) {
 	}{
 		{"target refuses", func(t *testing.T, w *faults) {
 			_, err := w.dial(t, "refuses")
-			checkStatus(t, "dial", err, codes.Unavailable, "connection refused")
+			testutil.CheckStatus(t, "dial", err, codes.Unavailable, "connection refused")
 		}},
 		{"target hangs at connect", func(t *testing.T, w *faults) {
 			_, err := w.dial(t, "stuck")
 			// From the broker's timer or the agent's own, whichever is
 			// first; not the caller's (its timeout is far longer).
-			checkStatus(t, "dial", err, codes.DeadlineExceeded, "agent ")
+			testutil.CheckStatus(t, "dial", err, codes.DeadlineExceeded, "agent ")
 		}},
 		{"target hangs after accept", func(t *testing.T, w *faults) {
 			conn, err := w.dial(t, "hangs")
@@ -131,7 +132,7 @@ func TestFaults(t *testing.T) {
 			if n != 0 {
 				t.Errorf("read %d bytes after the reset", n)
 			}
-			checkStatus(t, "Read", err, codes.Unavailable, "agent's side")
+			testutil.CheckStatus(t, "Read", err, codes.Unavailable, "agent's side")
 		}},
 		{"agent cancels its control stream mid-dial", func(t *testing.T, w *faults) {
 			w.agentVanishesMidDial(t, func(cancel context.CancelFunc, _ *grpc.ClientConn) { cancel() })
@@ -232,7 +233,7 @@ func (w *faults) agentVanishesMidDial(t *testing.T, drop func(context.CancelFunc
 	if conn != nil {
 		conn.Close()
 	}
-	checkStatus(t, "dial", err, codes.Unavailable, "went away")
+	testutil.CheckStatus(t, "dial", err, codes.Unavailable, "went away")
 	select {
 	case o := <-ordered:
 		if o.GetTarget().GetService() != "webhook" {

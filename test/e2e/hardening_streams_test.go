@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
 	"github.com/kcp-dev/tunnel-broker/test/harness"
@@ -88,12 +89,12 @@ func TestHardeningStreamsThatNeverSendTheirFirstMessageEnd(t *testing.T) {
 	write(t, unary, mostOf(1<<10), 16384)
 
 	for _, s := range []*harness.RawStream{silent, most} {
-		checkStatus(t, "Dial", ended(t, s), codes.DeadlineExceeded, "no target within 1s")
+		testutil.CheckStatus(t, "Dial", ended(t, s), codes.DeadlineExceeded, "no target within 1s")
 	}
-	checkStatus(t, "Dial in 1-byte frames", ended(t, tiny), codes.Unavailable, "GOAWAY ENHANCE_YOUR_CALM: fragmented data")
-	checkStatus(t, "Tunnel", ended(t, tunnel), codes.DeadlineExceeded, "no open within 1s")
-	checkStatus(t, "Connect", ended(t, connect), codes.DeadlineExceeded, "no register within 1s")
-	checkStatus(t, "health Check", ended(t, unary), codes.DeadlineExceeded, "deadline exceeded")
+	testutil.CheckStatus(t, "Dial in 1-byte frames", ended(t, tiny), codes.Unavailable, "GOAWAY ENHANCE_YOUR_CALM: fragmented data")
+	testutil.CheckStatus(t, "Tunnel", ended(t, tunnel), codes.DeadlineExceeded, "no open within 1s")
+	testutil.CheckStatus(t, "Connect", ended(t, connect), codes.DeadlineExceeded, "no register within 1s")
+	testutil.CheckStatus(t, "health Check", ended(t, unary), codes.DeadlineExceeded, "deadline exceeded")
 	if v, _ := scrape(t, broker, `kcp_tunnel_broker_connections_closed_total{reason="fragmented_data"}`); v != 1 {
 		t.Errorf("connections closed for fragmented data: %v, want 1", v)
 	}
@@ -118,7 +119,7 @@ func TestHardeningAPeerThatSendsDataInFragmentsLosesOnlyThatConnection(t *testin
 	hostile := env.RawConn(addr, agentID)
 	s := open(t, hostile, tunnelMethod)
 	_ = s.Write(t.Context(), harness.GRPCMessage(make([]byte, 2000)), 1)
-	checkStatus(t, "Tunnel in 1-byte frames", ended(t, s), codes.Unavailable, "GOAWAY ENHANCE_YOUR_CALM: fragmented data")
+	testutil.CheckStatus(t, "Tunnel in 1-byte frames", ended(t, s), codes.Unavailable, "GOAWAY ENHANCE_YOUR_CALM: fragmented data")
 	if v, _ := scrape(t, broker, `kcp_tunnel_broker_connections_closed_total{reason="fragmented_data"}`); v != 1 {
 		t.Errorf("connections closed for fragmented data: %v, want 1", v)
 	}
@@ -146,11 +147,11 @@ func TestHardeningStreamsWaitingForTheirFirstMessageAreBounded(t *testing.T) {
 		dials = append(dials, open(t, kcp, dialMethod))
 	}
 	refused := waitForOneEnd(t, dials)
-	checkStatus(t, "fifth Dial", refused, codes.ResourceExhausted,
+	testutil.CheckStatus(t, "fifth Dial", refused, codes.ResourceExhausted,
 		"spiffe://tunnel.test/kcp has 4 streams open that have not sent their first message, the most a peer may")
 	// Past 6 in all, the next is refused whoever opens it.
 	tunnels := []*harness.RawStream{open(t, agent, tunnelMethod), open(t, agent, tunnelMethod), open(t, agent, tunnelMethod)}
-	checkStatus(t, "third Tunnel", waitForOneEnd(t, tunnels), codes.ResourceExhausted,
+	testutil.CheckStatus(t, "third Tunnel", waitForOneEnd(t, tunnels), codes.ResourceExhausted,
 		"the broker has 6 streams open that have not sent their first message")
 
 	// A stream its peer gives up stops counting.
@@ -216,7 +217,7 @@ func TestHardeningDialsWithoutATargetCountAgainstTheCallersTunnels(t *testing.T)
 		_, err = dialEchoConn(d)
 		return status.Code(err) == codes.ResourceExhausted
 	})
-	checkStatus(t, "dial", err, codes.ResourceExhausted, "spiffe://tunnel.test/kcp already holds 3 tunnels")
+	testutil.CheckStatus(t, "dial", err, codes.ResourceExhausted, "spiffe://tunnel.test/kcp already holds 3 tunnels")
 }
 
 func TestHardeningFirstMessagesThatAreNotProtobufAreInvalidArgument(t *testing.T) {
@@ -235,7 +236,7 @@ func TestHardeningFirstMessagesThatAreNotProtobufAreInvalidArgument(t *testing.T
 	} {
 		s := open(t, tc.conn, tc.method)
 		write(t, s, notProtobuf, 16384)
-		checkStatus(t, tc.method, ended(t, s), codes.InvalidArgument, tc.saying)
+		testutil.CheckStatus(t, tc.method, ended(t, s), codes.InvalidArgument, tc.saying)
 	}
 }
 
@@ -259,7 +260,7 @@ func TestHardeningRegistrationsPerAgentAreBounded(t *testing.T) {
 			t.Fatalf("registration %d: %v", i+1, err)
 		}
 	}
-	checkStatus(t, "third registration", connect(), codes.ResourceExhausted,
+	testutil.CheckStatus(t, "third registration", connect(), codes.ResourceExhausted,
 		"spiffe://tunnel.test/agent/sync-target-1 already holds 2 registrations with this broker replica, the most an agent may")
 }
 
@@ -277,7 +278,7 @@ func TestHardeningAgentNamesAreLabelsAndTheirSeriesGoWithThem(t *testing.T) {
 			t.Fatal(err)
 		}
 		_, err = stream.Recv()
-		checkStatus(t, "register", err, codes.InvalidArgument, "is not a DNS-1123 label")
+		testutil.CheckStatus(t, "register", err, codes.InvalidArgument, "is not a DNS-1123 label")
 	}
 
 	// The agent refuses such a name before it connects.

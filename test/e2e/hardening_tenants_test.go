@@ -10,6 +10,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
 	"github.com/kcp-dev/tunnel-broker/test/harness"
@@ -51,7 +52,7 @@ func TestHardeningAHangingWebhookDoesNotStarveOtherClusters(t *testing.T) {
 	// wait on the agent now, until the test ends.
 	select {
 	case err := <-refused:
-		checkStatus(t, "a dial past tenant-a's limit", err, codes.ResourceExhausted, `"tenant-a" has 16 of its dials pending`)
+		testutil.CheckStatus(t, "a dial past tenant-a's limit", err, codes.ResourceExhausted, `"tenant-a" has 16 of its dials pending`)
 	case <-time.After(30 * time.Second):
 		t.Fatal("tenant-a's dials were not refused within 30s: its webhook does not hang?")
 	}

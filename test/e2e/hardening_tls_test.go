@@ -20,6 +20,7 @@ import (
 
 	"github.com/kcp-dev/tunnel-broker/internal/devca"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	"github.com/kcp-dev/tunnel-broker/kcpplugin"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
 	"github.com/kcp-dev/tunnel-broker/test/harness"
@@ -171,7 +172,7 @@ func TestHardeningAnExpiredCallerCannotDialOnItsOpenConnection(t *testing.T) {
 		return dialEcho(kcp) != nil
 	})
 	_, err = dialEchoConn(kcp)
-	checkStatus(t, "a dial on the open connection", err, codes.Unauthenticated,
+	testutil.CheckStatus(t, "a dial on the open connection", err, codes.Unauthenticated,
 		"the X.509-SVID of spiffe://tunnel.test/kcp expired at "+expires.UTC().Format(time.RFC3339))
 	// The tunnel in flight runs on, within the grace period.
 	roundTrip(t, tunnel, "after the expiry")

@@ -11,19 +11,20 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
 	"github.com/kcp-dev/tunnel-broker/broker/server"
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	"github.com/kcp-dev/tunnel-broker/kcpplugin"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
 	"github.com/kcp-dev/tunnel-broker/test/harness"
 
-	"github.com/prometheus/client_golang/prometheus/testutil"
+	promtestutil "github.com/prometheus/client_golang/prometheus/testutil"
 )
 
 // TestFailoverLimits: past each limit a caller gets ResourceExhausted (or,
 // for an idle tunnel, DeadlineExceeded), the limit is counted, and what is
 // within the limits goes on.
 func TestFailoverLimits(t *testing.T) {
-	hits := func(limit string) float64 { return testutil.ToFloat64(metrics.LimitsHit.WithLabelValues(limit)) }
+	hits := func(limit string) float64 { return promtestutil.ToFloat64(metrics.LimitsHit.WithLabelValues(limit)) }
 	// Each limit gets a broker of its own, so that one's tunnels do not
 	// count against another's.
 	start := func(t *testing.T, limit func(*server.Config)) (*harness.Env, *harness.Broker, *kcpplugin.Dialer) {
@@ -49,7 +50,7 @@ func TestFailoverLimits(t *testing.T) {
 			t.Fatal(err)
 		}
 		_, err = dialEchoConn(kcp)
-		checkStatus(t, "third tunnel", err, codes.ResourceExhausted, "already holds 2 tunnels")
+		testutil.CheckStatus(t, "third tunnel", err, codes.ResourceExhausted, "already holds 2 tunnels")
 		if got := hits("tunnels_per_caller") - before; got != 1 {
 			t.Errorf("limit counted %v times, want 1", got)
 		}
@@ -72,8 +73,8 @@ func TestFailoverLimits(t *testing.T) {
 		go func() { pending <- dialEchoCtxCluster(context.Background(), kcp, "silent-cluster") }()
 		<-orders // the first dial waits on the agent now
 		err := dialEchoCtxCluster(context.Background(), kcp, "silent-cluster")
-		checkStatus(t, "second dial", err, codes.ResourceExhausted, "1 of its dials pending")
-		checkStatus(t, "first dial", <-pending, codes.DeadlineExceeded, "did not connect in time")
+		testutil.CheckStatus(t, "second dial", err, codes.ResourceExhausted, "1 of its dials pending")
+		testutil.CheckStatus(t, "first dial", <-pending, codes.DeadlineExceeded, "did not connect in time")
 		if hits(registry.LimitPendingPerCluster) <= before {
 			t.Error("the pending-dial limit was not counted")
 		}
@@ -90,7 +91,7 @@ func TestFailoverLimits(t *testing.T) {
 		roundTrip(t, conn, "before idling")
 		conn.SetReadDeadline(time.Now().Add(20 * time.Second))
 		_, err = io.ReadAll(conn)
-		checkStatus(t, "idle tunnel", err, codes.DeadlineExceeded, "carried nothing for 300ms")
+		testutil.CheckStatus(t, "idle tunnel", err, codes.DeadlineExceeded, "carried nothing for 300ms")
 		if got := hits("idle_timeout") - before; got != 1 {
 			t.Errorf("idle timeout counted %v times, want 1", got)
 		}
@@ -113,6 +114,6 @@ func TestFailoverLimits(t *testing.T) {
 		for err == nil {
 			_, err = stream.Recv()
 		}
-		checkStatus(t, "oversized frame", err, codes.ResourceExhausted, "larger than max")
+		testutil.CheckStatus(t, "oversized frame", err, codes.ResourceExhausted, "larger than max")
 	})
 }

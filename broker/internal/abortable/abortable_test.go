@@ -14,6 +14,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/internal/abortable"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -61,7 +62,7 @@ func serve(t *testing.T, block func(tunnelv1.DialService_DialServer) error) (con
 	if err := stream.Send(&tunnelv1.DialRequest{}); err != nil {
 		t.Fatal(err)
 	}
-	return brokertest.Wait(t, "handler start", h.started), h, stream
+	return testutil.Wait(t, "handler start", h.started), h, stream
 }
 
 // blockInRecv waits for a message that never comes.
@@ -85,10 +86,10 @@ func TestEndFreesAHandlerBlockedInRecvAndThePeerGetsTheStatus(t *testing.T) {
 		t.Fatal("Supported is false inside a handler")
 	}
 	abortable.End(ctx, status.Error(codes.Unavailable, "the other side went away"))
-	if err := brokertest.Wait(t, "blocked Recv", h.freed); err == nil {
+	if err := testutil.Wait(t, "blocked Recv", h.freed); err == nil {
 		t.Error("the blocked Recv returned no error after End")
 	}
-	brokertest.CheckStatus(t, "client", recvEnd(t, stream), codes.Unavailable, "the other side went away")
+	testutil.CheckStatus(t, "client", recvEnd(t, stream), codes.Unavailable, "the other side went away")
 }
 
 func TestEndFreesAHandlerBlockedInSend(t *testing.T) {
@@ -107,18 +108,18 @@ func TestEndFreesAHandlerBlockedInSend(t *testing.T) {
 	case <-time.After(100 * time.Millisecond): // blocked, or about to be
 	}
 	abortable.End(ctx, status.Error(codes.DeadlineExceeded, "idle"))
-	if err := brokertest.Wait(t, "blocked Send", h.freed); err == nil {
+	if err := testutil.Wait(t, "blocked Send", h.freed); err == nil {
 		t.Error("the blocked Send returned no error after End")
 	}
-	brokertest.CheckStatus(t, "client", recvEnd(t, stream), codes.DeadlineExceeded, "idle")
+	testutil.CheckStatus(t, "client", recvEnd(t, stream), codes.DeadlineExceeded, "idle")
 }
 
 func TestEndOnAnEndedRPCChangesNothing(t *testing.T) {
 	ctx, h, stream := serve(t, blockInRecv)
 	abortable.End(ctx, status.Error(codes.Aborted, "first"))
 	abortable.End(ctx, status.Error(codes.Internal, "second"))
-	brokertest.Wait(t, "blocked Recv", h.freed)
-	brokertest.CheckStatus(t, "client", recvEnd(t, stream), codes.Aborted, "first")
+	testutil.Wait(t, "blocked Recv", h.freed)
+	testutil.CheckStatus(t, "client", recvEnd(t, stream), codes.Aborted, "first")
 }
 
 func TestNotSupportedOutsideAnRPC(t *testing.T) {

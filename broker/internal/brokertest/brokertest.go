@@ -16,7 +16,6 @@ import (
 	"io"
 	"log/slog"
 	"net"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -24,10 +23,8 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/mem"
-	"google.golang.org/grpc/status"
 	"k8s.io/utils/clock"
 	clocktesting "k8s.io/utils/clock/testing"
 
@@ -35,14 +32,10 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
 	"github.com/kcp-dev/tunnel-broker/internal/devca"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
-
-// WaitLong bounds every wait for something that should happen. A healthy run
-// needs a tiny fraction of it; reaching it means a hang. It is a minute
-// because a burst of 2000 streams under the race detector took over 20 s on
-// a machine loaded twenty times over its two cores.
-const WaitLong = time.Minute
 
 // TrustDomain is the trust domain of every identity in the tests.
 const TrustDomain = "example.org"
@@ -118,7 +111,7 @@ func StartWithCredentials(t *testing.T, pol policy.File, wrap func(credentials.T
 	}
 	srv := grpc.NewServer(append([]grpc.ServerOption{
 		grpc.Creds(creds),
-		tunnelv1.FrameServerOption(),
+		wire.FrameServerOption(),
 		// Stop returns once every handler has: nothing outlives the test.
 		grpc.WaitForHandlers(true),
 	}, opts...)...)
@@ -190,7 +183,7 @@ func source(t *testing.T, ca *devca.CA, path string) *devca.Source {
 // something that never comes fails instead of hanging. It ends with t at the
 // latest.
 func StreamContext(t *testing.T) (context.Context, context.CancelFunc) {
-	ctx, cancel := context.WithTimeout(t.Context(), WaitLong)
+	ctx, cancel := context.WithTimeout(t.Context(), testutil.WaitLong)
 	t.Cleanup(cancel)
 	return ctx, cancel
 }
@@ -234,15 +227,6 @@ func Target(cluster string) *tunnelv1.Target {
 	return &tunnelv1.Target{Cluster: cluster, Namespace: "default", Service: "webhook", Port: 443}
 }
 
-// CheckStatus checks err's code and that its message contains message.
-func CheckStatus(t *testing.T, what string, err error, code codes.Code, message string) {
-	t.Helper()
-	st := status.Convert(err)
-	if err == nil || st.Code() != code || !strings.Contains(st.Message(), message) {
-		t.Errorf("%s: got %v, want %v with a message containing %q", what, err, code, message)
-	}
-}
-
 // rawCodec sends a []byte as the message, as it is: what a peer sends when
 // its message is not protobuf.
 type rawCodec struct{}
@@ -284,33 +268,6 @@ func (s *Server) RawStatus(t *testing.T, path, method string, payload []byte) er
 // and 1 follows.
 var NotProtobuf = []byte{0x0a, 0x05, 'x'}
 
-// Wait is what c gives, and fails the test if it gives nothing within
-// WaitLong.
-func Wait[T any](t *testing.T, what string, c <-chan T) T {
-	t.Helper()
-	select {
-	case v := <-c:
-		return v
-	case <-time.After(WaitLong):
-		t.Fatalf("timed out after %v waiting for %s", WaitLong, what)
-		var zero T
-		return zero
-	}
-}
-
-// Eventually polls cond until it holds, and fails the test if it does not
-// within WaitLong.
-func Eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(WaitLong)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s", WaitLong, what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 // Clock is a clock whose time moves only when a test steps it: k8s.io/utils'
 // fake clock, with its AfterFunc made to behave as time.AfterFunc does. The
 // fake runs the function inside Step, holding the clock's lock, where a
@@ -344,5 +301,5 @@ func (t funcTimer) Reset(d time.Duration) bool {
 // waits on the fake clock even once stopped.)
 func (c Clock) WaitForTimers(t *testing.T, n int) {
 	t.Helper()
-	Eventually(t, fmt.Sprintf("%d timers to wait on the clock", n), func() bool { return c.Waiters() >= n })
+	testutil.Eventually(t, fmt.Sprintf("%d timers to wait on the clock", n), func() bool { return c.Waiters() >= n })
 }

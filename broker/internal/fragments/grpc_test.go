@@ -25,6 +25,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/internal/fragments"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	brokertunnel "github.com/kcp-dev/tunnel-broker/broker/tunnel"
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -64,7 +65,7 @@ func startBroker(t *testing.T) *broker {
 	}
 	b.Server = brokertest.StartWithCredentials(t, testPolicy, refuse, nil, func(s *brokertest.Server, srv *grpc.Server) {
 		dialv1.RegisterService(srv, dialv1.New(dialv1.Config{
-			Registry: s.Registry, Policy: s.Policy, Timeout: brokertest.WaitLong,
+			Registry: s.Registry, Policy: s.Policy, Timeout: testutil.WaitLong,
 			Tunnels: brokertunnel.Config{Stopping: s.Stopping}, Draining: s.Draining, Log: s.Log,
 		}))
 		agentv1.RegisterService(srv, agentv1.New(agentv1.Config{
@@ -136,7 +137,7 @@ func (b *broker) sendInFragments(t *testing.T, path string, n int) *http2.GoAway
 		t.Fatal(err)
 	}
 	defer conn.Close()
-	if err := conn.SetDeadline(time.Now().Add(brokertest.WaitLong)); err != nil {
+	if err := conn.SetDeadline(time.Now().Add(testutil.WaitLong)); err != nil {
 		t.Fatal(err)
 	}
 	var out bytes.Buffer

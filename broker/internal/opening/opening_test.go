@@ -17,6 +17,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -51,7 +52,7 @@ func startBroker(t *testing.T, cfg Config) (*Guard, *brokertest.Server) {
 	g := New(cfg)
 	b := brokertest.StartWithOptions(t, testPolicy, g.ServerOptions(), func(s *brokertest.Server, srv *grpc.Server) {
 		dialv1.RegisterService(srv, dialv1.New(dialv1.Config{
-			Registry: s.Registry, Policy: s.Policy, Timeout: brokertest.WaitLong,
+			Registry: s.Registry, Policy: s.Policy, Timeout: testutil.WaitLong,
 			Tunnels: tunnel.Config{Stopping: s.Stopping}, Draining: s.Draining, Log: s.Log,
 		}))
 		agentv1.RegisterService(srv, agentv1.New(agentv1.Config{
@@ -86,7 +87,7 @@ func end(s grpc.ClientStream) error {
 	}
 }
 
-var eventually = brokertest.Eventually
+var eventually = testutil.Eventually
 
 // timedStream opens a silent stream of method as path, and waits until its
 // timer is set on clk, the timers of the streams before it included: once
@@ -114,7 +115,7 @@ func TestAStreamThatSendsNoFirstMessageEndsWithDeadlineExceeded(t *testing.T) {
 		eventually(t, "the stream to be counted", func() bool { return g.quota.TotalHeld() == 1 })
 		clk.WaitForTimers(t, 1)
 		clk.Step(g.cfg.Timeout - g.cfg.Patience)
-		brokertest.CheckStatus(t, tc.method, end(s), codes.DeadlineExceeded, tc.what)
+		testutil.CheckStatus(t, tc.method, end(s), codes.DeadlineExceeded, tc.what)
 		eventually(t, "nothing to be counted", func() bool { return g.quota.TotalHeld() == 0 })
 	}
 }
@@ -149,7 +150,7 @@ func TestAStreamThatSentItsFirstMessageIsNotEndedByTheDeadline(t *testing.T) {
 
 func TestStreamsWaitingForTheirFirstMessageAreLimitedPerPeer(t *testing.T) {
 	clk := brokertest.NewClock()
-	g, b := startBroker(t, Config{Timeout: brokertest.WaitLong, MaxPerPeer: 2, Clock: clk})
+	g, b := startBroker(t, Config{Timeout: testutil.WaitLong, MaxPerPeer: 2, Clock: clk})
 	dial := tunnelv1.DialService_Dial_FullMethodName
 	timedStream(t, b, clk, 1, kcpPath, dial)
 	timedStream(t, b, clk, 2, kcpPath, dial)
@@ -157,7 +158,7 @@ func TestStreamsWaitingForTheirFirstMessageAreLimitedPerPeer(t *testing.T) {
 	eventually(t, "two streams to be counted", func() bool { return g.quota.Held(brokertest.ID(kcpPath)) == 2 })
 	third := timedStream(t, b, clk, 3, kcpPath, dial)
 	clk.Step(g.cfg.Patience)
-	brokertest.CheckStatus(t, "a third stream", end(third), codes.ResourceExhausted, "2 streams open that have not sent their first message")
+	testutil.CheckStatus(t, "a third stream", end(third), codes.ResourceExhausted, "2 streams open that have not sent their first message")
 	// Another peer is not held back by this one.
 	timedStream(t, b, clk, 3, shardPath, dial)
 	clk.Step(g.cfg.Patience)
@@ -166,19 +167,19 @@ func TestStreamsWaitingForTheirFirstMessageAreLimitedPerPeer(t *testing.T) {
 
 func TestStreamsWaitingForTheirFirstMessageAreLimitedInTotal(t *testing.T) {
 	clk := brokertest.NewClock()
-	g, b := startBroker(t, Config{Timeout: brokertest.WaitLong, MaxTotal: 2, Clock: clk})
+	g, b := startBroker(t, Config{Timeout: testutil.WaitLong, MaxTotal: 2, Clock: clk})
 	timedStream(t, b, clk, 1, kcpPath, tunnelv1.DialService_Dial_FullMethodName)
 	timedStream(t, b, clk, 2, agentPath, tunnelv1.AgentService_Tunnel_FullMethodName)
 	clk.Step(g.cfg.Patience)
 	eventually(t, "two streams to be counted", func() bool { return g.quota.TotalHeld() == 2 })
 	third := timedStream(t, b, clk, 3, shardPath, tunnelv1.DialService_Dial_FullMethodName)
 	clk.Step(g.cfg.Patience)
-	brokertest.CheckStatus(t, "a third stream", end(third), codes.ResourceExhausted, "the broker has 2 streams open that have not sent their first message")
+	testutil.CheckStatus(t, "a third stream", end(third), codes.ResourceExhausted, "the broker has 2 streams open that have not sent their first message")
 }
 
 func TestAStreamEndedByItsPeerStopsCounting(t *testing.T) {
 	clk := brokertest.NewClock()
-	g, b := startBroker(t, Config{Timeout: brokertest.WaitLong, MaxPerPeer: 1, Clock: clk})
+	g, b := startBroker(t, Config{Timeout: testutil.WaitLong, MaxPerPeer: 1, Clock: clk})
 	ctx, cancel := context.WithCancel(t.Context())
 	desc := &grpc.StreamDesc{ClientStreams: true, ServerStreams: true}
 	if _, err := b.Conn(t, kcpPath).NewStream(ctx, desc, tunnelv1.DialService_Dial_FullMethodName); err != nil {
@@ -192,7 +193,7 @@ func TestAStreamEndedByItsPeerStopsCounting(t *testing.T) {
 }
 
 func TestAUnaryCallCountsUntilItsRequestArrives(t *testing.T) {
-	g, b := startBroker(t, Config{Timeout: brokertest.WaitLong, MaxPerPeer: 1})
+	g, b := startBroker(t, Config{Timeout: testutil.WaitLong, MaxPerPeer: 1})
 	client := healthpb.NewHealthClient(b.Conn(t, kcpPath))
 	for range 3 {
 		if _, err := client.Check(t.Context(), &healthpb.HealthCheckRequest{}); err != nil {
@@ -208,7 +209,7 @@ func TestABurstOfStreamsWhoseFirstMessagesComeWithThemIsNotRefused(t *testing.T)
 	// targets at once must all be heard, however many headers gRPC reads
 	// before their messages. (Counting streams from their start refuses
 	// hundreds of this burst.)
-	_, b := startBroker(t, Config{Timeout: brokertest.WaitLong, Patience: DefaultPatience, MaxPerPeer: 2, MaxTotal: 2, Clock: brokertest.NewClock()})
+	_, b := startBroker(t, Config{Timeout: testutil.WaitLong, Patience: DefaultPatience, MaxPerPeer: 2, MaxTotal: 2, Clock: brokertest.NewClock()})
 	const burst = 2000
 	client := tunnelv1.NewDialServiceClient(b.Conn(t, kcpPath))
 	ctx, _ := brokertest.StreamContext(t)
@@ -227,6 +228,6 @@ func TestABurstOfStreamsWhoseFirstMessagesComeWithThemIsNotRefused(t *testing.T)
 	}
 	for range burst {
 		// No agent serves the cluster: every dial that was heard says so.
-		brokertest.CheckStatus(t, "a dial of the burst", <-errs, codes.Unavailable, "no agent serves")
+		testutil.CheckStatus(t, "a dial of the burst", <-errs, codes.Unavailable, "no agent serves")
 	}
 }

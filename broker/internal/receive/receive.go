@@ -2,7 +2,7 @@
 // first message of every stream, and an agent's messages on its control
 // stream. Data frames go through package tunnel, undecoded.
 //
-// A message is received raw (tunnelv1.Frame) and decoded here, so that one
+// A message is received raw (wire.Frame) and decoded here, so that one
 // that is not protobuf of the stream's request type is the peer's mistake,
 // InvalidArgument with the reason, and not gRPC's Internal.
 package receive
@@ -16,7 +16,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
-	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // message is a request message type M, as a pointer.
@@ -28,7 +28,7 @@ type message[M any] interface {
 // Message receives the next message of stream as an M. At the end of the
 // stream it returns io.EOF.
 func Message[M any, P message[M]](stream grpc.ServerStream) (P, error) {
-	var f tunnelv1.Frame
+	var f wire.Frame
 	if err := stream.RecvMsg(&f); err != nil {
 		return nil, err
 	}

@@ -18,6 +18,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -52,7 +53,7 @@ func startTunnelBroker(t *testing.T) *tunnelBroker {
 	table := tunnel.NewTable()
 	b.Server = brokertest.Start(t, pol, func(s *brokertest.Server, srv *grpc.Server) {
 		dialv1.RegisterService(srv, dialv1.New(dialv1.Config{
-			Registry: s.Registry, Policy: s.Policy, Timeout: brokertest.WaitLong,
+			Registry: s.Registry, Policy: s.Policy, Timeout: testutil.WaitLong,
 			Tunnels: tunnel.Config{Stopping: s.Stopping, Table: table}, BrokerID: "broker-0",
 			Log: slog.New(slog.NewJSONHandler(b.log, nil)),
 		}))
@@ -123,7 +124,7 @@ func TestListTunnelsListsOpenTunnelsWithWhatTheyCarried(t *testing.T) {
 	}
 
 	first.CloseBoth()
-	brokertest.Eventually(t, "the ended tunnel to leave the listing", func() bool {
+	testutil.Eventually(t, "the ended tunnel to leave the listing", func() bool {
 		return len(b.listTunnels(t, &tunnelv1.ListTunnelsRequest{}).GetTunnels()) == 2
 	})
 }
@@ -154,7 +155,7 @@ func TestEveryTunnelLeavesOneAuditLineWhenItEnds(t *testing.T) {
 	tn.Down("hi")
 	tn.CloseBoth()
 	var audit map[string]any
-	brokertest.Eventually(t, "the audit line", func() bool {
+	testutil.Eventually(t, "the audit line", func() bool {
 		for _, line := range logLines(b.log) {
 			var entry struct {
 				Level, Msg string

@@ -11,6 +11,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
 	"github.com/kcp-dev/tunnel-broker/internal/devca"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -53,8 +54,8 @@ func TestAnAgentsRegistrationEndsWhenItsSVIDExpires(t *testing.T) {
 	// Its control stream ends at the expiry, saying why, and nothing more
 	// is routed to it.
 	_, err = control.Recv()
-	brokertest.CheckStatus(t, "Connect", err, codes.Unauthenticated,
+	testutil.CheckStatus(t, "Connect", err, codes.Unauthenticated,
 		"the X.509-SVID of spiffe://example.org/agent-a expired at "+expires.UTC().Format(time.RFC3339))
-	eventually(t, "the agent to be unrouted", func() bool { return b.registered("a") == nil })
-	brokertest.CheckStatus(t, "Dial", dialStatus(t, b.startDial(t, brokertest.Target("root"))), codes.Unavailable, `no agent serves logical cluster "root"`)
+	testutil.Eventually(t, "the agent to be unrouted", func() bool { return b.registered("a") == nil })
+	testutil.CheckStatus(t, "Dial", dialStatus(t, b.startDial(t, brokertest.Target("root"))), codes.Unavailable, `no agent serves logical cluster "root"`)
 }

@@ -19,6 +19,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -49,7 +50,7 @@ var testPolicy = policy.File{
 // config is what a test changes in the broker.
 type config struct {
 	probeEvery  time.Duration // default: an hour, so no probes
-	dialTimeout time.Duration // default: brokertest.WaitLong
+	dialTimeout time.Duration // default: testutil.WaitLong
 	grace       time.Duration
 	// registerTimeout bounds the first registration; default WaitLong.
 	registerTimeout  time.Duration
@@ -75,10 +76,10 @@ func startBroker(t *testing.T, cfg config) *broker {
 		cfg.probeEvery = time.Hour
 	}
 	if cfg.dialTimeout == 0 {
-		cfg.dialTimeout = brokertest.WaitLong
+		cfg.dialTimeout = testutil.WaitLong
 	}
 	if cfg.registerTimeout == 0 {
-		cfg.registerTimeout = brokertest.WaitLong
+		cfg.registerTimeout = testutil.WaitLong
 	}
 	b := &broker{}
 	b.Server = brokertest.Start(t, testPolicy, func(s *brokertest.Server, srv *grpc.Server) {
@@ -229,7 +230,7 @@ func (a *agent) next(t *testing.T) *tunnelv1.ConnectResponse {
 		default:
 		}
 		t.Fatalf("%s: control stream ended: %v", a.name, a.err)
-	case <-time.After(brokertest.WaitLong):
+	case <-time.After(testutil.WaitLong):
 		t.Fatalf("%s: no message from the broker", a.name)
 	}
 	return nil
@@ -266,7 +267,7 @@ func (a *agent) end(t *testing.T) error {
 	t.Helper()
 	select {
 	case <-a.done:
-	case <-time.After(brokertest.WaitLong):
+	case <-time.After(testutil.WaitLong):
 		t.Fatalf("%s: control stream did not end", a.name)
 	}
 	if errors.Is(a.err, io.EOF) {
@@ -329,18 +330,4 @@ func (b *broker) registered(name string) *registry.Agent {
 		}
 	}
 	return nil
-}
-
-// eventually polls cond until it holds, failing the test after brokertest.WaitLong.
-func eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(brokertest.WaitLong)
-	tick := time.NewTicker(5 * time.Millisecond)
-	defer tick.Stop()
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		<-tick.C
-	}
 }

@@ -9,6 +9,7 @@ import (
 	"google.golang.org/grpc/codes"
 
 	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -20,10 +21,10 @@ func TestRegistrationsPerAgentAreLimited(t *testing.T) {
 	if _, err := tunnelv1.NewAgentServiceClient(b.Conn(t, agentA)).Connect(ctx); err != nil {
 		t.Fatal(err)
 	}
-	brokertest.Eventually(t, "the silent stream to be counted", func() bool {
+	testutil.Eventually(t, "the silent stream to be counted", func() bool {
 		return b.agents.registrations.Held(brokertest.ID(agentA)) == 2
 	})
-	brokertest.CheckStatus(t, "a third registration", b.connectStatus(t, agentA, register("root")), codes.ResourceExhausted,
+	testutil.CheckStatus(t, "a third registration", b.connectStatus(t, agentA, register("root")), codes.ResourceExhausted,
 		"spiffe://example.org/agent-a already holds 2 registrations with this broker replica, the most an agent may")
 	// The limit is per SPIFFE ID.
 	b.connectAgent(t, agentB, "b", "root")
@@ -57,7 +58,7 @@ func TestARegistrationMaySendItsClustersInSeveralMessages(t *testing.T) {
 	if err := control.Send(register()); err != nil {
 		t.Fatal(err)
 	}
-	brokertest.Eventually(t, "the update to be in force", func() bool {
+	testutil.Eventually(t, "the update to be in force", func() bool {
 		return maps.Equal(b.Registry.AgentsPerCluster(), map[string]int{"team-a": 1})
 	})
 }
@@ -76,19 +77,19 @@ func TestARegistrationWhoseLastRegisterNeverComesEnds(t *testing.T) {
 	clk.WaitForTimers(t, 1)
 	clk.Step(5 * time.Second)
 	_, err = control.Recv()
-	brokertest.CheckStatus(t, "Connect", err, codes.DeadlineExceeded, "the registration's clusters did not all arrive within 5s")
+	testutil.CheckStatus(t, "Connect", err, codes.DeadlineExceeded, "the registration's clusters did not all arrive within 5s")
 	if got := b.Registry.AgentsPerCluster(); len(got) != 0 {
 		t.Errorf("routed %v, want nothing", got)
 	}
 	// Only registers may come while one is incomplete.
 	err = b.connectStatus(t, agentA, registerMore("root"), &tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_Probe{Probe: &tunnelv1.Probe{}}})
-	brokertest.CheckStatus(t, "Connect", err, codes.InvalidArgument, "a register with more must be followed by a register")
+	testutil.CheckStatus(t, "Connect", err, codes.InvalidArgument, "a register with more must be followed by a register")
 }
 
 func TestTheClustersOfARegistrationAreLimited(t *testing.T) {
 	b := startBroker(t, config{maxClusters: 1})
 	err := b.connectStatus(t, agentA, registerMore("root"), register("team-a"))
-	brokertest.CheckStatus(t, "Connect", err, codes.ResourceExhausted, "a registration may serve at most 1 logical clusters")
+	testutil.CheckStatus(t, "Connect", err, codes.ResourceExhausted, "a registration may serve at most 1 logical clusters")
 	// A cluster named twice counts once.
 	b.connectAgent(t, agentA, "a", "root", "root")
 }
@@ -99,7 +100,7 @@ func TestAgentNamesMustBeDNSLabels(t *testing.T) {
 		reg := register("root")
 		reg.GetRegister().AgentName = name
 		err := b.connectStatus(t, agentA, reg)
-		brokertest.CheckStatus(t, "Connect", err, codes.InvalidArgument, "is not a DNS-1123 label")
+		testutil.CheckStatus(t, "Connect", err, codes.InvalidArgument, "is not a DNS-1123 label")
 		if n := len(err.Error()); n > 400 {
 			t.Errorf("a %d-byte name got a %d-byte message", len(name), n)
 		}
@@ -116,7 +117,7 @@ func TestAnAgentsSeriesAreDeletedWhenItsRegistrationEnds(t *testing.T) {
 	}
 	a.cancel()
 	a.end(t)
-	brokertest.Eventually(t, "the series to be deleted", func() bool {
+	testutil.Eventually(t, "the series to be deleted", func() bool {
 		_, ok := series(t, "kcp_tunnel_broker_agent_reachable", "series-end", agentA)
 		return !ok
 	})
@@ -129,13 +130,13 @@ func TestAnOldSessionEndingLeavesTheNewSessionsSeries(t *testing.T) {
 	fresh := b.connectAgent(t, agentA, "reconnects", "root")
 	old.cancel()
 	old.end(t)
-	brokertest.Eventually(t, "the old session to be unregistered", func() bool { return len(b.Registry.Agents()) == 1 })
+	testutil.Eventually(t, "the old session to be unregistered", func() bool { return len(b.Registry.Agents()) == 1 })
 	if v, ok := series(t, "kcp_tunnel_broker_agent_reachable", "reconnects", agentA); !ok || v != 1 {
 		t.Errorf("reachable = %v (exists: %v), want 1 while the new session lives", v, ok)
 	}
 	fresh.cancel()
 	fresh.end(t)
-	brokertest.Eventually(t, "the series to be deleted", func() bool {
+	testutil.Eventually(t, "the series to be deleted", func() bool {
 		_, ok := series(t, "kcp_tunnel_broker_agent_reachable", "reconnects", agentA)
 		return !ok
 	})

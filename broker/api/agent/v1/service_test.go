@@ -7,11 +7,12 @@ import (
 	"testing"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus/testutil"
+	promtestutil "github.com/prometheus/client_golang/prometheus/testutil"
 	"google.golang.org/grpc/codes"
 
 	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -32,10 +33,10 @@ func TestRegisterMakesTheAgentRoutableForItsClusters(t *testing.T) {
 
 func TestRegisterRefusesClustersThePolicyDoesNotGive(t *testing.T) {
 	b := startBroker(t, config{})
-	brokertest.CheckStatus(t, "agent-b claiming team-a", b.connectStatus(t, agentB, register("root", "team-a")),
+	testutil.CheckStatus(t, "agent-b claiming team-a", b.connectStatus(t, agentB, register("root", "team-a")),
 		codes.PermissionDenied, `spiffe://example.org/agent-b may not serve logical cluster "team-a"`)
 	// An ID without an agent rule may serve nothing.
-	brokertest.CheckStatus(t, "kcp claiming root", b.connectStatus(t, kcpPath, register("root")),
+	testutil.CheckStatus(t, "kcp claiming root", b.connectStatus(t, kcpPath, register("root")),
 		codes.PermissionDenied, `spiffe://example.org/kcp may not serve logical cluster "root"`)
 	if got := b.Registry.AgentsPerCluster(); len(got) != 0 {
 		t.Errorf("refused agents are routed: %v", got)
@@ -48,7 +49,7 @@ func TestRegisterRefusesInvalidClusterNames(t *testing.T) {
 		t.Run(fmt.Sprintf("%q", name), func(t *testing.T) {
 			// Names are checked before the policy: agent-a may serve
 			// root, and the valid name beside the bad one changes nothing.
-			brokertest.CheckStatus(t, "Connect", b.connectStatus(t, agentA, register("root", name)),
+			testutil.CheckStatus(t, "Connect", b.connectStatus(t, agentA, register("root", name)),
 				codes.InvalidArgument, fmt.Sprintf("logical cluster %q is not a valid logical cluster name", name))
 		})
 	}
@@ -66,16 +67,16 @@ func TestConnectRefusesAFirstMessageThatIsNotARegistration(t *testing.T) {
 		{"empty", &tunnelv1.ConnectRequest{}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			brokertest.CheckStatus(t, "Connect", b.connectStatus(t, agentA, tc.msg),
+			testutil.CheckStatus(t, "Connect", b.connectStatus(t, agentA, tc.msg),
 				codes.InvalidArgument, "the first message on a control stream must be a registration")
 		})
 	}
 	t.Run("closed before a message", func(t *testing.T) {
-		brokertest.CheckStatus(t, "Connect", b.connectStatus(t, agentA), codes.InvalidArgument, "stream closed before registering")
+		testutil.CheckStatus(t, "Connect", b.connectStatus(t, agentA), codes.InvalidArgument, "stream closed before registering")
 	})
 	t.Run("not a ConnectRequest", func(t *testing.T) {
 		err := b.RawStatus(t, agentA, tunnelv1.AgentService_Connect_FullMethodName, brokertest.NotProtobuf)
-		brokertest.CheckStatus(t, "Connect", err, codes.InvalidArgument, "not a ConnectRequest")
+		testutil.CheckStatus(t, "Connect", err, codes.InvalidArgument, "not a ConnectRequest")
 	})
 }
 
@@ -83,9 +84,9 @@ func TestConnectRefusesMessagesAnAgentMayNotSend(t *testing.T) {
 	b := startBroker(t, config{})
 	a := b.connectAgent(t, agentA, "a", "root")
 	a.send(t, &tunnelv1.ConnectRequest{})
-	brokertest.CheckStatus(t, "Connect", a.end(t), codes.InvalidArgument, "after registering, an agent may only report dial failures or re-register")
+	testutil.CheckStatus(t, "Connect", a.end(t), codes.InvalidArgument, "after registering, an agent may only report dial failures or re-register")
 	// The agent is no longer routed once it hears so.
-	brokertest.CheckStatus(t, "Dial", dialStatus(t, b.startDial(t, brokertest.Target("root"))), codes.Unavailable, `no agent serves logical cluster "root"`)
+	testutil.CheckStatus(t, "Dial", dialStatus(t, b.startDial(t, brokertest.Target("root"))), codes.Unavailable, `no agent serves logical cluster "root"`)
 }
 
 func TestDialFailuresReachTheDialerWithTheAgentsCode(t *testing.T) {
@@ -111,7 +112,7 @@ func TestDialFailuresReachTheDialerWithTheAgentsCode(t *testing.T) {
 			stream := b.startDial(t, brokertest.Target("root"))
 			order := a.order(t, brokertest.Target("root"))
 			a.fail(t, order.GetDialId(), tc.reported, "no service default/webhook")
-			brokertest.CheckStatus(t, "Dial", dialStatus(t, stream), tc.want,
+			testutil.CheckStatus(t, "Dial", dialStatus(t, stream), tc.want,
 				"agent a: no service default/webhook")
 		})
 	}
@@ -136,10 +137,10 @@ func TestReRegisterChangesRouting(t *testing.T) {
 	a := b.connectAgent(t, agentA, "a", "root")
 
 	a.send(t, register("team-a"))
-	eventually(t, "the new clusters to be routed", func() bool {
+	testutil.Eventually(t, "the new clusters to be routed", func() bool {
 		return maps.Equal(b.Registry.AgentsPerCluster(), map[string]int{"team-a": 1})
 	})
-	brokertest.CheckStatus(t, "Dial root", dialStatus(t, b.startDial(t, brokertest.Target("root"))), codes.Unavailable, `no agent serves logical cluster "root"`)
+	testutil.CheckStatus(t, "Dial root", dialStatus(t, b.startDial(t, brokertest.Target("root"))), codes.Unavailable, `no agent serves logical cluster "root"`)
 	// A re-registration is not answered: the next message is the order.
 	stream := b.startDial(t, brokertest.Target("team-a"))
 	order := a.order(t, brokertest.Target("team-a"))
@@ -148,8 +149,8 @@ func TestReRegisterChangesRouting(t *testing.T) {
 
 	// A claim the policy refuses ends the registration altogether.
 	a.send(t, register("root", "team-b"))
-	brokertest.CheckStatus(t, "Connect", a.end(t), codes.PermissionDenied, `spiffe://example.org/agent-a may not serve logical cluster "team-b"`)
-	brokertest.CheckStatus(t, "Dial team-a", dialStatus(t, b.startDial(t, brokertest.Target("team-a"))), codes.Unavailable, `no agent serves logical cluster "team-a"`)
+	testutil.CheckStatus(t, "Connect", a.end(t), codes.PermissionDenied, `spiffe://example.org/agent-a may not serve logical cluster "team-b"`)
+	testutil.CheckStatus(t, "Dial team-a", dialStatus(t, b.startDial(t, brokertest.Target("team-a"))), codes.Unavailable, `no agent serves logical cluster "team-a"`)
 }
 
 func TestAgentEndingItsControlStream(t *testing.T) {
@@ -163,14 +164,14 @@ func TestAgentEndingItsControlStream(t *testing.T) {
 		if err := a.end(t); err != nil {
 			t.Errorf("Connect ended with %v, want OK", err)
 		}
-		brokertest.CheckStatus(t, "Dial", dialStatus(t, b.startDial(t, brokertest.Target("root"))), codes.Unavailable, `no agent serves logical cluster "root"`)
+		testutil.CheckStatus(t, "Dial", dialStatus(t, b.startDial(t, brokertest.Target("root"))), codes.Unavailable, `no agent serves logical cluster "root"`)
 	})
 	t.Run("dials waiting on it fail with Unavailable", func(t *testing.T) {
 		a := b.connectAgent(t, agentA, "a", "root")
 		stream := b.startDial(t, brokertest.Target("root"))
 		a.order(t, brokertest.Target("root"))
 		a.cancel()
-		brokertest.CheckStatus(t, "Dial", dialStatus(t, stream), codes.Unavailable, "agent a went away")
+		testutil.CheckStatus(t, "Dial", dialStatus(t, stream), codes.Unavailable, "agent a went away")
 	})
 	t.Run("tunnels established go on", func(t *testing.T) {
 		a := b.connectAgent(t, agentA, "a", "root")
@@ -205,7 +206,7 @@ func TestTunnelRefusesAFirstMessageThatIsNotOpen(t *testing.T) {
 		if err := tun.Send(&tunnelv1.TunnelRequest{Frame: &tunnelv1.TunnelRequest_Data{Data: []byte("x")}}); err != nil {
 			t.Fatal(err)
 		}
-		brokertest.CheckStatus(t, "Tunnel", tunnelStatus(t, tun), codes.InvalidArgument, "the first message on a tunnel must name its dial")
+		testutil.CheckStatus(t, "Tunnel", tunnelStatus(t, tun), codes.InvalidArgument, "the first message on a tunnel must name its dial")
 	})
 	t.Run("closed before a message", func(t *testing.T) {
 		ctx, _ := brokertest.StreamContext(t)
@@ -216,11 +217,11 @@ func TestTunnelRefusesAFirstMessageThatIsNotOpen(t *testing.T) {
 		if err := tun.CloseSend(); err != nil {
 			t.Fatal(err)
 		}
-		brokertest.CheckStatus(t, "Tunnel", tunnelStatus(t, tun), codes.InvalidArgument, "stream closed before naming its dial")
+		testutil.CheckStatus(t, "Tunnel", tunnelStatus(t, tun), codes.InvalidArgument, "stream closed before naming its dial")
 	})
 	t.Run("not a TunnelRequest", func(t *testing.T) {
 		err := b.RawStatus(t, agentA, tunnelv1.AgentService_Tunnel_FullMethodName, brokertest.NotProtobuf)
-		brokertest.CheckStatus(t, "Tunnel", err, codes.InvalidArgument, "not a TunnelRequest")
+		testutil.CheckStatus(t, "Tunnel", err, codes.InvalidArgument, "not a TunnelRequest")
 	})
 }
 
@@ -229,19 +230,19 @@ func TestTunnelForADialNotPendingForThePeerIsNotFound(t *testing.T) {
 	a := b.connectAgent(t, agentA, "a", "root")
 	b.connectAgent(t, agentB, "b")
 
-	brokertest.CheckStatus(t, "unknown dial", tunnelStatus(t, b.open(t, agentA, 42)),
+	testutil.CheckStatus(t, "unknown dial", tunnelStatus(t, b.open(t, agentA, 42)),
 		codes.NotFound, "no pending dial 42 for spiffe://example.org/agent-a")
 
 	stream := b.startDial(t, brokertest.Target("root"))
 	order := a.order(t, brokertest.Target("root"))
 	id := order.GetDialId()
 	// Another agent cannot take the dial, nor spoil it.
-	brokertest.CheckStatus(t, "another agent's dial", tunnelStatus(t, b.open(t, agentB, id)),
+	testutil.CheckStatus(t, "another agent's dial", tunnelStatus(t, b.open(t, agentB, id)),
 		codes.NotFound, fmt.Sprintf("no pending dial %d for spiffe://example.org/agent-b", id))
 	b.open(t, agentA, id)
 	established(t, stream)
 	// A dial is claimed once.
-	brokertest.CheckStatus(t, "dial already claimed", tunnelStatus(t, b.open(t, agentA, id)),
+	testutil.CheckStatus(t, "dial already claimed", tunnelStatus(t, b.open(t, agentA, id)),
 		codes.NotFound, fmt.Sprintf("no pending dial %d for spiffe://example.org/agent-a", id))
 }
 
@@ -250,8 +251,8 @@ func TestTunnelForADialThatTimedOutIsNotFound(t *testing.T) {
 	a := b.connectAgent(t, agentA, "a", "root")
 	stream := b.startDial(t, brokertest.Target("root"))
 	order := a.order(t, brokertest.Target("root"))
-	brokertest.CheckStatus(t, "Dial", dialStatus(t, stream), codes.DeadlineExceeded, "agent a did not connect in time")
-	brokertest.CheckStatus(t, "Tunnel", tunnelStatus(t, b.open(t, agentA, order.GetDialId())),
+	testutil.CheckStatus(t, "Dial", dialStatus(t, stream), codes.DeadlineExceeded, "agent a did not connect in time")
+	testutil.CheckStatus(t, "Tunnel", tunnelStatus(t, b.open(t, agentA, order.GetDialId())),
 		codes.NotFound, fmt.Sprintf("no pending dial %d", order.GetDialId()))
 }
 
@@ -299,7 +300,7 @@ func TestProbesAreAnsweredAndRecorded(t *testing.T) {
 	sent := clk.Now()
 	clk.Step(250 * time.Millisecond)
 	a.answer(t, 3)
-	brokertest.Eventually(t, "the answer to be recorded", func() bool {
+	testutil.Eventually(t, "the answer to be recorded", func() bool {
 		at, _ := reg.LastProbe()
 		return !at.IsZero()
 	})
@@ -323,7 +324,7 @@ func TestStaleProbeAnswersAreNotRecorded(t *testing.T) {
 	// Messages are handled in order: once the stream has ended on the bad
 	// message after it, the stale answer has been handled.
 	a.send(t, &tunnelv1.ConnectRequest{})
-	brokertest.CheckStatus(t, "Connect", a.end(t), codes.InvalidArgument, "after registering")
+	testutil.CheckStatus(t, "Connect", a.end(t), codes.InvalidArgument, "after registering")
 	if at, rtt := reg.LastProbe(); !at.IsZero() || rtt != 0 {
 		t.Errorf("a stale answer was recorded: %v, %v", at, rtt)
 	}
@@ -335,7 +336,7 @@ func TestDrainingAgentIsUsedOnlyWhenNoOtherServesTheCluster(t *testing.T) {
 	other := b.connectAgent(t, agentB, "b", "root")
 
 	a.send(t, &tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_Drain{Drain: &tunnelv1.Drain{GraceMs: 1000}}})
-	eventually(t, "a to drain", func() bool { return b.registered("a").Draining() })
+	testutil.Eventually(t, "a to drain", func() bool { return b.registered("a").Draining() })
 	// Round-robin would give a every other dial.
 	for range 4 {
 		stream := b.startDial(t, brokertest.Target("root"))
@@ -345,7 +346,7 @@ func TestDrainingAgentIsUsedOnlyWhenNoOtherServesTheCluster(t *testing.T) {
 			t.Fatalf("the draining agent got %v", msg)
 		case msg := <-other.msgs:
 			order = msg.GetDialOrder()
-		case <-time.After(brokertest.WaitLong):
+		case <-time.After(testutil.WaitLong):
 			t.Fatal("no agent got the dial")
 		}
 		if order == nil {
@@ -353,7 +354,7 @@ func TestDrainingAgentIsUsedOnlyWhenNoOtherServesTheCluster(t *testing.T) {
 		}
 		// NotFound: an Unavailable would be retried on a.
 		other.fail(t, order.GetDialId(), codes.NotFound, "no such Service")
-		brokertest.CheckStatus(t, "Dial", dialStatus(t, stream), codes.NotFound, "agent b: no such Service")
+		testutil.CheckStatus(t, "Dial", dialStatus(t, stream), codes.NotFound, "agent b: no such Service")
 	}
 
 	// Alone, the draining agent still gets dials.
@@ -377,7 +378,7 @@ func TestBrokerDrainingAndStoppingReachTheAgent(t *testing.T) {
 		t.Fatalf("got %v, want drain with grace_ms 1500", msg)
 	}
 	b.Stop()
-	brokertest.CheckStatus(t, "Connect", a.end(t), codes.Unavailable, "the broker is shutting down")
+	testutil.CheckStatus(t, "Connect", a.end(t), codes.Unavailable, "the broker is shutting down")
 	if n := len(b.Registry.Agents()); n != 0 {
 		t.Errorf("%d agents still registered after the control stream ended", n)
 	}
@@ -389,7 +390,7 @@ func TestReRegistrationsArePacedAndTheLatestListWins(t *testing.T) {
 	a := b.connectAgent(t, agentA, "a", "root")
 	clk.WaitForTimers(t, 2) // the probe ticker and the SVID's expiry
 	superseded := metrics.LimitsHit.WithLabelValues("reregistrations_superseded")
-	before := testutil.ToFloat64(superseded)
+	before := promtestutil.ToFloat64(superseded)
 	clusters := func() []string { return b.Registry.ClustersOf(b.registered("a")) }
 
 	// The first DefaultMaxReregistrationsPerSecond lists are put in force
@@ -398,7 +399,7 @@ func TestReRegistrationsArePacedAndTheLatestListWins(t *testing.T) {
 		a.send(t, register("team-a"))
 		a.send(t, register("root"))
 	}
-	eventually(t, "the burst's last list in force", func() bool { return slices.Equal(clusters(), []string{"root"}) })
+	testutil.Eventually(t, "the burst's last list in force", func() bool { return slices.Equal(clusters(), []string{"root"}) })
 	a.send(t, register("team-a"))
 	clk.WaitForTimers(t, 3)
 	if got := clusters(); !slices.Equal(got, []string{"root"}) {
@@ -408,11 +409,11 @@ func TestReRegistrationsArePacedAndTheLatestListWins(t *testing.T) {
 	a.send(t, register("root", "team-a"))
 	a.send(t, register("root"))
 	a.send(t, register("team-a"))
-	eventually(t, "the later lists to replace the waiting one", func() bool { return testutil.ToFloat64(superseded)-before == 3 })
+	testutil.Eventually(t, "the later lists to replace the waiting one", func() bool { return promtestutil.ToFloat64(superseded)-before == 3 })
 	if got := clusters(); !slices.Equal(got, []string{"root"}) {
 		t.Errorf("clusters %v before the pace allows a change, want [root]", got)
 	}
 	clk.Step(time.Second / DefaultMaxReregistrationsPerSecond)
-	eventually(t, "the latest list in force", func() bool { return slices.Equal(clusters(), []string{"team-a"}) })
-	brokertest.CheckStatus(t, "Dial root", dialStatus(t, b.startDial(t, brokertest.Target("root"))), codes.Unavailable, `no agent serves logical cluster "root"`)
+	testutil.Eventually(t, "the latest list in force", func() bool { return slices.Equal(clusters(), []string{"team-a"}) })
+	testutil.CheckStatus(t, "Dial root", dialStatus(t, b.startDial(t, brokertest.Target("root"))), codes.Unavailable, `no agent serves logical cluster "root"`)
 }

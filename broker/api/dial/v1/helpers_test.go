@@ -11,6 +11,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -54,7 +55,7 @@ type broker struct {
 func startBroker(t *testing.T, cfg config) *broker {
 	t.Helper()
 	if cfg.timeout == 0 {
-		cfg.timeout = brokertest.WaitLong
+		cfg.timeout = testutil.WaitLong
 	}
 	b := &broker{}
 	b.Server = brokertest.Start(t, testPolicy, func(s *brokertest.Server, srv *grpc.Server) {

@@ -8,6 +8,7 @@ import (
 	"google.golang.org/grpc/codes"
 
 	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -25,11 +26,11 @@ func TestDialRefusesAFirstMessageThatIsNotATarget(t *testing.T) {
 			t.Fatal(err)
 		}
 		_, err = stream.Recv()
-		brokertest.CheckStatus(t, "Dial", err, codes.InvalidArgument, "the first message of a dial must name a target")
+		testutil.CheckStatus(t, "Dial", err, codes.InvalidArgument, "the first message of a dial must name a target")
 	})
 	t.Run("not a DialRequest", func(t *testing.T) {
 		err := b.RawStatus(t, kcpPath, tunnelv1.DialService_Dial_FullMethodName, brokertest.NotProtobuf)
-		brokertest.CheckStatus(t, "Dial", err, codes.InvalidArgument, "not a DialRequest")
+		testutil.CheckStatus(t, "Dial", err, codes.InvalidArgument, "not a DialRequest")
 	})
 	t.Run("closed before a message", func(t *testing.T) {
 		ctx, _ := brokertest.StreamContext(t)
@@ -41,7 +42,7 @@ func TestDialRefusesAFirstMessageThatIsNotATarget(t *testing.T) {
 			t.Fatal(err)
 		}
 		_, err = stream.Recv()
-		brokertest.CheckStatus(t, "Dial", err, codes.InvalidArgument, "stream closed before naming a target")
+		testutil.CheckStatus(t, "Dial", err, codes.InvalidArgument, "stream closed before naming a target")
 	})
 }
 
@@ -62,7 +63,7 @@ func TestDialRefusesInvalidTargets(t *testing.T) {
 		{"port too large", &tunnelv1.Target{Cluster: "root", Namespace: "default", Service: "webhook", Port: 65536}, "port 65536 is outside 1-65535"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			brokertest.CheckStatus(t, "Dial", b.dialStatus(t, kcpPath, tc.target), codes.InvalidArgument, tc.message)
+			testutil.CheckStatus(t, "Dial", b.dialStatus(t, kcpPath, tc.target), codes.InvalidArgument, tc.message)
 		})
 	}
 }
@@ -71,10 +72,10 @@ func TestDialRefusesCallersOutsideTheirClusters(t *testing.T) {
 	b := startBroker(t, config{})
 	a := b.connectAgent(t, "a", "root", "team-a")
 
-	brokertest.CheckStatus(t, "shard dialing root", b.dialStatus(t, shardPath, brokertest.Target("root")),
+	testutil.CheckStatus(t, "shard dialing root", b.dialStatus(t, shardPath, brokertest.Target("root")),
 		codes.PermissionDenied, `spiffe://example.org/shard may not dial logical cluster "root"`)
 	// An ID with no caller rule at all.
-	brokertest.CheckStatus(t, "agent dialing", b.dialStatus(t, agentPath, brokertest.Target("team-a")),
+	testutil.CheckStatus(t, "agent dialing", b.dialStatus(t, agentPath, brokertest.Target("team-a")),
 		codes.PermissionDenied, `spiffe://example.org/agent may not dial logical cluster "team-a"`)
 
 	// The same caller reaches the cluster it is allowed.
@@ -85,7 +86,7 @@ func TestDialRefusesCallersOutsideTheirClusters(t *testing.T) {
 func TestDialWithoutAnAgentForTheClusterIsUnavailable(t *testing.T) {
 	b := startBroker(t, config{})
 	b.connectAgent(t, "a", "team-a")
-	brokertest.CheckStatus(t, "Dial", b.dialStatus(t, kcpPath, brokertest.Target("root")), codes.Unavailable, `no agent serves logical cluster "root"`)
+	testutil.CheckStatus(t, "Dial", b.dialStatus(t, kcpPath, brokertest.Target("root")), codes.Unavailable, `no agent serves logical cluster "root"`)
 }
 
 func TestDialOrdersTheAgentAndEstablishes(t *testing.T) {
@@ -126,14 +127,14 @@ func TestDialTimesOutWhenTheAgentDoesNotOpen(t *testing.T) {
 	stream, _ := b.StartDial(t, kcpPath, brokertest.Target("root"))
 	a.Order(t, brokertest.Target("root")) // and never opened
 	_, err := stream.Recv()
-	brokertest.CheckStatus(t, "Dial", err, codes.DeadlineExceeded, "did not connect in time")
+	testutil.CheckStatus(t, "Dial", err, codes.DeadlineExceeded, "did not connect in time")
 }
 
 func TestDialWhileDrainingIsUnavailable(t *testing.T) {
 	b := startBroker(t, config{})
 	b.connectAgent(t, "a", "root")
 	b.Drain()
-	brokertest.CheckStatus(t, "Dial", b.dialStatus(t, kcpPath, brokertest.Target("root")), codes.Unavailable, "this broker replica is shutting down: dial another")
+	testutil.CheckStatus(t, "Dial", b.dialStatus(t, kcpPath, brokertest.Target("root")), codes.Unavailable, "this broker replica is shutting down: dial another")
 }
 
 func TestDialLimitsTunnelsPerCaller(t *testing.T) {
@@ -141,7 +142,7 @@ func TestDialLimitsTunnelsPerCaller(t *testing.T) {
 	a := b.connectAgent(t, "a", "root", "team-a")
 
 	first := a.Establish(t, kcpPath, brokertest.Target("root"))
-	brokertest.CheckStatus(t, "second dial", b.dialStatus(t, kcpPath, brokertest.Target("root")),
+	testutil.CheckStatus(t, "second dial", b.dialStatus(t, kcpPath, brokertest.Target("root")),
 		codes.ResourceExhausted, "spiffe://example.org/kcp already holds 1 tunnels, the most a caller may")
 
 	// The limit is per caller: another one still dials.
@@ -154,7 +155,7 @@ func TestDialLimitsTunnelsPerCaller(t *testing.T) {
 	again := a.Establish(t, kcpPath, brokertest.Target("root"))
 	again.Up("again")
 	again.CancelAgent()
-	brokertest.CheckStatus(t, "caller", again.CallerEnd(), codes.Unavailable, "tunnel lost on the agent's side")
+	testutil.CheckStatus(t, "caller", again.CallerEnd(), codes.Unavailable, "tunnel lost on the agent's side")
 	a.Establish(t, kcpPath, brokertest.Target("root")).Up("and again")
 }
 
@@ -167,7 +168,7 @@ func TestDialsThatHaveNotNamedATargetCountAgainstTheCaller(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	brokertest.Eventually(t, "two dials to be counted", func() bool { return b.dial.callers.Held(brokertest.ID(kcpPath)) == 2 })
-	brokertest.CheckStatus(t, "a dial with a target", b.dialStatus(t, kcpPath, brokertest.Target("root")),
+	testutil.Eventually(t, "two dials to be counted", func() bool { return b.dial.callers.Held(brokertest.ID(kcpPath)) == 2 })
+	testutil.CheckStatus(t, "a dial with a target", b.dialStatus(t, kcpPath, brokertest.Target("root")),
 		codes.ResourceExhausted, "already holds 2 tunnels, the most a caller may")
 }

@@ -23,6 +23,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
 	"github.com/kcp-dev/tunnel-broker/internal/devca"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -68,7 +69,7 @@ func serve(t *testing.T, b *brokertest.Server, cfg Config, l net.Listener) {
 	cfg.Registry, cfg.Policy, cfg.Log, cfg.Draining = b.Registry, b.Policy, b.Log, b.Draining
 	cfg.Tunnels = tunnel.Config{Stopping: b.Stopping}
 	if cfg.Timeout == 0 {
-		cfg.Timeout = brokertest.WaitLong
+		cfg.Timeout = testutil.WaitLong
 	}
 	s := New(cfg)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -116,7 +117,7 @@ func startTLS(t *testing.T) *frontEnd {
 // request.
 func (f *frontEnd) connect(t *testing.T, path, request string) (net.Conn, *bufio.Reader) {
 	t.Helper()
-	conn, err := net.DialTimeout(f.network, f.addr, brokertest.WaitLong)
+	conn, err := net.DialTimeout(f.network, f.addr, testutil.WaitLong)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -126,7 +127,7 @@ func (f *frontEnd) connect(t *testing.T, path, request string) (net.Conn, *bufio
 		conn = tls.Client(conn, cfg)
 	}
 	t.Cleanup(func() { conn.Close() })
-	_ = conn.SetDeadline(time.Now().Add(brokertest.WaitLong))
+	_ = conn.SetDeadline(time.Now().Add(testutil.WaitLong))
 	if _, err := io.WriteString(conn, request); err != nil {
 		t.Fatal(err)
 	}
@@ -312,7 +313,7 @@ func TestConnectBoundsUnansweredConnections(t *testing.T) {
 	}
 	silent.Close()
 	// The slot is free again once the front end dropped it.
-	brokertest.Eventually(t, "a new connection to be served", func() bool {
+	testutil.Eventually(t, "a new connection to be served", func() bool {
 		_, r := f.connect(t, "", "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
 		resp, err := http.ReadResponse(r, nil)
 		return err == nil && resp.StatusCode == http.StatusMethodNotAllowed

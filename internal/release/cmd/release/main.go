@@ -47,57 +47,13 @@ func main() {
 }
 
 func run(repo, version string, checks []string) error {
-	if err := release.CheckVersion(version); err != nil {
+	if err := refuse(repo, version); err != nil {
 		return err
 	}
-	if pre := semver.Prerelease(version); pre != "" && !strings.HasPrefix(pre, "-rc.") {
-		return fmt.Errorf("version %s: a release is vX.Y.Z or vX.Y.Z-rc.N", version)
-	}
-	if out, err := git(repo, "status", "--porcelain"); err != nil || out != "" {
-		return fmt.Errorf("the work tree has changes; commit or stash them first:\n%s%v", out, errOrNil(err))
-	}
-	for _, m := range release.Modules {
-		if _, err := git(repo, "rev-parse", "-q", "--verify", "refs/tags/"+m.Tag(version)); err == nil {
-			return fmt.Errorf("tag %s exists already", m.Tag(version))
-		}
-	}
-	changelog := filepath.Join(repo, "CHANGELOG.md")
-	text, err := os.ReadFile(changelog)
-	if err != nil {
+	if err := stampAndCheck(repo, version, checks); err != nil {
 		return err
 	}
-	stamped, err := release.StampChangelog(string(text), version, time.Now().UTC().Format("2006-01-02"))
-	if err != nil {
-		return err
-	}
-
-	step("stamping %s into VERSION, the go.mod files, the overlays and CHANGELOG.md", version)
-	if err := release.StampTree(repo, version); err != nil {
-		return restore(repo, err)
-	}
-	if err := os.WriteFile(changelog, []byte(stamped), 0o644); err != nil {
-		return restore(repo, err)
-	}
-	if len(checks) > 0 {
-		step("checking the release: make %s", strings.Join(checks, " "))
-		if err := makeTargets(repo, version, checks...); err != nil {
-			return restore(repo, fmt.Errorf("the checks failed, nothing was committed or tagged: %w", err))
-		}
-	}
-
-	step("committing and tagging")
-	if _, err := git(repo, append([]string{"commit", "-m", "Release " + version, "--", "CHANGELOG.md"}, stampedFiles...)...); err != nil {
-		return restore(repo, err)
-	}
-	var tags []string
-	for _, m := range release.Modules {
-		tag := m.Tag(version)
-		if _, err := git(repo, "tag", "-a", "-m", "Release "+version+" of "+m.Path, tag); err != nil {
-			return err
-		}
-		tags = append(tags, tag)
-	}
-	commit, err := git(repo, "rev-parse", "HEAD")
+	tags, commit, err := commitAndTag(repo, version)
 	if err != nil {
 		return err
 	}
@@ -124,8 +80,77 @@ Nothing was pushed. To publish:
   git push origin HEAD %s
   skopeo copy oci-archive:bin/images/broker.tar docker://<registry>/kcp-dev/tunnel-broker:%s
   skopeo copy oci-archive:bin/images/syncer-agent.tar docker://<registry>/kcp-dev/tunnel-syncer-agent:%s
-`, version, strings.TrimSpace(commit)[:12], strings.Join(tags, ", "), strings.Join(tags, " "), version, version)
+`, version, commit[:12], strings.Join(tags, ", "), strings.Join(tags, " "), version, version)
 	return nil
+}
+
+// refuse says why version cannot be released from repo, if it cannot: a
+// version that is not vX.Y.Z or vX.Y.Z-rc.N, a dirty tree, or a tag that
+// exists already.
+func refuse(repo, version string) error {
+	if err := release.CheckVersion(version); err != nil {
+		return err
+	}
+	if pre := semver.Prerelease(version); pre != "" && !strings.HasPrefix(pre, "-rc.") {
+		return fmt.Errorf("version %s: a release is vX.Y.Z or vX.Y.Z-rc.N", version)
+	}
+	if out, err := git(repo, "status", "--porcelain"); err != nil || out != "" {
+		return fmt.Errorf("the work tree has changes; commit or stash them first:\n%s%v", out, errOrNil(err))
+	}
+	for _, m := range release.Modules {
+		if _, err := git(repo, "rev-parse", "-q", "--verify", "refs/tags/"+m.Tag(version)); err == nil {
+			return fmt.Errorf("tag %s exists already", m.Tag(version))
+		}
+	}
+	return nil
+}
+
+// stampAndCheck stamps version into the tree and CHANGELOG.md (refusing an
+// empty "Unreleased"), and runs the checks on it. If anything fails, it
+// puts the files back.
+func stampAndCheck(repo, version string, checks []string) error {
+	changelog := filepath.Join(repo, "CHANGELOG.md")
+	text, err := os.ReadFile(changelog)
+	if err != nil {
+		return err
+	}
+	stamped, err := release.StampChangelog(string(text), version, time.Now().UTC().Format("2006-01-02"))
+	if err != nil {
+		return err
+	}
+
+	step("stamping %s into VERSION, the go.mod files, the overlays and CHANGELOG.md", version)
+	if err := release.StampTree(repo, version); err != nil {
+		return restore(repo, err)
+	}
+	if err := os.WriteFile(changelog, []byte(stamped), 0o644); err != nil {
+		return restore(repo, err)
+	}
+	if len(checks) > 0 {
+		step("checking the release: make %s", strings.Join(checks, " "))
+		if err := makeTargets(repo, version, checks...); err != nil {
+			return restore(repo, fmt.Errorf("the checks failed, nothing was committed or tagged: %w", err))
+		}
+	}
+	return nil
+}
+
+// commitAndTag commits the stamped tree and tags it once per module. It
+// returns the tags and the commit.
+func commitAndTag(repo, version string) (tags []string, commit string, err error) {
+	step("committing and tagging")
+	if _, err := git(repo, append([]string{"commit", "-m", "Release " + version, "--", "CHANGELOG.md"}, stampedFiles...)...); err != nil {
+		return nil, "", restore(repo, err)
+	}
+	for _, m := range release.Modules {
+		tag := m.Tag(version)
+		if _, err := git(repo, "tag", "-a", "-m", "Release "+version+" of "+m.Path, tag); err != nil {
+			return nil, "", err
+		}
+		tags = append(tags, tag)
+	}
+	commit, err = git(repo, "rev-parse", "HEAD")
+	return tags, strings.TrimSpace(commit), err
 }
 
 // nextDev is the -dev version after a release: the next patch.

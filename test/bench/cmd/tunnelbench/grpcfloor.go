@@ -13,8 +13,8 @@ import (
 	"google.golang.org/grpc"
 
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
-	"github.com/kcp-dev/tunnel-broker/kcpplugin"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 	"github.com/kcp-dev/tunnel-broker/test/bench"
 )
 
@@ -136,11 +136,11 @@ func serveGRPCEcho() {
 	if err != nil {
 		fatalf("grpc-echo: %v", err)
 	}
-	// The broker's transport settings (broker/server).
+	// The broker's transport settings (package wire).
 	srv := grpc.NewServer(
-		grpc.Creds(kcpplugin.CoalesceWrites(identity.ServerCredentials(src, tlsconfig.AuthorizeAny()))),
-		grpc.WriteBufferSize(256<<10),
-		grpc.InitialWindowSize(1<<20), grpc.InitialConnWindowSize(16<<20),
+		grpc.Creds(wire.CoalesceWrites(identity.ServerCredentials(src, tlsconfig.AuthorizeAny()))),
+		grpc.WriteBufferSize(wire.WriteBufferSize),
+		grpc.InitialWindowSize(wire.WindowSize), grpc.InitialConnWindowSize(wire.ConnWindowSize),
 	)
 	tunnelv1.RegisterDialServiceServer(srv, echoService{})
 	l, err := net.Listen("tcp", "127.0.0.1:0")

@@ -1,4 +1,4 @@
-package coalesce
+package wire
 
 import (
 	"bytes"
@@ -37,7 +37,7 @@ const waitLong = 20 * time.Second
 // loopback TCP, with the socket under TLS wrapped to count its writes; the
 // last ones drive a holdConn by hand.
 
-const tlsTestName = "coalesce.test"
+const tlsTestName = "wire.test"
 
 // testTLS is a self-signed certificate for tlsTestName, used by both sides
 // (mTLS), and the configs that trust it.
@@ -170,7 +170,7 @@ func handshakePair(clientCreds, serverCreds credentials.TransportCredentials) (*
 
 func coalescedPair(t testing.TB, tt *testTLS) *tlsPair {
 	t.Helper()
-	return newTLSPair(t, Writes(credentials.NewTLS(tt.client)), Writes(credentials.NewTLS(tt.server)))
+	return newTLSPair(t, CoalesceWrites(credentials.NewTLS(tt.client)), CoalesceWrites(credentials.NewTLS(tt.server)))
 }
 
 // chunk is what writer w sends as its seq-th message: a header (writer,
@@ -290,7 +290,7 @@ func TestLargeWriteReachesTheSocketInOneWrite(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			wrap := func(c credentials.TransportCredentials) credentials.TransportCredentials { return c }
 			if tc.coalesce {
-				wrap = Writes
+				wrap = CoalesceWrites
 			}
 			p := newTLSPair(t, wrap(credentials.NewTLS(tt.client)), wrap(credentials.NewTLS(tt.server)))
 			data := make([]byte, 256<<10)
@@ -340,7 +340,7 @@ func TestLargeWriteReachesTheSocketInOneWrite(t *testing.T) {
 func TestHandshakeAndAuthInfoAreTheWrappedCredentials(t *testing.T) {
 	tt := newTestTLS(t, tls.VersionTLS13)
 	inner := credentials.NewTLS(tt.client)
-	creds := Writes(inner)
+	creds := CoalesceWrites(inner)
 	if creds.Info() != inner.Info() {
 		t.Errorf("Info() = %+v, want the wrapped %+v", creds.Info(), inner.Info())
 	}
@@ -350,7 +350,7 @@ func TestHandshakeAndAuthInfoAreTheWrappedCredentials(t *testing.T) {
 	}
 	// The clone handshakes, and both sides see the peer's certificate in a
 	// credentials.TLSInfo, which is what SPIFFE IDs are read from.
-	p := newTLSPair(t, clone, Writes(credentials.NewTLS(tt.server)))
+	p := newTLSPair(t, clone, CoalesceWrites(credentials.NewTLS(tt.server)))
 	for side, info := range map[string]credentials.AuthInfo{"client": p.clientInfo, "server": p.serverInfo} {
 		ti, ok := info.(credentials.TLSInfo)
 		if !ok {
@@ -366,7 +366,7 @@ func TestHandshakeAndAuthInfoAreTheWrappedCredentials(t *testing.T) {
 
 	// A handshake the peer refuses fails as the wrapped credentials' does.
 	other := newTestTLS(t, tls.VersionTLS13)
-	if _, err := handshakePair(Writes(credentials.NewTLS(other.client)), Writes(credentials.NewTLS(tt.server))); err == nil {
+	if _, err := handshakePair(CoalesceWrites(credentials.NewTLS(other.client)), CoalesceWrites(credentials.NewTLS(tt.server))); err == nil {
 		t.Error("a handshake with an untrusted certificate succeeded")
 	}
 }

@@ -1,4 +1,4 @@
-package tunnelv1
+package wire
 
 import (
 	"encoding/binary"

@@ -1,11 +1,4 @@
-// Package coalesce makes each write gRPC makes on a TLS connection reach the
-// socket in one write syscall, however many TLS records it takes.
-//
-// It is a package of its own, importing only the standard library and gRPC,
-// so that the broker and the agent use it without linking the rest of
-// kcpplugin (the webhook plugin's Kubernetes packages); kcp reaches it as
-// kcpplugin.CoalesceWrites.
-package coalesce
+package wire
 
 import (
 	"context"
@@ -16,9 +9,9 @@ import (
 	"google.golang.org/grpc/credentials"
 )
 
-// Writes wraps gRPC transport credentials (TLS, such as SPIFFE mTLS) so that
-// each write gRPC makes on a connection they secure reaches the socket in
-// one write syscall, however many TLS records it takes.
+// CoalesceWrites wraps gRPC transport credentials (TLS, such as SPIFFE
+// mTLS) so that each write gRPC makes on a connection they secure reaches
+// the socket in one write syscall, however many TLS records it takes.
 //
 // Why: crypto/tls sends every record, at most 16 KiB of data, with a write
 // syscall of its own, so when gRPC flushes a 256 KiB buffer that is sixteen
@@ -27,15 +20,15 @@ import (
 // of one such write and sends them together. Use it with a write buffer
 // larger than gRPC's 32 KiB default, so that one flush carries many records:
 //
-//	grpc.WithTransportCredentials(coalesce.Writes(creds)),
-//	grpc.WithWriteBufferSize(256<<10),
+//	grpc.WithTransportCredentials(wire.CoalesceWrites(creds)),
+//	grpc.WithWriteBufferSize(wire.WriteBufferSize),
 //
 // Everything else is the wrapped credentials': the handshake, the AuthInfo
 // (credentials.TLSInfo, from which SPIFFE IDs are read), Info, Clone. Writes
 // of one record or less, the handshake, and alerts such as close_notify go
 // out as before, in record order. The connections handed to gRPC are no
 // longer *tls.Conn; the TLS state is in the AuthInfo, as always.
-func Writes(creds credentials.TransportCredentials) credentials.TransportCredentials {
+func CoalesceWrites(creds credentials.TransportCredentials) credentials.TransportCredentials {
 	return &coalescingCreds{TransportCredentials: creds}
 }
 
