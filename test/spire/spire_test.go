@@ -177,7 +177,7 @@ func TestSPIRE(t *testing.T) {
 		strangerAgent := harness.Workload{Name: "stranger-agent", Bin: bin, Prefix: harness.AsUser("tunnel-stranger"), Socket: s.WorkloadAPI}.
 			StartAgent(t, brokerAddr, services)
 		logs = append(logs, strangerAgent)
-		refused := strangerAgent.WaitFor(t, regexp.MustCompile(`broker connection lost.*(code = PermissionDenied desc = [^"]*)`), 20*time.Second)
+		refused := strangerAgent.WaitFor(t, regexp.MustCompile(`level=ERROR msg="the broker's policy refuses this agent.*(code = PermissionDenied desc = [^"]*)`), 20*time.Second)
 		t.Logf("tunnel-stranger as agent: %s", refused[1])
 		broker.WaitFor(t, regexp.MustCompile(`permission denied" peer=`+regexp.QuoteMeta(strangerID.String())+` method=/kcp.tunnel.v1.AgentService/Connect`), 5*time.Second)
 		if err := strangerAgent.Stop(); err != nil {
