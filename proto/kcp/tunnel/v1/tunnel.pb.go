@@ -606,7 +606,11 @@ type DialRequest struct {
 	//
 	//	*DialRequest_Target
 	//	*DialRequest_Data
-	Frame         isDialRequest_Frame `protobuf_oneof:"frame"`
+	Frame isDialRequest_Frame `protobuf_oneof:"frame"`
+	// Early data: with target only, the first bytes for the target (at most
+	// 16 KiB), sent with the dial so that they need not wait for
+	// established. They reach the target before any data frame.
+	EarlyData     []byte `protobuf:"bytes,3,opt,name=early_data,json=earlyData,proto3" json:"early_data,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -662,6 +666,13 @@ func (x *DialRequest) GetData() []byte {
 		if x, ok := x.Frame.(*DialRequest_Data); ok {
 			return x.Data
 		}
+	}
+	return nil
+}
+
+func (x *DialRequest) GetEarlyData() []byte {
+	if x != nil {
+		return x.EarlyData
 	}
 	return nil
 }
@@ -1213,9 +1224,13 @@ type Register struct {
 	// target: a DNS-1123 label, or empty.
 	AgentName string `protobuf:"bytes,2,opt,name=agent_name,json=agentName,proto3" json:"agent_name,omitempty"`
 	// More clusters follow in the next Register.
-	More          bool `protobuf:"varint,3,opt,name=more,proto3" json:"more,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	More bool `protobuf:"varint,3,opt,name=more,proto3" json:"more,omitempty"`
+	// The agent delivers DialOrder.early_data. Brokers send early data in the
+	// order only to agents that set it, and otherwise as the Tunnel's first
+	// data frame.
+	AcceptsEarlyData bool `protobuf:"varint,4,opt,name=accepts_early_data,json=acceptsEarlyData,proto3" json:"accepts_early_data,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *Register) Reset() {
@@ -1265,6 +1280,13 @@ func (x *Register) GetAgentName() string {
 func (x *Register) GetMore() bool {
 	if x != nil {
 		return x.More
+	}
+	return false
+}
+
+func (x *Register) GetAcceptsEarlyData() bool {
+	if x != nil {
+		return x.AcceptsEarlyData
 	}
 	return false
 }
@@ -1331,7 +1353,11 @@ type DialOrder struct {
 	DialId uint64  `protobuf:"varint,1,opt,name=dial_id,json=dialId,proto3" json:"dial_id,omitempty"`
 	Target *Target `protobuf:"bytes,2,opt,name=target,proto3" json:"target,omitempty"`
 	// The agent gives up connecting after this long (milliseconds).
-	TimeoutMs     uint32 `protobuf:"varint,3,opt,name=timeout_ms,json=timeoutMs,proto3" json:"timeout_ms,omitempty"`
+	TimeoutMs uint32 `protobuf:"varint,3,opt,name=timeout_ms,json=timeoutMs,proto3" json:"timeout_ms,omitempty"`
+	// The caller's early data, sent only to an agent that registered with
+	// accepts_early_data: the agent writes it to the target once its Tunnel
+	// is open, before any data frame of that Tunnel.
+	EarlyData     []byte `protobuf:"bytes,4,opt,name=early_data,json=earlyData,proto3" json:"early_data,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1387,6 +1413,13 @@ func (x *DialOrder) GetTimeoutMs() uint32 {
 	return 0
 }
 
+func (x *DialOrder) GetEarlyData() []byte {
+	if x != nil {
+		return x.EarlyData
+	}
+	return nil
+}
+
 // DialFailure answers a DialOrder the agent could not serve.
 type DialFailure struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
@@ -1396,8 +1429,12 @@ type DialFailure struct {
 	// a refused target, ResourceExhausted, InvalidArgument, FailedPrecondition.
 	// The broker passes these to the caller and turns any other into
 	// Unavailable.
-	Code          int32  `protobuf:"varint,2,opt,name=code,proto3" json:"code,omitempty"`
-	Message       string `protobuf:"bytes,3,opt,name=message,proto3" json:"message,omitempty"`
+	Code    int32  `protobuf:"varint,2,opt,name=code,proto3" json:"code,omitempty"`
+	Message string `protobuf:"bytes,3,opt,name=message,proto3" json:"message,omitempty"`
+	// The order's early data reached the target before the failure: the
+	// broker must not order the dial again (its first bytes may have had an
+	// effect).
+	EarlyDataSent bool `protobuf:"varint,4,opt,name=early_data_sent,json=earlyDataSent,proto3" json:"early_data_sent,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1451,6 +1488,13 @@ func (x *DialFailure) GetMessage() string {
 		return x.Message
 	}
 	return ""
+}
+
+func (x *DialFailure) GetEarlyDataSent() bool {
+	if x != nil {
+		return x.EarlyDataSent
+	}
+	return false
 }
 
 type TunnelRequest struct {
@@ -1720,10 +1764,12 @@ const file_kcp_tunnel_v1_tunnel_proto_rawDesc = "" +
 	"\tnamespace\x18\x02 \x01(\tR\tnamespace\x12\x18\n" +
 	"\aservice\x18\x03 \x01(\tR\aservice\x12\x12\n" +
 	"\x04port\x18\x04 \x01(\rR\x04port\x12\x0e\n" +
-	"\x02ip\x18\x05 \x01(\tR\x02ip\"]\n" +
+	"\x02ip\x18\x05 \x01(\tR\x02ip\"|\n" +
 	"\vDialRequest\x12/\n" +
 	"\x06target\x18\x01 \x01(\v2\x15.kcp.tunnel.v1.TargetH\x00R\x06target\x12\x14\n" +
-	"\x04data\x18\x02 \x01(\fH\x00R\x04dataB\a\n" +
+	"\x04data\x18\x02 \x01(\fH\x00R\x04data\x12\x1d\n" +
+	"\n" +
+	"early_data\x18\x03 \x01(\fR\tearlyDataB\a\n" +
 	"\x05frame\"\xab\x01\n" +
 	"\fDialResponse\x12>\n" +
 	"\vestablished\x18\x01 \x01(\v2\x1a.kcp.tunnel.v1.EstablishedH\x00R\vestablished\x12\x14\n" +
@@ -1753,25 +1799,29 @@ const file_kcp_tunnel_v1_tunnel_proto_rawDesc = "" +
 	"\x05Probe\x12\x1a\n" +
 	"\bsequence\x18\x01 \x01(\x04R\bsequence\"\"\n" +
 	"\x05Drain\x12\x19\n" +
-	"\bgrace_ms\x18\x01 \x01(\rR\agraceMs\"Y\n" +
+	"\bgrace_ms\x18\x01 \x01(\rR\agraceMs\"\x87\x01\n" +
 	"\bRegister\x12\x1a\n" +
 	"\bclusters\x18\x01 \x03(\tR\bclusters\x12\x1d\n" +
 	"\n" +
 	"agent_name\x18\x02 \x01(\tR\tagentName\x12\x12\n" +
-	"\x04more\x18\x03 \x01(\bR\x04more\"[\n" +
+	"\x04more\x18\x03 \x01(\bR\x04more\x12,\n" +
+	"\x12accepts_early_data\x18\x04 \x01(\bR\x10acceptsEarlyData\"[\n" +
 	"\n" +
 	"Registered\x12\x1b\n" +
 	"\tbroker_id\x18\x01 \x01(\tR\bbrokerId\x120\n" +
-	"\x05since\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x05since\"r\n" +
+	"\x05since\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x05since\"\x91\x01\n" +
 	"\tDialOrder\x12\x17\n" +
 	"\adial_id\x18\x01 \x01(\x04R\x06dialId\x12-\n" +
 	"\x06target\x18\x02 \x01(\v2\x15.kcp.tunnel.v1.TargetR\x06target\x12\x1d\n" +
 	"\n" +
-	"timeout_ms\x18\x03 \x01(\rR\ttimeoutMs\"T\n" +
+	"timeout_ms\x18\x03 \x01(\rR\ttimeoutMs\x12\x1d\n" +
+	"\n" +
+	"early_data\x18\x04 \x01(\fR\tearlyData\"|\n" +
 	"\vDialFailure\x12\x17\n" +
 	"\adial_id\x18\x01 \x01(\x04R\x06dialId\x12\x12\n" +
 	"\x04code\x18\x02 \x01(\x05R\x04code\x12\x18\n" +
-	"\amessage\x18\x03 \x01(\tR\amessage\"_\n" +
+	"\amessage\x18\x03 \x01(\tR\amessage\x12&\n" +
+	"\x0fearly_data_sent\x18\x04 \x01(\bR\rearlyDataSent\"_\n" +
 	"\rTunnelRequest\x12/\n" +
 	"\x04open\x18\x01 \x01(\v2\x19.kcp.tunnel.v1.TunnelOpenH\x00R\x04open\x12\x14\n" +
 	"\x04data\x18\x02 \x01(\fH\x00R\x04dataB\a\n" +

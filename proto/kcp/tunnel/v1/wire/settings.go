@@ -18,6 +18,12 @@ const (
 	// makes: a data frame of MaxFrame bytes with its tag and length, or a
 	// Register of at most the clusters an agent sends in one message.
 	MaxMessageSize = 32 << 10
+	// MaxEarlyData bounds the early data a dial carries with its target
+	// (DialRequest.early_data) and its order (DialOrder.early_data): a TLS
+	// ClientHello, 0.3-2 KiB, fits many times over, and a dial's first
+	// message with its target stays well inside MaxMessageSize. A pending
+	// dial holds no more than this in the broker.
+	MaxEarlyData = 16 << 10
 	// WriteBufferSize is gRPC's write buffer per connection (gRPC's
 	// default is 32 KiB). gRPC writes it out when it is full or has nothing
 	// more to send, so in bulk transfers one flush carries 16 TLS records,
