@@ -22,6 +22,9 @@ type Agent struct {
 	Name     string
 	Clusters []string
 	Since    time.Time
+	// AcceptsEarlyData: the agent registered with accepts_early_data, so a
+	// dial's early data goes in its order. Set before it is routed.
+	AcceptsEarlyData bool
 
 	// orders is drained by the agent's control stream. Every send selects on
 	// gone as well, so a vanished agent never blocks a dial.

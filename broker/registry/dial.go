@@ -23,7 +23,9 @@ type pending struct {
 	id     uint64
 	agent  *Agent
 	target *tunnelv1.Target
-	answer chan answer // buffered: the one answer never waits
+	// earlyOrdered: the order carried the dial's early data.
+	earlyOrdered bool
+	answer       chan answer // buffered: the one answer never waits
 }
 
 type answer struct {
@@ -48,6 +50,9 @@ type Claim struct {
 	TunnelID string
 	Agent    *Agent
 	Target   *tunnelv1.Target
+	// EarlyDataOrdered: the dial's early data went to the agent in its
+	// order; otherwise the tunnel sends it as its first data frame.
+	EarlyDataOrdered bool
 
 	dial     *pending
 	tunnel   Tunnel
@@ -57,20 +62,22 @@ type Claim struct {
 // Dial orders an agent that serves target's cluster to connect to it, and
 // waits until the agent claims the dial with the tunnel it opened, reports a
 // failure, goes away, or ctx ends. The order gives the agent what is left of
-// ctx's deadline. The claim's tunnel must be spliced or ended.
+// ctx's deadline, and earlyData (the caller's first bytes, if any) when the
+// agent accepts early data. The claim's tunnel must be spliced or ended.
 //
 // A dial that its agent fails before any byte flows, with Unavailable (its
 // target refused, it drains, it went away), is ordered once more, within
 // the same deadline, to another agent of the cluster if there is one: HA
 // agents stand in for each other. The caller then sees an error only when
-// both failed, the second naming the first.
-func (r *Registry) Dial(ctx context.Context, target *tunnelv1.Target) (*Claim, error) {
-	claim, err := r.dialOnce(ctx, target, nil)
+// both failed, the second naming the first. A dial whose early data reached
+// a target is not ordered again: those bytes may have had an effect.
+func (r *Registry) Dial(ctx context.Context, target *tunnelv1.Target, earlyData []byte) (*Claim, error) {
+	claim, err := r.dialOnce(ctx, target, earlyData, nil)
 	first, ok := errors.AsType[*DialError](err)
-	if !ok || status.Code(err) != codes.Unavailable || ctx.Err() != nil {
+	if !ok || status.Code(err) != codes.Unavailable || first.EarlyDataSent || ctx.Err() != nil {
 		return claim, err
 	}
-	claim, err = r.dialOnce(ctx, target, first.Agent)
+	claim, err = r.dialOnce(ctx, target, earlyData, first.Agent)
 	if err == nil {
 		return claim, nil
 	}
@@ -84,13 +91,16 @@ func (r *Registry) Dial(ctx context.Context, target *tunnelv1.Target) (*Claim, e
 }
 
 // dialOnce is one attempt of Dial, on an agent other than skip.
-func (r *Registry) dialOnce(ctx context.Context, target *tunnelv1.Target, skip *Agent) (*Claim, error) {
+func (r *Registry) dialOnce(ctx context.Context, target *tunnelv1.Target, earlyData []byte, skip *Agent) (*Claim, error) {
 	p, err := r.newDial(target, skip)
 	if err != nil {
 		return nil, err
 	}
 	defer r.answered(p)
 	order := &tunnelv1.DialOrder{DialId: p.id, Target: target, TimeoutMs: remainingMS(ctx)}
+	if len(earlyData) > 0 && p.agent.AcceptsEarlyData {
+		order.EarlyData, p.earlyOrdered = earlyData, true
+	}
 	select {
 	case p.agent.orders <- order:
 	case <-p.agent.gone:
@@ -183,7 +193,7 @@ func (r *Registry) Claim(dialID uint64, agentID spiffeid.ID) (*Claim, error) {
 		return nil, status.Errorf(codes.NotFound, "no pending dial %d for %s (it timed out or was cancelled)", dialID, agentID)
 	}
 	p.agent.tunnels.Add(1)
-	return &Claim{TunnelID: tunnelID(p.id), Agent: p.agent, Target: p.target, dial: p}, nil
+	return &Claim{TunnelID: tunnelID(p.id), Agent: p.agent, Target: p.target, EarlyDataOrdered: p.earlyOrdered, dial: p}, nil
 }
 
 // HandOver gives the dial the tunnel its agent opened: Dial returns the claim.

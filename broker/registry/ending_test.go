@@ -42,7 +42,7 @@ func TestDialTimesOutWhenTheAgentDoesNotConnect(t *testing.T) {
 	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Millisecond)
 	defer cancel()
 
-	_, err := r.Dial(ctx, target("root"))
+	_, err := r.Dial(ctx, target("root"), nil)
 	testutil.CheckStatus(t, "dial", err, codes.DeadlineExceeded, "agent a did not connect in time"+inTunnel(nextOrder(t, a).GetDialId()))
 }
 

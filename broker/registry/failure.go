@@ -44,7 +44,10 @@ type DialError struct {
 	// Earlier is the failure on another agent before this one, if the
 	// dial was ordered twice (Registry.Dial).
 	Earlier *DialError
-	status  *status.Status
+	// EarlyDataSent: the agent said the order's early data reached the
+	// target before it failed.
+	EarlyDataSent bool
+	status        *status.Status
 }
 
 func (e *DialError) Error() string { return e.status.Err().Error() }
@@ -112,6 +115,7 @@ func agentFailure(p *pending, f *tunnelv1.DialFailure) error {
 	}
 	e := dialError(p, code, callerName(p.agent)+": "+said)
 	e.AgentMessageBytes = len(f.GetMessage())
+	e.EarlyDataSent = p.earlyOrdered && f.GetEarlyDataSent()
 	e.AgentMessage = strings.ToValidUTF8(f.GetMessage()[:min(len(f.GetMessage()), MaxLoggedAgentMessage)], "")
 	return e
 }

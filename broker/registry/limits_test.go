@@ -20,7 +20,7 @@ func TestPendingDialsPerClusterAreBounded(t *testing.T) {
 		orderedDial(t, r, "root", a)
 	}
 
-	_, err := r.Dial(t.Context(), target("root"))
+	_, err := r.Dial(t.Context(), target("root"), nil)
 	testutil.CheckStatus(t, "dial past the limit", err, codes.ResourceExhausted, `every agent of logical cluster "root" has 2 of its dials pending`)
 	checkLimit(t, err, LimitPendingPerCluster)
 	noOrder(t, a)
@@ -34,7 +34,7 @@ func TestOneClustersPendingDialsDoNotCountAgainstAnothers(t *testing.T) {
 	for range 2 {
 		orderedDial(t, r, "hanging", a)
 	}
-	_, err := r.Dial(t.Context(), target("hanging"))
+	_, err := r.Dial(t.Context(), target("hanging"), nil)
 	checkLimit(t, err, LimitPendingPerCluster)
 
 	for range 2 {
@@ -50,7 +50,7 @@ func TestOtherClustersPendingDialsDoNotCountAgainstTheTunnelLimit(t *testing.T) 
 	for range 2 {
 		orderedDial(t, r, "hanging", a)
 	}
-	_, err := r.Dial(t.Context(), target("hanging"))
+	_, err := r.Dial(t.Context(), target("hanging"), nil)
 	checkLimit(t, err, LimitTunnelsPerAgent)
 
 	claimedTunnel(t, r, "healthy", a)
@@ -83,7 +83,7 @@ func TestTunnelsPerAgentAreBounded(t *testing.T) {
 	a := registerAgent(t, r, "a", "root")
 	tun := claimedTunnel(t, r, "root", a)
 
-	_, err := r.Dial(t.Context(), target("root"))
+	_, err := r.Dial(t.Context(), target("root"), nil)
 	testutil.CheckStatus(t, "dial past the limit", err, codes.ResourceExhausted, `every agent of logical cluster "root" carries 1 tunnels`)
 	checkLimit(t, err, LimitTunnelsPerAgent)
 	noOrder(t, a)
@@ -104,7 +104,7 @@ func TestDialsInFlightCountAgainstTheTunnelLimit(t *testing.T) {
 	// Bounded: a dial wrongly let through would wait for the agent.
 	ctx, cancel := context.WithTimeout(t.Context(), waitLong)
 	defer cancel()
-	_, err := r.Dial(ctx, target("root"))
+	_, err := r.Dial(ctx, target("root"), nil)
 	testutil.CheckStatus(t, "dial past the limit", err, codes.ResourceExhausted, `every agent of logical cluster "root" carries 1 tunnels`)
 	noOrder(t, a)
 }

@@ -70,11 +70,17 @@ const dialTimeout = 2 * waitLong
 // through the returned dialing, or that ends when the test does.
 func startDial(t *testing.T, r *Registry, tgt *tunnelv1.Target) *dialing {
 	t.Helper()
+	return startDialWith(t, r, tgt, nil)
+}
+
+// startDialWith is startDial of a dial that carries earlyData.
+func startDialWith(t *testing.T, r *Registry, tgt *tunnelv1.Target, earlyData []byte) *dialing {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), dialTimeout)
 	d := &dialing{t: t, cancel: cancel, done: make(chan struct{})}
 	go func() {
 		defer close(d.done)
-		d.out.claim, d.out.err = r.Dial(ctx, tgt)
+		d.out.claim, d.out.err = r.Dial(ctx, tgt, earlyData)
 	}()
 	// A failed test must not leave the dial running for goleak to find, nor
 	// a tunnel open.

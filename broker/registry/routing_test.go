@@ -38,7 +38,7 @@ func TestDialWithNoAgentForTheClusterIsUnavailable(t *testing.T) {
 	r := New(Limits{})
 	registerAgent(t, r, "a", "root")
 
-	_, err := r.Dial(t.Context(), target("elsewhere"))
+	_, err := r.Dial(t.Context(), target("elsewhere"), nil)
 	testutil.CheckStatus(t, "dial", err, codes.Unavailable, `no agent serves logical cluster "elsewhere"`)
 }
 
@@ -104,7 +104,7 @@ func TestUnregisteredAgentGetsNoDials(t *testing.T) {
 	a := registerAgent(t, r, "a", "root")
 	r.Unregister(a)
 
-	_, err := r.Dial(t.Context(), target("root"))
+	_, err := r.Dial(t.Context(), target("root"), nil)
 	testutil.CheckStatus(t, "dial", err, codes.Unavailable, `no agent serves logical cluster "root"`)
 	noOrder(t, a)
 }
@@ -127,7 +127,7 @@ func TestUpdateRoutesTheNewClustersAndNotTheOldOnes(t *testing.T) {
 	a := registerAgent(t, r, "a", "old", "kept")
 	r.Update(a, []string{"kept", "new"})
 
-	_, err := r.Dial(t.Context(), target("old"))
+	_, err := r.Dial(t.Context(), target("old"), nil)
 	testutil.CheckStatus(t, "dial to a cluster the agent no longer serves", err, codes.Unavailable, `no agent serves logical cluster "old"`)
 	for _, c := range []string{"kept", "new"} {
 		startDial(t, r, target(c))

@@ -111,7 +111,7 @@ func dialLegs(t *testing.T, agent *leg) *legTunnel {
 	defer cancel()
 	got := make(chan dialed, 1)
 	go func() {
-		tun, err := tunnel.Dial(ctx, r, brokertest.Target("root"))
+		tun, err := tunnel.Dial(ctx, r, brokertest.Target("root"), nil)
 		got <- dialed{tun, err}
 	}()
 	lt := &legTunnel{t: t, agent: a, opened: make(chan error, 1)}

@@ -72,14 +72,33 @@ func (t *Tunnel) Splice(caller grpc.ServerStream, cfg Config, ended func()) (cal
 		// The agent's Tunnel RPC returned before it could copy down.
 		t.fail(&failure{by: agentSide, err: context.Cause(t.agent.Context())})
 		close(t.downDone)
+	} else if t.sendEarlyData() {
+		t.copyUp()
 	}
-	t.copyUp()
 	<-t.downDone
 	unwatch()
 	callerStatus, agentStatus = t.decideEnd().statuses()
 	t.onEnd()
 	t.End(agentStatus)
 	return callerStatus, agentStatus
+}
+
+// sendEarlyData sends the agent the caller's early data that its order did
+// not carry, before any other frame up; false if that failed the tunnel.
+func (t *Tunnel) sendEarlyData() bool {
+	if len(t.earlyData) == 0 {
+		return true
+	}
+	n := len(t.earlyData)
+	err := t.agent.SendMsg(&tunnelv1.TunnelResponse{Frame: &tunnelv1.TunnelResponse_Data{Data: t.earlyData}})
+	t.earlyData = nil
+	if err != nil {
+		t.fail(&failure{by: agentSide, err: err})
+		return false
+	}
+	metrics.BytesUp.Add(float64(n))
+	t.bytesUp.Add(int64(n))
+	return true
 }
 
 // A direction is one way through the tunnel: up, from the caller to the

@@ -53,6 +53,9 @@ type Tunnel struct {
 	claim  *registry.Claim
 	agent  tunnelv1.AgentService_TunnelServer
 	caller grpc.ServerStream // set by Splice: a Dial stream, or a connection (SpliceConn)
+	// earlyData is the caller's early data that its agent's order did not
+	// carry: the splice sends it to the agent first.
+	earlyData []byte
 
 	// The hand-over from the Dial RPC to the agent's Tunnel RPC.
 	mu          sync.Mutex
@@ -80,14 +83,21 @@ type Tunnel struct {
 // Dial orders an agent that serves target's cluster to connect to it, and
 // returns the tunnel that the agent's Tunnel RPC opens for the dial (Open).
 // It waits for it until ctx ends; the order gives the agent what is left of
-// ctx's deadline. The tunnel must be spliced (Splice) or ended (End).
-func Dial(ctx context.Context, r *registry.Registry, target *tunnelv1.Target) (*Tunnel, error) {
-	claim, err := r.Dial(ctx, target)
+// ctx's deadline. earlyData, the caller's first bytes if it sent any with
+// its target, reach the target before anything the splice carries: in the
+// order, for an agent that accepts early data, or else as the first frame
+// of the splice. The tunnel must be spliced (Splice) or ended (End).
+func Dial(ctx context.Context, r *registry.Registry, target *tunnelv1.Target, earlyData []byte) (*Tunnel, error) {
+	claim, err := r.Dial(ctx, target, earlyData)
 	if err != nil {
 		return nil, err
 	}
 	// Open hands over nothing but *Tunnel.
-	return claim.Tunnel().(*Tunnel), nil
+	t := claim.Tunnel().(*Tunnel)
+	if len(earlyData) > 0 && !claim.EarlyDataOrdered {
+		t.earlyData = earlyData
+	}
+	return t, nil
 }
 
 // Open serves an agent's Tunnel RPC for dial dialID: it claims the dial for
@@ -165,9 +175,9 @@ func (t *Tunnel) End(err error) {
 // end): it counts the dial in the dial metrics, and the limit that refused
 // it if one did, and returns how long it took and, for a failure, what to
 // log it with.
-func DialCounted(ctx context.Context, r *registry.Registry, target *tunnelv1.Target) (t *Tunnel, took time.Duration, logAttrs []any, err error) {
+func DialCounted(ctx context.Context, r *registry.Registry, target *tunnelv1.Target, earlyData []byte) (t *Tunnel, took time.Duration, logAttrs []any, err error) {
 	start := time.Now()
-	t, err = Dial(ctx, r, target)
+	t, err = Dial(ctx, r, target, earlyData)
 	took = time.Since(start)
 	code := status.Code(err)
 	metrics.Dials.WithLabelValues(code.String()).Inc()

@@ -28,7 +28,7 @@ func (b *broker) handOver(t *testing.T, a *brokertest.Agent) (*tunnel.Tunnel, tu
 	defer cancel()
 	dialed := make(chan *tunnel.Tunnel, 1)
 	go func() {
-		tun, err := tunnel.Dial(ctx, b.Registry, brokertest.Target("root"))
+		tun, err := tunnel.Dial(ctx, b.Registry, brokertest.Target("root"), nil)
 		if err != nil {
 			t.Errorf("dial: %v", err)
 		}

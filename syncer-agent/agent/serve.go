@@ -29,7 +29,10 @@ const defaultConnectTimeout = 5 * time.Second
 const maxFailureMessage = 256
 
 // serve answers one dial order: connect to the target, then open the Tunnel
-// stream and pipe; or report why not.
+// stream, write the order's early data to the target and pipe; or report why
+// not. The early data goes only after the open, so that a dial whose early
+// data reached a target is one the broker has claimed, or one it is told
+// not to order again.
 //
 // What it reports may reach kcp's end users in admission errors: a short
 // reason in words, without addresses. The details stay in the agent's log,
@@ -39,14 +42,16 @@ func (a *Agent) serve(ctx context.Context, client tunnelv1.AgentServiceClient, o
 	t := order.GetTarget()
 	log := a.Log.With("tunnel", fmt.Sprintf("%016x", order.GetDialId()), "cluster", t.GetCluster(), "namespace", t.GetNamespace(),
 		"service", t.GetService(), "port", t.GetPort())
-	report := func(code codes.Code, message string) {
-		fail(&tunnelv1.DialFailure{DialId: order.GetDialId(), Code: int32(code), Message: redact.Text(message, maxFailureMessage)})
+	early := order.GetEarlyData()
+	report := func(code codes.Code, message string, earlySent bool) {
+		fail(&tunnelv1.DialFailure{DialId: order.GetDialId(), Code: int32(code), Message: redact.Text(message, maxFailureMessage),
+			EarlyDataSent: earlySent && len(early) > 0})
 	}
 	conn, err := a.connect(ctx, order)
 	if err != nil {
 		dials.WithLabelValues(err.code.String()).Inc()
 		log.Info("dial failed", "code", err.code.String(), "error", err.detail)
-		report(err.code, err.message)
+		report(err.code, err.message, false)
 		return
 	}
 	dials.WithLabelValues(codes.OK.String()).Inc()
@@ -60,19 +65,19 @@ func (a *Agent) serve(ctx context.Context, client tunnelv1.AgentServiceClient, o
 	}
 	if tunnelErr != nil {
 		log.Info("could not open tunnel", "error", tunnelErr)
-		report(codes.Unavailable, "the agent could not open a tunnel to the broker")
+		report(codes.Unavailable, "the agent could not open a tunnel to the broker", false)
 		return
 	}
 	log.Debug("tunnel open", "target", conn.RemoteAddr().String())
 	tunnelsOpen.Inc()
 	defer tunnelsOpen.Dec()
-	if err := pipe(conn, stream, cancel); err != nil {
+	if err := pipe(conn, stream, early, cancel); err != nil {
 		log.Info("tunnel ended", "error", err)
 		// A stream cancelled right after open (a target that resets at
 		// once) may end before the broker read the open, and the dial
 		// would wait there for its timeout. Fail it; the broker ignores a
 		// failure for a dial it already claimed.
-		report(codes.Unavailable, "the tunnel failed as it opened: "+reason(err))
+		report(codes.Unavailable, "the tunnel failed as it opened: "+reason(err), true)
 	}
 }
 
@@ -171,16 +176,17 @@ func reason(err error) string {
 // most wire.MaxFrame bytes.
 var buffers = sync.Pool{New: func() any { b := make([]byte, wire.MaxFrame); return &b }}
 
-// pipe carries bytes between the target connection and the tunnel stream
-// until both directions are closed or either fails; cancel aborts the stream.
-func pipe(conn *net.TCPConn, stream tunnelv1.AgentService_TunnelClient, cancel context.CancelFunc) error {
+// pipe carries bytes between the target connection and the tunnel stream,
+// early data first, until both directions are closed or either fails; cancel
+// aborts the stream.
+func pipe(conn *net.TCPConn, stream tunnelv1.AgentService_TunnelClient, early []byte, cancel context.CancelFunc) error {
 	// A Write blocked on a target that does not read would not see the
 	// stream end: fail it then. On a clean end nothing is being written.
 	stop := context.AfterFunc(stream.Context(), func() { _ = conn.SetWriteDeadline(time.Now()) })
 	defer stop()
 	upErr := make(chan error, 1)
 	go func() { upErr <- targetToStream(conn, stream, cancel) }()
-	downErr := streamToTarget(stream, conn)
+	downErr := streamToTarget(stream, conn, early)
 	if downErr != nil {
 		// The stream failed: abort the target, which ends the other side.
 		conn.SetLinger(0)
@@ -215,9 +221,15 @@ func targetToStream(conn *net.TCPConn, stream tunnelv1.AgentService_TunnelClient
 	}
 }
 
-// streamToTarget forwards the caller's bytes, then its half-close, until the
-// broker ends the stream. It returns nil only for a clean end.
-func streamToTarget(stream tunnelv1.AgentService_TunnelClient, conn *net.TCPConn) error {
+// streamToTarget forwards the caller's bytes, early data first, then its
+// half-close, until the broker ends the stream. It returns nil only for a
+// clean end.
+func streamToTarget(stream tunnelv1.AgentService_TunnelClient, conn *net.TCPConn, early []byte) error {
+	if len(early) > 0 {
+		if _, err := conn.Write(early); err != nil {
+			return fmt.Errorf("writing early data to target: %w", err)
+		}
+	}
 	for {
 		// Data goes from gRPC's buffers to the socket in one vectored
 		// write, without being decoded or copied (wire.Frame).

@@ -192,6 +192,12 @@ func StreamContext(t *testing.T) (context.Context, context.CancelFunc) {
 // kcp begins a dial. The stream ends on cancel, or with t at the latest.
 func (s *Server) StartDial(t *testing.T, caller string, target *tunnelv1.Target) (tunnelv1.DialService_DialClient, context.CancelFunc) {
 	t.Helper()
+	return s.StartDialWith(t, caller, target, nil)
+}
+
+// StartDialWith is StartDial of a dial that sends earlyData with its target.
+func (s *Server) StartDialWith(t *testing.T, caller string, target *tunnelv1.Target, earlyData []byte) (tunnelv1.DialService_DialClient, context.CancelFunc) {
+	t.Helper()
 	ctx, cancel := StreamContext(t)
 	stream, err := tunnelv1.NewDialServiceClient(s.Conn(t, caller)).Dial(ctx)
 	if err != nil {
@@ -199,7 +205,7 @@ func (s *Server) StartDial(t *testing.T, caller string, target *tunnelv1.Target)
 	}
 	// The broker may refuse the dial before it reads the target (a caller
 	// at its limit): Send then reports io.EOF, and Recv the status.
-	err = stream.Send(&tunnelv1.DialRequest{Frame: &tunnelv1.DialRequest_Target{Target: target}})
+	err = stream.Send(&tunnelv1.DialRequest{Frame: &tunnelv1.DialRequest_Target{Target: target}, EarlyData: earlyData})
 	if err != nil && !errors.Is(err, io.EOF) {
 		t.Fatal(err)
 	}

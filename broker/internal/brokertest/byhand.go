@@ -26,12 +26,18 @@ type Agent struct {
 // the test t.
 func (s *Server) ConnectAgent(t *testing.T, path, name string, clusters ...string) *Agent {
 	t.Helper()
+	return s.ConnectAgentWith(t, path, &tunnelv1.Register{Clusters: clusters, AgentName: name})
+}
+
+// ConnectAgentWith is ConnectAgent with the registration given whole.
+func (s *Server) ConnectAgentWith(t *testing.T, path string, register *tunnelv1.Register) *Agent {
+	t.Helper()
 	ctx, _ := StreamContext(t)
 	control, err := tunnelv1.NewAgentServiceClient(s.Conn(t, path)).Connect(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
-	reg := &tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_Register{Register: &tunnelv1.Register{Clusters: clusters, AgentName: name}}}
+	reg := &tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_Register{Register: register}}
 	if err := control.Send(reg); err != nil {
 		t.Fatal(err)
 	}

@@ -80,7 +80,7 @@ func openTunnel(t *testing.T, r *registry.Registry, a *registry.Agent, cluster s
 	}
 	done := make(chan outcome, 1)
 	go func() {
-		c, err := r.Dial(context.Background(), &tunnelv1.Target{Cluster: cluster, Namespace: "default", Service: "webhook", Port: 443})
+		c, err := r.Dial(context.Background(), &tunnelv1.Target{Cluster: cluster, Namespace: "default", Service: "webhook", Port: 443}, nil)
 		done <- outcome{c, err}
 	}()
 	var order *tunnelv1.DialOrder

@@ -93,7 +93,9 @@ func (s *Service) register(stream tunnelv1.AgentService_ConnectServer, id spiffe
 	if err != nil {
 		return nil, err
 	}
-	return registry.NewAgent(sessionID(), id, reg.GetAgentName(), clusters), nil
+	a := registry.NewAgent(sessionID(), id, reg.GetAgentName(), clusters)
+	a.AcceptsEarlyData = reg.GetAcceptsEarlyData()
+	return a, nil
 }
 
 // serve sends a registered agent its dial orders, probes and the broker's

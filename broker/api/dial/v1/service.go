@@ -22,6 +22,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // Defaults of Config.
@@ -99,13 +100,14 @@ func (s *Service) Dial(stream tunnelv1.DialService_DialServer) error {
 		return err
 	}
 	defer release()
-	target, err := s.receiveTarget(stream, caller)
+	first, err := s.receiveTarget(stream, caller)
 	if err != nil {
 		return err
 	}
+	target := first.GetTarget()
 	log := s.cfg.Log.With("cluster", target.GetCluster(), "namespace", target.GetNamespace(),
 		"service", target.GetService(), "port", target.GetPort(), "caller", caller.String())
-	t, took, err := s.dial(stream.Context(), target, log)
+	t, took, err := s.dial(stream.Context(), target, first.GetEarlyData(), log)
 	if err != nil {
 		return err
 	}
@@ -134,8 +136,9 @@ func (s *Service) holdTunnel(caller spiffeid.ID) (release func(), err error) {
 }
 
 // receiveTarget receives the first message of a dial, which must name a
-// valid target that the caller may dial, while the broker takes dials.
-func (s *Service) receiveTarget(stream tunnelv1.DialService_DialServer, caller spiffeid.ID) (*tunnelv1.Target, error) {
+// valid target that the caller may dial, with at most wire.MaxEarlyData
+// bytes of early data, while the broker takes dials.
+func (s *Service) receiveTarget(stream tunnelv1.DialService_DialServer, caller spiffeid.ID) (*tunnelv1.DialRequest, error) {
 	first, err := receive.First[tunnelv1.DialRequest](stream, "stream closed before naming a target")
 	if err != nil {
 		return nil, err
@@ -147,6 +150,9 @@ func (s *Service) receiveTarget(stream tunnelv1.DialService_DialServer, caller s
 	if err := target.Validate(); err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
+	if n := len(first.GetEarlyData()); n > wire.MaxEarlyData {
+		return nil, status.Errorf(codes.InvalidArgument, "a dial's early data may be at most %d bytes, not %d", wire.MaxEarlyData, n)
+	}
 	if err := s.cfg.Policy.MayDial(caller, target.GetCluster()); err != nil {
 		metrics.Denied.WithLabelValues("Dial").Inc()
 		s.cfg.Log.Warn("permission denied", "peer", caller.String(), "cluster", target.GetCluster())
@@ -155,15 +161,15 @@ func (s *Service) receiveTarget(stream tunnelv1.DialService_DialServer, caller s
 	if s.cfg.Draining.Err() != nil {
 		return nil, status.Error(codes.Unavailable, "this broker replica is shutting down: dial another")
 	}
-	return target, nil
+	return first, nil
 }
 
 // dial orders an agent to connect to target and waits for its tunnel, within
 // the dial timeout; it counts the dial's outcome and logs a failure.
-func (s *Service) dial(ctx context.Context, target *tunnelv1.Target, log *slog.Logger) (*tunnel.Tunnel, time.Duration, error) {
+func (s *Service) dial(ctx context.Context, target *tunnelv1.Target, earlyData []byte, log *slog.Logger) (*tunnel.Tunnel, time.Duration, error) {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
 	defer cancel()
-	t, took, failure, err := tunnel.DialCounted(ctx, s.cfg.Registry, target)
+	t, took, failure, err := tunnel.DialCounted(ctx, s.cfg.Registry, target, earlyData)
 	if err != nil {
 		log.Info("dial failed", failure...)
 	}

@@ -105,7 +105,7 @@ func (s *Server) open(conn net.Conn, who caller, deadline time.Time) (*tunnel.Tu
 func (s *Server) dial(target *tunnelv1.Target, who caller, deadline time.Time) (*tunnel.Tunnel, error) {
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
-	t, _, failure, err := tunnel.DialCounted(ctx, s.cfg.Registry, target)
+	t, _, failure, err := tunnel.DialCounted(ctx, s.cfg.Registry, target, nil)
 	if err != nil {
 		s.cfg.Log.Info("dial failed", append([]any{"target", target.Key(), "caller", who.String()}, failure...)...)
 	}

@@ -1,0 +1,73 @@
+package dial
+
+import (
+	"bytes"
+	"testing"
+
+	"google.golang.org/grpc/codes"
+
+	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
+)
+
+// A caller's early data (sent with its target) reaches the agent once, before
+// anything the caller sends after it: in the order for an agent that accepts
+// early data, else as the first frame of the agent's Tunnel.
+
+// establishEarly dials the root webhook as kcp with early data "client
+// hello" through agent, opens the agent's Tunnel, and checks the caller's
+// established.
+func establishEarly(t *testing.T, b *broker, agent *brokertest.Agent) (*tunnelv1.DialOrder, *brokertest.Tunnel) {
+	t.Helper()
+	target := brokertest.Target("root")
+	caller, _ := b.StartDialWith(t, kcpPath, target, []byte("client hello"))
+	order := agent.Order(t, target)
+	tun, _ := agent.Open(t, order.GetDialId())
+	if msg, err := caller.Recv(); err != nil || msg.GetEstablished() == nil {
+		t.Fatalf("the caller got %v, %v, want established", msg, err)
+	}
+	return order, &brokertest.Tunnel{Caller: caller, Agent: tun}
+}
+
+func TestEarlyDataGoesInTheOrderOfAnAgentThatAcceptsIt(t *testing.T) {
+	b := startBroker(t, config{})
+	agent := b.ConnectAgentWith(t, agentPath, &tunnelv1.Register{Clusters: []string{"root"}, AgentName: "a", AcceptsEarlyData: true})
+	order, tun := establishEarly(t, b, agent)
+	if got := string(order.GetEarlyData()); got != "client hello" {
+		t.Errorf("the order carries %q, want the caller's early data", got)
+	}
+	// The splice must not send it again: the agent's first frame is what
+	// the caller sent after it.
+	if err := tun.Caller.Send(brokertest.DataUp([]byte("next"))); err != nil {
+		t.Fatal(err)
+	}
+	if msg, err := tun.Agent.Recv(); err != nil || string(msg.GetData()) != "next" {
+		t.Errorf("the agent's first frame: %v, %v, want data \"next\"", msg, err)
+	}
+}
+
+func TestEarlyDataIsTheFirstFrameToAnAgentThatDoesNotAcceptIt(t *testing.T) {
+	b := startBroker(t, config{})
+	order, tun := establishEarly(t, b, b.connectAgent(t, "old", "root"))
+	if len(order.GetEarlyData()) != 0 {
+		t.Errorf("the order carries early data %q to an agent that did not accept it", order.GetEarlyData())
+	}
+	if err := tun.Caller.Send(brokertest.DataUp([]byte("next"))); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"client hello", "next"} {
+		if msg, err := tun.Agent.Recv(); err != nil || string(msg.GetData()) != want {
+			t.Errorf("the agent got %v, %v, want data %q", msg, err, want)
+		}
+	}
+}
+
+func TestEarlyDataOverItsBoundIsInvalidArgument(t *testing.T) {
+	b := startBroker(t, config{})
+	b.connectAgent(t, "a", "root")
+	caller, _ := b.StartDialWith(t, kcpPath, brokertest.Target("root"), bytes.Repeat([]byte("x"), wire.MaxEarlyData+1))
+	_, err := caller.Recv()
+	testutil.CheckStatus(t, "Dial", err, codes.InvalidArgument, "a dial's early data may be at most 16384 bytes, not 16385")
+}
