@@ -32,6 +32,9 @@ type conn struct {
 	local  net.Addr
 	remote net.Addr
 
+	// The dial, until the broker answers it (establish.go).
+	dial dialState
+
 	// frames carries data frames from the receive goroutine to Read, one
 	// at a time. gRPC's flow control holds back the frames that follow, so
 	// a slow reader stalls only its own tunnel.
@@ -68,12 +71,16 @@ type conn struct {
 	received   chan struct{} // closed when the receive goroutine is done
 }
 
-func newConn(stream tunnelv1.DialService_DialClient, cancel context.CancelFunc, remote net.Addr) *conn {
+// newConn is the conn of a Dial stream that has not sent target yet: its
+// first Write, Read or CloseWrite sends it, and timeout bounds the wait for
+// the broker's answer.
+func newConn(stream tunnelv1.DialService_DialClient, cancel context.CancelFunc, target *tunnelv1.Target, timeout time.Duration) *conn {
 	c := &conn{
 		stream:     stream,
 		cancel:     cancel,
 		local:      addr("kcp-tunnel-client"),
-		remote:     remote,
+		remote:     addr(target.Key()),
+		dial:       dialState{target: target, timeout: timeout, answered: make(chan struct{})},
 		frames:     make(chan *wire.Frame),
 		readDL:     newDeadline(nil),
 		closed:     make(chan struct{}),
@@ -81,16 +88,19 @@ func newConn(stream tunnelv1.DialService_DialClient, cancel context.CancelFunc, 
 		received:   make(chan struct{}),
 	}
 	c.writeDL = newDeadline(c.writeDeadlinePassed)
+	c.dial.timer = time.AfterFunc(timeout, c.dialTimedOut)
 	go c.receive()
 	return c
 }
 
-// receive runs until the stream ends: it hands data frames to Read until the
-// broker half-closes, then reads on to the stream's final status.
+// receive runs until the stream ends: it waits for the broker to establish
+// the tunnel, hands data frames to Read until the broker half-closes, then
+// reads on to the stream's final status.
 func (c *conn) receive() {
 	defer close(c.received)
 	defer c.cancel()
-	r := &receiver{conn: c, readsOpen: true, handing: true}
+	defer c.dial.timer.Stop()
+	r := &receiver{conn: c, dialing: true, readsOpen: true, handing: true}
 	for {
 		// Data frames stay in gRPC's buffers until Read copies them out:
 		// one copy, not two (wire.Frame).
@@ -99,7 +109,9 @@ func (c *conn) receive() {
 			r.streamEnded(err)
 			return
 		}
-		if _, err := f.DataLen(); err == nil {
+		if r.dialing {
+			r.answer(f)
+		} else if _, err := f.DataLen(); err == nil {
 			r.data(f)
 		} else {
 			r.control(f)
@@ -110,6 +122,9 @@ func (c *conn) receive() {
 // receiver is what the receive goroutine keeps track of.
 type receiver struct {
 	*conn
+	// dialing is true until the broker answers the dial: with
+	// established, or with the stream's status.
+	dialing bool
 	// readsOpen is true until frames is closed: at the broker's
 	// close_write, at the end of the stream or at a protocol error.
 	readsOpen bool
@@ -126,12 +141,18 @@ func (r *receiver) streamEnded(err error) {
 	switch {
 	case r.protocolErr != nil:
 		err = r.protocolErr // we cancelled the stream for it
+	case r.dialing:
+		err = r.dialFailure(err)
 	case errors.Is(err, io.EOF):
 		// A clean end always follows the broker's close_write, but should
 		// it not, it still means no more data.
 		err = io.EOF
 	default:
 		err = streamError(err)
+	}
+	if r.dialing {
+		r.dialing = false
+		r.dial.fail(err)
 	}
 	r.endErr = err
 	r.endReads(err)
@@ -210,6 +231,9 @@ func (c *conn) Read(b []byte) (int, error) {
 	case isClosed(c.readDL.wait()):
 		return 0, os.ErrDeadlineExceeded
 	}
+	// A protocol whose server speaks first reads before it writes: the
+	// dial must go now, without early data.
+	c.sendTarget(nil)
 	for c.unread == nil {
 		select {
 		case f, ok := <-c.frames:
@@ -261,9 +285,10 @@ func (c *conn) Write(b []byte) (int, error) {
 		c.writing.Store(false)
 		return 0, os.ErrDeadlineExceeded
 	}
-	written := 0
-	var err error
-	for len(b) > 0 {
+	// The first Write's first bytes go with the target, as early data.
+	written, err := c.sendTarget(b)
+	b = b[written:]
+	for err == nil && len(b) > 0 {
 		chunk := b[:min(len(b), wire.MaxFrame)]
 		if err = c.stream.Send(&tunnelv1.DialRequest{Frame: &tunnelv1.DialRequest_Data{Data: chunk}}); err != nil {
 			break
@@ -328,6 +353,7 @@ func (c *conn) CloseWrite() error {
 		return nil
 	}
 	c.writeClosed = true
+	c.sendTarget(nil) // a failed send is the stream's status, which Read returns
 	return c.stream.CloseSend()
 }
 
@@ -337,7 +363,10 @@ func (c *conn) CloseWrite() error {
 func (c *conn) Close() error {
 	c.closeOnce.Do(func() {
 		close(c.closed)
-		if c.writeMu.TryLock() {
+		if c.dial.abandon() {
+			// Nothing was dialed: no byte can be owed to the target.
+			c.cancel()
+		} else if c.writeMu.TryLock() {
 			if !c.writeClosed && c.writeErr == nil {
 				c.writeClosed = true
 				_ = c.stream.CloseSend()

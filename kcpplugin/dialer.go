@@ -5,8 +5,6 @@ package kcpplugin
 
 import (
 	"context"
-	"errors"
-	"io"
 	"net"
 	"time"
 
@@ -33,6 +31,15 @@ type Dialer struct {
 	client tunnelv1.DialServiceClient
 	// Timeout bounds each dial, from the call to a usable connection.
 	Timeout time.Duration
+	// EarlyData makes DialService return the connection at once, before the
+	// broker has established the tunnel, and send the connection's first
+	// Write (up to wire.MaxEarlyData bytes of it) with the dial: a TLS
+	// ClientHello leaves with the target instead of a round trip later,
+	// which saves that round trip on every new connection. A dial that
+	// fails then surfaces on the first Read or Write, with the status
+	// DialService would have returned (status.Code works on it), and
+	// Timeout still bounds it. Off, DialService waits for the tunnel.
+	EarlyData bool
 }
 
 var _ ServiceDialer = (*Dialer)(nil)
@@ -46,7 +53,8 @@ func NewDialer(conn grpc.ClientConnInterface) *Dialer {
 // DialService opens a tunnel to port of Service namespace/name in cluster.
 // Errors carry the broker's gRPC status (status.Code works on them):
 // InvalidArgument, Unavailable, NotFound, DeadlineExceeded, PermissionDenied,
-// ResourceExhausted.
+// ResourceExhausted. With EarlyData, only the first is returned here, and
+// the others by the connection's first Read or Write.
 func (d *Dialer) DialService(ctx context.Context, cluster, namespace, name string, port int32) (net.Conn, error) {
 	if port < 1 || port > 65535 {
 		return nil, status.Errorf(codes.InvalidArgument, "port %d is outside 1-65535", port)
@@ -55,64 +63,27 @@ func (d *Dialer) DialService(ctx context.Context, cluster, namespace, name strin
 	if err := target.Validate(); err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
-
-	// The stream outlives the dial, so it must not die with ctx; the dial's
-	// own wait is bounded by ctx and Timeout below.
-	streamCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	if err := ctx.Err(); err != nil {
+		return nil, status.FromContextError(err).Err()
+	}
 	timeout := d.Timeout
 	if timeout <= 0 {
 		timeout = DefaultDialTimeout
 	}
-	dialCtx, dialDone := context.WithTimeout(ctx, timeout)
-	defer dialDone()
-	stopWatch := context.AfterFunc(dialCtx, cancel)
-
-	c, err := d.open(streamCtx, target)
-	if !stopWatch() {
-		// dialCtx ended first and cancelled the stream.
-		cancel()
-		if errors.Is(dialCtx.Err(), context.DeadlineExceeded) && ctx.Err() == nil {
-			return nil, status.Errorf(codes.DeadlineExceeded, "dial %s timed out after %v", target.Key(), timeout)
-		}
-		if ctx.Err() != nil {
-			return nil, status.FromContextError(ctx.Err()).Err()
-		}
-	}
+	// The stream outlives the dial, so it must not die with ctx; the dial
+	// is bounded by timeout, and a dial that waits also by ctx.
+	streamCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	stream, err := d.client.Dial(streamCtx, wire.FrameCallOption())
 	if err != nil {
 		cancel()
 		return nil, err
 	}
-	return newConn(c, cancel, addr(target.Key())), nil
-}
-
-// open sends the target and waits for the broker's answer.
-func (d *Dialer) open(ctx context.Context, target *tunnelv1.Target) (tunnelv1.DialService_DialClient, error) {
-	stream, err := d.client.Dial(ctx, wire.FrameCallOption())
-	if err != nil {
+	c := newConn(stream, cancel, target, timeout)
+	if d.EarlyData {
+		return c, nil
+	}
+	if err := c.waitEstablished(ctx); err != nil {
 		return nil, err
 	}
-	if err := stream.Send(&tunnelv1.DialRequest{Frame: &tunnelv1.DialRequest_Target{Target: target}}); err != nil {
-		// Send reports io.EOF; the reason is the stream's status.
-		if _, err := stream.Recv(); err != nil {
-			return nil, answerError(err)
-		}
-		return nil, status.Error(codes.Internal, "protocol error: broker answered a dial it did not read")
-	}
-	first, err := stream.Recv()
-	if err != nil {
-		return nil, answerError(err)
-	}
-	if first.GetEstablished() == nil {
-		return nil, status.Errorf(codes.Internal, "protocol error: broker answered a dial with %T", first.GetFrame())
-	}
-	return stream, nil
-}
-
-// answerError is the error for a dial whose stream ended before the broker
-// answered: its status, which must not be OK.
-func answerError(err error) error {
-	if errors.Is(err, io.EOF) {
-		return status.Error(codes.Internal, "protocol error: broker ended a dial without answering")
-	}
-	return err
+	return c, nil
 }
