@@ -76,6 +76,9 @@ type pair struct {
 	egressSocket            string // the CONNECT front end's; "" without one
 	conn                    *grpc.ClientConn
 	dialer                  *kcpplugin.Dialer
+	// early dials over conn too, with kcpplugin's EarlyData: the first
+	// write goes with the dial.
+	early *kcpplugin.Dialer
 }
 
 func newBench(cfg config) *runner {
@@ -156,6 +159,8 @@ func (r *runner) startPair() *pair {
 	p.agent = r.env.StartAgentProcess(p.brokerAddr, agentPath, r.services(), agentExtra...)
 	p.conn = r.env.BrokerConn(p.brokerAddr, "/kcp")
 	p.dialer = kcpplugin.NewDialer(p.conn)
+	p.early = kcpplugin.NewDialer(p.conn)
+	p.early.EarlyData = true
 	return p
 }
 
@@ -197,13 +202,22 @@ func (r *runner) direct() path {
 	}}
 }
 
-func (p *pair) tunneled() path {
-	return path{name: "tunneled", dial: func(ctx context.Context, svc string) (net.Conn, error) {
+func (p *pair) tunneled() path { return tunnelPath("tunneled", p.dialer) }
+
+// tunneledEarly is the tunnel through the pair with early data: the dial
+// returns at once, and the first write goes with it.
+func (p *pair) tunneledEarly() path { return tunnelPath(earlyName, p.early) }
+
+// earlyName names the tunnel path with early data in rows and logs.
+const earlyName = "early"
+
+func tunnelPath(name string, d *kcpplugin.Dialer) path {
+	return path{name: name, dial: func(ctx context.Context, svc string) (net.Conn, error) {
 		port := int32(portPlain)
 		if svc == svcWebhook {
 			port = portWebhook
 		}
-		return p.dialer.DialService(ctx, cluster, namespace, svc, port)
+		return d.DialService(ctx, cluster, namespace, svc, port)
 	}}
 }
 
@@ -229,6 +243,12 @@ func (r *runner) allPaths() []path {
 		ps = append(ps, r.peer.path(r))
 	}
 	return ps
+}
+
+// newConnectionPaths is allPaths and the tunnel with early data, which
+// only phases that open a connection per measurement tell apart.
+func (r *runner) newConnectionPaths() []path {
+	return append(r.allPaths(), r.main.tunneledEarly())
 }
 
 // dialOrFatal dials svc on p with a bound.

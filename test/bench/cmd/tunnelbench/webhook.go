@@ -106,7 +106,7 @@ func (r *runner) webhookRate(ctx context.Context) {
 // closed after its request. TLS sessions are not resumed (Go's client keeps
 // no session cache unless told to, nor does kcp's).
 func (r *runner) webhookFirstRequest(ctx context.Context, body []byte) {
-	paths := r.allPaths()
+	paths := r.newConnectionPaths()
 	clients := make([]*http.Client, len(paths))
 	for i, p := range paths {
 		clients[i] = r.webhookClient(p, 1)
@@ -131,6 +131,9 @@ func (r *runner) webhookFirstRequest(ctx context.Context, body []byte) {
 	d, t := samples["direct"], samples["tunneled"]
 	r.report.row(name+"p50_us", us(d, 0.5), us(t, 0.5))
 	r.report.row(name+"p99_us", us(d, 0.99), us(t, 0.99))
+	e := samples[earlyName]
+	r.report.floorRow(earlyName, name+"p50_us", us(d, 0.5), us(e, 0.5))
+	r.report.floorRow(earlyName, name+"p99_us", us(d, 0.99), us(e, 0.99))
 	if r.relay != nil {
 		rl := samples["relay"]
 		r.report.relayRow(name+"p50_us", us(d, 0.5), us(rl, 0.5))
