@@ -81,6 +81,7 @@ func TestTinyRunPrintsEveryFigure(t *testing.T) {
 		// Every path's new-connection figures, and the peer's of each phase.
 		"dial_first_echo_p50_us", "relay_dial_2handshakes_first_echo_p99_us", "throughput_upload_middle_cpu_s_per_GiB",
 		"webhook_dial_tls_first_request_p50_us", "relay_webhook_dial_tls_first_request_p99_us",
+		"early_dial_first_echo_p50_us", "early_webhook_dial_tls_first_request_p99_us",
 		"idle_20_middle_rss_KiB_per_tunnel",
 		"peer_remotedialer_throughput_download_MiBps", "peer_remotedialer_throughput_upload_middle_cpu_s_per_GiB",
 		"peer_remotedialer_rtt64_p99_us", "peer_remotedialer_rtt64_server_cpu_us_per_rt", "peer_remotedialer_rtt64_4conns_per_s",
