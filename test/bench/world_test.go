@@ -42,6 +42,7 @@ var world struct {
 	echo, bulk *Target
 	broker     string // in-process broker's address
 	tunnel     *kcpplugin.Dialer
+	early      *kcpplugin.Dialer // tunnel's connection, with EarlyData
 	fake       *kcpplugin.Dialer
 }
 
@@ -89,6 +90,9 @@ func runMain(m *testing.M) int {
 		{Cluster: benchCluster, Namespace: benchNamespace, Name: "bulk", Ports: map[string]string{"80": world.bulk.Addr}},
 	}})
 	world.tunnel = env.Dialer(b.Addr, "/kcp")
+	early := *world.tunnel
+	early.EarlyData = true
+	world.early = &early
 
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -202,6 +206,16 @@ var paths = []struct {
 		return world.tunnel.DialService(ctx, benchCluster, benchNamespace, svc, 80)
 	}},
 }
+
+// earlyPath is the tunnel with kcpplugin's EarlyData, for the benchmarks
+// that open a connection per op: its dial returns at once, so only a
+// first round trip measures it.
+var earlyPath = struct {
+	name string
+	dial func(ctx context.Context, svc string) (net.Conn, error)
+}{"tunnel_early", func(ctx context.Context, svc string) (net.Conn, error) {
+	return world.early.DialService(ctx, benchCluster, benchNamespace, svc, 80)
+}}
 
 func dial(b *testing.B, d func(context.Context, string) (net.Conn, error), svc string) net.Conn {
 	b.Helper()
