@@ -254,8 +254,9 @@ func (s *Server) serverOptions(guard *opening.Guard) []grpc.ServerOption {
 	)
 	// No read buffer of gRPC's own: crypto/tls already reads whole records,
 	// and gRPC's 32 KiB buffer per connection was the largest item of an
-	// idle agent's memory (docs/perf-history.md, the scale phase's first run: RSS per agent 95-97 KiB
-	// with it, 75 KiB without; throughput and CPU per GiB unchanged).
+	// idle agent's memory (docs/perf-history.md, the scale phase's first
+	// run: RSS per agent 95-97 KiB with it, 75 KiB without; throughput and
+	// CPU per GiB unchanged).
 	opts = append(opts, grpc.ReadBufferSize(0))
 	// The write buffer, Frame streams and windows kcp and the agent share.
 	return append(opts, wire.ServerOptions(cfg.WindowSize)...)
