@@ -25,18 +25,23 @@ func earlyDialer(t *testing.T, handle dialHandler) *Dialer {
 	return d
 }
 
-// dialEarly dials the test target with d, which must return at once.
-func dialEarly(t *testing.T, d *Dialer) net.Conn {
-	t.Helper()
-	c, err := d.DialService(context.Background(), testCluster, testNamespace, testService, testPort)
-	if err != nil {
-		t.Fatalf("DialService: %v", err)
-	}
-	t.Cleanup(func() { _ = c.Close() })
-	return c
-}
-
 var established = &tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_Established{Established: &tunnelv1.Established{TunnelId: "test"}}}
+
+// reportFirst is a Dial handler that hands the dial's first message to
+// firsts, establishes the tunnel and runs serve.
+func reportFirst(firsts chan<- *tunnelv1.DialRequest, serve func(p *peer) error) dialHandler {
+	return func(stream tunnelv1.DialService_DialServer) error {
+		first, err := stream.Recv()
+		if err != nil {
+			return err
+		}
+		firsts <- first
+		if err := stream.Send(established); err != nil {
+			return err
+		}
+		return serve(&peer{stream: stream, target: first.GetTarget()})
+	}
+}
 
 func TestEarlyDialReturnsBeforeTheBrokerAnswersAndSendsTheFirstWriteWithTheTarget(t *testing.T) {
 	firsts := make(chan *tunnelv1.DialRequest, 1)
@@ -57,7 +62,7 @@ func TestEarlyDialReturnsBeforeTheBrokerAnswersAndSendsTheFirstWriteWithTheTarge
 		}
 		return p.echo()
 	})
-	c := dialEarly(t, d)
+	c := dial(t, d)
 	write(t, c, []byte("client hello"))
 	first := within(t, firsts, "the dial's first message")
 	close(answer)
@@ -79,20 +84,12 @@ func TestEarlyDialReturnsBeforeTheBrokerAnswersAndSendsTheFirstWriteWithTheTarge
 func TestEarlyDialCarriesAtMostMaxEarlyDataAndSendsTheRestAsData(t *testing.T) {
 	firsts := make(chan *tunnelv1.DialRequest, 1)
 	rest := make(chan []byte, 1)
-	d := earlyDialer(t, func(stream tunnelv1.DialService_DialServer) error {
-		first, err := stream.Recv()
-		if err != nil {
-			return err
-		}
-		firsts <- first
-		if err := stream.Send(established); err != nil {
-			return err
-		}
-		all, err := (&peer{stream: stream}).recvAll()
+	d := earlyDialer(t, reportFirst(firsts, func(p *peer) error {
+		all, err := p.recvAll()
 		rest <- all
 		return err
-	})
-	c := dialEarly(t, d)
+	}))
+	c := dial(t, d)
 	payload := bytes.Repeat([]byte("0123456789abcdef"), 100<<10/16)
 	write(t, c, payload)
 	if err := c.(closeWriter).CloseWrite(); err != nil {
@@ -110,22 +107,13 @@ func TestEarlyDialCarriesAtMostMaxEarlyDataAndSendsTheRestAsData(t *testing.T) {
 
 func TestEarlyDialThatReadsFirstSendsTheTargetAlone(t *testing.T) {
 	firsts := make(chan *tunnelv1.DialRequest, 1)
-	d := earlyDialer(t, func(stream tunnelv1.DialService_DialServer) error {
-		first, err := stream.Recv()
-		if err != nil {
-			return err
-		}
-		firsts <- first
-		if err := stream.Send(established); err != nil {
-			return err
-		}
-		p := &peer{stream: stream}
+	d := earlyDialer(t, reportFirst(firsts, func(p *peer) error {
 		if err := p.send([]byte("220 ready")); err != nil {
 			return err
 		}
 		return p.echo()
-	})
-	c := dialEarly(t, d)
+	}))
+	c := dial(t, d)
 	// A protocol whose server speaks first: nothing is written before the
 	// first Read, which must send the dial or wait forever.
 	if got := readFull(t, c, len("220 ready")); string(got) != "220 ready" {
@@ -157,7 +145,7 @@ func TestEarlyDialFailureSurfacesOnReadAndWriteWithItsStatus(t *testing.T) {
 			}
 			checkDialStatus(t, "DialService without EarlyData", err, code, message)
 
-			c := dialEarly(t, earlyDialer(t, handle))
+			c := dial(t, earlyDialer(t, handle))
 			if _, err := c.Write([]byte("client hello")); err != nil {
 				checkDialStatus(t, "the first Write", err, code, message)
 			}
@@ -183,7 +171,7 @@ func TestEarlyDialThatTheBrokerNeverAnswersTimesOut(t *testing.T) {
 		return stream.Context().Err()
 	})
 	d.Timeout = 100 * time.Millisecond
-	c := dialEarly(t, d)
+	c := dial(t, d)
 	write(t, c, []byte("client hello"))
 	_, err := c.Read(make([]byte, 16))
 	checkDialStatus(t, "Read", err, codes.DeadlineExceeded, "dial root/default/webhook:443 timed out after 100ms")
@@ -200,7 +188,7 @@ func TestEarlyDialAnsweredWithDataIsAProtocolError(t *testing.T) {
 		<-stream.Context().Done()
 		return nil
 	})
-	c := dialEarly(t, d)
+	c := dial(t, d)
 	write(t, c, []byte("client hello"))
 	_, err := c.Read(make([]byte, 16))
 	checkDialStatus(t, "Read", err, codes.Internal, "protocol error: broker answered a dial with *tunnelv1.DialResponse_Data")
@@ -216,7 +204,7 @@ func TestEarlyConnClosedBeforeUseDialsNothing(t *testing.T) {
 		ended <- err
 		return nil
 	})
-	c := dialEarly(t, d)
+	c := dial(t, d)
 	if err := c.Close(); err != nil {
 		t.Fatalf("Close: %v", err)
 	}

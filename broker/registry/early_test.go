@@ -41,13 +41,21 @@ func TestEarlyDataGoesInTheOrderOnlyToAnAgentThatAcceptsIt(t *testing.T) {
 	}
 }
 
-func TestADialWhoseEarlyDataReachedATargetIsNotRetriedOnAnotherAgent(t *testing.T) {
-	r := New(Limits{})
+// earlyDialToTwoAgents dials root with early data, served by two agents
+// that accept it, and returns the agent its order went to, the order, and
+// the other agent.
+func earlyDialToTwoAgents(t *testing.T, r *Registry) (d *dialing, first *Agent, o *tunnelv1.DialOrder, other *Agent) {
+	t.Helper()
 	a := registerEarlyAgent(t, r, "a", "root")
 	b := registerEarlyAgent(t, r, "b", "root")
-	d := startDialWith(t, r, target("root"), []byte("client hello"))
-	first, o := orderedTo(t, a, b)
-	other := map[*Agent]*Agent{a: b, b: a}[first]
+	d = startDialWith(t, r, target("root"), []byte("client hello"))
+	first, o = orderedTo(t, a, b)
+	return d, first, o, map[*Agent]*Agent{a: b, b: a}[first]
+}
+
+func TestADialWhoseEarlyDataReachedATargetIsNotRetriedOnAnotherAgent(t *testing.T) {
+	r := New(Limits{})
+	d, first, o, other := earlyDialToTwoAgents(t, r)
 	r.Fail(first, &tunnelv1.DialFailure{DialId: o.GetDialId(), Code: int32(codes.Unavailable),
 		Message: "the tunnel failed as it opened: connection reset by peer", EarlyDataSent: true})
 	testutil.CheckStatus(t, "Dial", d.wait().err, codes.Unavailable, "connection reset by peer")
@@ -56,11 +64,7 @@ func TestADialWhoseEarlyDataReachedATargetIsNotRetriedOnAnotherAgent(t *testing.
 
 func TestADialWhoseEarlyDataDidNotReachATargetIsRetried(t *testing.T) {
 	r := New(Limits{})
-	a := registerEarlyAgent(t, r, "a", "root")
-	b := registerEarlyAgent(t, r, "b", "root")
-	d := startDialWith(t, r, target("root"), []byte("client hello"))
-	first, o := orderedTo(t, a, b)
-	other := map[*Agent]*Agent{a: b, b: a}[first]
+	d, first, o, other := earlyDialToTwoAgents(t, r)
 	failOrder(r, first, o, codes.Unavailable, "connection refused")
 	retry := nextOrder(t, other)
 	if got := string(retry.GetEarlyData()); got != "client hello" {
