@@ -618,12 +618,18 @@ func dialOrder(id uint64) *tunnelv1.DialOrder {
 // ends.
 func established(t *testing.T) (*session, *tunnel, *net.TCPConn) {
 	t.Helper()
+	return establishedBy(t, dialOrder(1))
+}
+
+// establishedBy is established with order, which must be for dial id 1.
+func establishedBy(t *testing.T, order *tunnelv1.DialOrder) (*session, *tunnel, *net.TCPConn) {
+	t.Helper()
 	p := newPKI(t)
 	b := startBroker(t, p)
 	tg := listenTarget(t)
 	run(t, newAgent(t, p, b, staticResolver(t, tg.addr())))
 	s := b.nextSession(t)
-	s.order(t, dialOrder(1))
+	s.order(t, order)
 	conn := tg.accept(t)
 	tu := b.nextTunnel(t)
 	if got := tu.open.GetDialId(); got != 1 {

@@ -13,16 +13,9 @@ func TestTheAgentRegistersAsAcceptingEarlyData(t *testing.T) {
 }
 
 func TestAnOrdersEarlyDataReachesTheTargetBeforeTheTunnelsData(t *testing.T) {
-	p := newPKI(t)
-	b := startBroker(t, p)
-	tg := listenTarget(t)
-	run(t, newAgent(t, p, b, staticResolver(t, tg.addr())))
-	s := b.nextSession(t)
 	order := dialOrder(1)
 	order.EarlyData = []byte("client hello;")
-	s.order(t, order)
-	conn := tg.accept(t)
-	tu := b.nextTunnel(t)
+	_, tu, conn := establishedBy(t, order)
 	if err := tu.send([]byte("then data")); err != nil {
 		t.Fatal(err)
 	}
