@@ -122,71 +122,104 @@ func (fakeBroker) Dial(stream tunnelv1.DialService_DialServer) error {
 	if err := stream.Send(&tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_Established{Established: &tunnelv1.Established{TunnelId: "fake"}}}); err != nil {
 		return err
 	}
-	data := func(b []byte) *tunnelv1.DialResponse {
-		return &tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_Data{Data: b}}
-	}
-	closeWrite := &tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_CloseWrite{CloseWrite: &tunnelv1.CloseWrite{}}}
-	// untilEOF reads until the caller half-closes, handing data to f.
-	untilEOF := func(f func([]byte) error) error {
-		for {
-			msg, err := stream.Recv()
-			if errors.Is(err, io.EOF) {
-				return stream.Send(closeWrite)
-			}
-			if err != nil {
-				return err
-			}
-			if err := f(msg.GetData()); err != nil {
-				return err
-			}
-		}
-	}
+	d := fakeDial{stream}
 	switch first.GetTarget().GetService() {
 	case "echo":
-		return untilEOF(func(b []byte) error { return stream.Send(data(b)) })
+		return d.untilEOF(d.send)
 	case "bulk":
-		var req []byte
-		for len(req) < 9 {
-			msg, err := stream.Recv()
-			if err != nil {
-				return err
-			}
-			req = append(req, msg.GetData()...)
-		}
-		size := int64(binary.BigEndian.Uint64(req[1:9]))
-		switch req[0] {
-		case opDownload:
-			for left := size; left > 0; {
-				n := min(left, 32<<10)
-				if err := stream.Send(data(pattern[:n])); err != nil {
-					return err
-				}
-				left -= n
-			}
-			if err := stream.Send(closeWrite); err != nil {
-				return err
-			}
-			return untilEOF(func([]byte) error { return nil })
-		case opUpload:
-			got := int64(len(req) - 9)
-			for got < size {
-				msg, err := stream.Recv()
-				if err != nil {
-					return err
-				}
-				got += int64(len(msg.GetData()))
-			}
-			var ack [8]byte
-			binary.BigEndian.PutUint64(ack[:], uint64(got))
-			if err := stream.Send(data(ack[:])); err != nil {
-				return err
-			}
-			return untilEOF(func([]byte) error { return nil })
-		}
-		return fmt.Errorf("bad request %q", req[0])
+		return d.bulk()
 	default:
-		return untilEOF(func([]byte) error { return nil })
+		return d.untilEOF(discard)
 	}
+}
+
+// fakeDial is one established dial of the fake broker.
+type fakeDial struct {
+	stream tunnelv1.DialService_DialServer
+}
+
+// send sends b as a data frame.
+func (d fakeDial) send(b []byte) error {
+	return d.stream.Send(&tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_Data{Data: b}})
+}
+
+// closeWrite half-closes the dial on the fake broker's side.
+func (d fakeDial) closeWrite() error {
+	return d.stream.Send(&tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_CloseWrite{CloseWrite: &tunnelv1.CloseWrite{}}})
+}
+
+// discard takes data and does nothing with it.
+func discard([]byte) error { return nil }
+
+// untilEOF reads until the caller half-closes, handing data to f, and then
+// half-closes too.
+func (d fakeDial) untilEOF(f func([]byte) error) error {
+	for {
+		msg, err := d.stream.Recv()
+		if errors.Is(err, io.EOF) {
+			return d.closeWrite()
+		}
+		if err != nil {
+			return err
+		}
+		if err := f(msg.GetData()); err != nil {
+			return err
+		}
+	}
+}
+
+// bulk reads one request, an op and a size of 9 bytes in all, and serves
+// the download or upload it asks for.
+func (d fakeDial) bulk() error {
+	var req []byte
+	for len(req) < 9 {
+		msg, err := d.stream.Recv()
+		if err != nil {
+			return err
+		}
+		req = append(req, msg.GetData()...)
+	}
+	size := int64(binary.BigEndian.Uint64(req[1:9]))
+	switch req[0] {
+	case opDownload:
+		return d.download(size)
+	case opUpload:
+		return d.upload(size, int64(len(req)-9))
+	}
+	return fmt.Errorf("bad request %q", req[0])
+}
+
+// download sends size bytes of pattern in 32 KiB frames and half-closes.
+func (d fakeDial) download(size int64) error {
+	for left := size; left > 0; {
+		n := min(left, 32<<10)
+		if err := d.send(pattern[:n]); err != nil {
+			return err
+		}
+		left -= n
+	}
+	if err := d.closeWrite(); err != nil {
+		return err
+	}
+	return d.untilEOF(discard)
+}
+
+// upload reads until the caller sent size bytes (got of them came with the
+// request) and acknowledges them with their count.
+func (d fakeDial) upload(size, got int64) error {
+	for got < size {
+		msg, err := d.stream.Recv()
+		if err != nil {
+			return err
+		}
+		got += int64(len(msg.GetData()))
+	}
+	var ack [8]byte
+	binary.BigEndian.PutUint64(ack[:], uint64(got))
+	if err := d.send(ack[:]); err != nil {
+		return err
+	}
+	return d.untilEOF(discard)
 }
 
 // paths are the ways a benchmark reaches a service.

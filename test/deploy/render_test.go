@@ -126,10 +126,7 @@ func checkBroker(t *testing.T, k kustomization, objs []object, d *appsv1.Deploym
 	pod := d.Spec.Template
 	c := container(pod.Spec, "broker")
 
-	replicas := int32(1) // the API server's default
-	if d.Spec.Replicas != nil {
-		replicas = *d.Spec.Replicas
-	}
+	replicas := replicasOf(d)
 	if replicas < 2 {
 		t.Errorf("replicas %d: want 2 or more", replicas)
 	}
@@ -159,15 +156,9 @@ func checkBroker(t *testing.T, k kustomization, objs []object, d *appsv1.Deploym
 		t.Errorf("ServiceAccount %q is not rendered with the Deployment", pod.Spec.ServiceAccountName)
 	}
 
-	// The policy: a file in a mounted ConfigMap that the broker accepts.
-	pol := mountedPolicy(t, objs, d, c, flags["policy"])
-	if pol == nil {
+	if !checkMountedPolicy(t, objs, d, c, flags["policy"]) {
 		return
 	}
-	if _, err := policy.Parse(pol); err != nil {
-		t.Errorf("the broker would refuse its policy: %v", err)
-	}
-
 	checkBrokerServices(t, objs, d, c, grpcPort, metricsPort)
 	checkPDB(t, objs, d, replicas)
 	checkNetworkPolicy(t, objs, d, c, grpcPort, metricsPort)
@@ -182,6 +173,30 @@ func checkBroker(t *testing.T, k kustomization, objs []object, d *appsv1.Deploym
 			t.Logf("broker SPIFFE ID %s", id)
 		}
 	}
+}
+
+// replicasOf is how many replicas d asks for: the API server's default of
+// 1 if it says nothing.
+func replicasOf(d *appsv1.Deployment) int32 {
+	if d.Spec.Replicas != nil {
+		return *d.Spec.Replicas
+	}
+	return 1
+}
+
+// checkMountedPolicy checks the broker's policy: a file in a mounted
+// ConfigMap that the broker accepts. It reports false if there is no such
+// file, and the checks that need it cannot go on.
+func checkMountedPolicy(t *testing.T, objs []object, d *appsv1.Deployment, c *corev1.Container, path string) bool {
+	t.Helper()
+	pol := mountedPolicy(t, objs, d, c, path)
+	if pol == nil {
+		return false
+	}
+	if _, err := policy.Parse(pol); err != nil {
+		t.Errorf("the broker would refuse its policy: %v", err)
+	}
+	return true
 }
 
 // TestDeployAgentSidecar asserts what the syncer-agent sidecar needs, in
@@ -216,7 +231,20 @@ func checkAgent(t *testing.T, objs []object, d *appsv1.Deployment) {
 	if len(pod.Spec.Containers) < 2 {
 		t.Errorf("the agent is not a sidecar: the pod has %d container(s)", len(pod.Spec.Containers))
 	}
+	flags := checkAgentFlags(t, objs, d, c)
+	checkProbes(t, c, listenPort(t, "--metrics-listen", flags["metrics-listen"]))
+	checkResources(t, c)
+	checkSecurity(t, pod.Spec, c)
+	checkWorkloadAPI(t, pod.Spec, c, flags)
+	checkAgentRBAC(t, objs, d)
+	checkAgentIdentity(t, objs, d, flags)
+}
 
+// checkAgentFlags checks the agent's flags, once expanded from its
+// environment: they exist, name a broker and a cluster to serve, and leave
+// the in-cluster config alone. It returns them, for the other checks.
+func checkAgentFlags(t *testing.T, objs []object, d *appsv1.Deployment, c *corev1.Container) map[string]string {
+	t.Helper()
 	env := containerEnv(t, objs, d.Namespace, c)
 	var args []string
 	for _, a := range c.Args {
@@ -238,14 +266,14 @@ func checkAgent(t *testing.T, objs []object, d *appsv1.Deployment) {
 	if _, ok := flags["kubeconfig"]; ok {
 		t.Error("the sidecar should read its cluster with the in-cluster config, not --kubeconfig")
 	}
-	checkProbes(t, c, listenPort(t, "--metrics-listen", flags["metrics-listen"]))
-	checkResources(t, c)
-	checkSecurity(t, pod.Spec, c)
-	checkWorkloadAPI(t, pod.Spec, c, flags)
+	return flags
+}
 
-	// RBAC: bound to the pod's ServiceAccount, read-only, only what the
-	// agent resolves dials with.
-	sa := pod.Spec.ServiceAccountName
+// checkAgentRBAC checks the agent's RBAC: bound to the pod's
+// ServiceAccount, read-only, only what the agent resolves dials with.
+func checkAgentRBAC(t *testing.T, objs []object, d *appsv1.Deployment) {
+	t.Helper()
+	sa := d.Spec.Template.Spec.ServiceAccountName
 	if sa == "" {
 		t.Fatal("the syncer pod has no serviceAccountName")
 	}
@@ -280,10 +308,13 @@ func checkAgent(t *testing.T, objs []object, d *appsv1.Deployment) {
 			t.Errorf("ServiceAccount %s/%s may not get, list and watch %s (granted: %v)", d.Namespace, sa, res, granted)
 		}
 	}
+}
 
-	// Identities: the agent's, from its ClusterSPIFFEID, is an agent of the
-	// broker's policy for its sync target; the broker's, from its own, is
-	// the one the agent expects.
+// checkAgentIdentity checks the identities: the agent's, from its
+// ClusterSPIFFEID, is an agent of the broker's policy for its sync target;
+// the broker's, from its own, is the one the agent expects.
+func checkAgentIdentity(t *testing.T, objs []object, d *appsv1.Deployment, flags map[string]string) {
+	t.Helper()
 	id, ok := spiffeIDOf(t, objs, d)
 	if !ok {
 		t.Fatal("no ClusterSPIFFEID selects the syncer pods")

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/codes"
 
 	"github.com/kcp-dev/tunnel-broker/internal/testutil"
+	"github.com/kcp-dev/tunnel-broker/kcpplugin"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
 	"github.com/kcp-dev/tunnel-broker/test/harness"
@@ -21,6 +22,45 @@ import (
 // to the broker's Dial RPC, and checks the status each gets. TestMain checks
 // that nothing leaked.
 func TestBadInputs(t *testing.T) {
+	dialer, raw := startBadInputWorld(t)
+	for _, tc := range badTargets {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+
+			conn, err := dialer.DialService(ctx, tc.cluster, tc.namespace, tc.service, tc.port)
+			if conn != nil {
+				conn.Close()
+			}
+			testutil.CheckStatus(t, "kcpplugin", err, tc.code, tc.message)
+
+			if tc.port < 0 || tc.port > 65535 {
+				return // not expressible on the wire
+			}
+			err = rawDial(ctx, raw, &tunnelv1.Target{Cluster: tc.cluster, Namespace: tc.namespace, Service: tc.service, Port: uint32(tc.port)})
+			testutil.CheckStatus(t, "Dial RPC", err, tc.code, tc.message)
+		})
+	}
+	for _, tc := range badDialStreams {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			stream, err := raw.Dial(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			err = tc.run(t, stream)
+			testutil.CheckStatus(t, "Dial RPC", err, codes.InvalidArgument, tc.message)
+		})
+	}
+}
+
+// startBadInputWorld starts a broker with a short dial timeout, an agent
+// of cluster that serves an echo server and a port that refuses, and one
+// of silent-cluster that ignores every order; it returns kcp's dialer and
+// a client of the broker's Dial RPC.
+func startBadInputWorld(t *testing.T) (*kcpplugin.Dialer, tunnelv1.DialServiceClient) {
+	t.Helper()
 	env := harness.NewEnv(t)
 	b := env.StartBroker(harness.BrokerOptions{DialTimeout: 500 * time.Millisecond})
 
@@ -40,81 +80,55 @@ func TestBadInputs(t *testing.T) {
 	// An agent that registers and then ignores every order.
 	startSilentAgent(t, env, b.Addr, "silent-cluster")
 
-	dialer := env.Dialer(b.Addr, "/kcp")
-	raw := tunnelv1.NewDialServiceClient(env.BrokerConn(b.Addr, "/kcp"))
+	return env.Dialer(b.Addr, "/kcp"), tunnelv1.NewDialServiceClient(env.BrokerConn(b.Addr, "/kcp"))
+}
 
-	cases := []struct {
-		name                        string
-		cluster, namespace, service string
-		port                        int32
-		code                        codes.Code
-		message                     string
-	}{
-		{"cluster name with capitals", "Root", "default", "echo", 80, codes.InvalidArgument, "not a valid logical cluster name"},
-		{"cluster path instead of name", "root:org", "default", "echo", 80, codes.InvalidArgument, "not a valid logical cluster name"},
-		{"empty cluster", "", "default", "echo", 80, codes.InvalidArgument, "logical cluster"},
-		{"namespace not a DNS-1123 label", cluster, "-default", "echo", 80, codes.InvalidArgument, "namespace"},
-		{"namespace too long", cluster, strings.Repeat("n", 64), "echo", 80, codes.InvalidArgument, "namespace"},
-		{"service not a DNS-1035 label", cluster, "default", "9echo", 80, codes.InvalidArgument, "service"},
-		{"service with a dot", cluster, "default", "echo.default", 80, codes.InvalidArgument, "service"},
-		{"port zero", cluster, "default", "echo", 0, codes.InvalidArgument, "port"},
-		{"port too large", cluster, "default", "echo", 70000, codes.InvalidArgument, "port"},
-		{"unknown cluster", "elsewhere", "default", "echo", 80, codes.Unavailable, `no agent serves logical cluster "elsewhere"`},
-		{"unknown service", cluster, "default", "nope", 80, codes.NotFound, "no service default/nope"},
-		{"unknown port", cluster, "default", "echo", 81, codes.NotFound, "port 81"},
-		{"refused target", cluster, "default", "refused", 80, codes.Unavailable, "connection refused"},
-		{"agent never answers", "silent-cluster", "default", "echo", 80, codes.DeadlineExceeded, "did not connect in time"},
-	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-			defer cancel()
+// badTargets are dials of TestBadInputs that name a bad target, and the
+// status each must get, through kcpplugin and on the Dial RPC.
+var badTargets = []struct {
+	name                        string
+	cluster, namespace, service string
+	port                        int32
+	code                        codes.Code
+	message                     string
+}{
+	{"cluster name with capitals", "Root", "default", "echo", 80, codes.InvalidArgument, "not a valid logical cluster name"},
+	{"cluster path instead of name", "root:org", "default", "echo", 80, codes.InvalidArgument, "not a valid logical cluster name"},
+	{"empty cluster", "", "default", "echo", 80, codes.InvalidArgument, "logical cluster"},
+	{"namespace not a DNS-1123 label", cluster, "-default", "echo", 80, codes.InvalidArgument, "namespace"},
+	{"namespace too long", cluster, strings.Repeat("n", 64), "echo", 80, codes.InvalidArgument, "namespace"},
+	{"service not a DNS-1035 label", cluster, "default", "9echo", 80, codes.InvalidArgument, "service"},
+	{"service with a dot", cluster, "default", "echo.default", 80, codes.InvalidArgument, "service"},
+	{"port zero", cluster, "default", "echo", 0, codes.InvalidArgument, "port"},
+	{"port too large", cluster, "default", "echo", 70000, codes.InvalidArgument, "port"},
+	{"unknown cluster", "elsewhere", "default", "echo", 80, codes.Unavailable, `no agent serves logical cluster "elsewhere"`},
+	{"unknown service", cluster, "default", "nope", 80, codes.NotFound, "no service default/nope"},
+	{"unknown port", cluster, "default", "echo", 81, codes.NotFound, "port 81"},
+	{"refused target", cluster, "default", "refused", 80, codes.Unavailable, "connection refused"},
+	{"agent never answers", "silent-cluster", "default", "echo", 80, codes.DeadlineExceeded, "did not connect in time"},
+}
 
-			conn, err := dialer.DialService(ctx, tc.cluster, tc.namespace, tc.service, tc.port)
-			if conn != nil {
-				conn.Close()
-			}
-			testutil.CheckStatus(t, "kcpplugin", err, tc.code, tc.message)
-
-			if tc.port < 0 || tc.port > 65535 {
-				return // not expressible on the wire
-			}
-			err = rawDial(ctx, raw, &tunnelv1.Target{Cluster: tc.cluster, Namespace: tc.namespace, Service: tc.service, Port: uint32(tc.port)})
-			testutil.CheckStatus(t, "Dial RPC", err, tc.code, tc.message)
-		})
-	}
-
-	t.Run("first message is data", func(t *testing.T) {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		stream, err := raw.Dial(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
+// badDialStreams are Dial RPC streams of TestBadInputs that break the
+// protocol: run drives the stream and returns its end, which must be
+// InvalidArgument with message.
+var badDialStreams = []struct {
+	name    string
+	run     func(t *testing.T, stream tunnelv1.DialService_DialClient) error
+	message string
+}{
+	{"first message is data", func(t *testing.T, stream tunnelv1.DialService_DialClient) error {
 		if err := stream.Send(&tunnelv1.DialRequest{Frame: &tunnelv1.DialRequest_Data{Data: []byte("x")}}); err != nil {
 			t.Fatal(err)
 		}
-		_, err = stream.Recv()
-		testutil.CheckStatus(t, "Dial RPC", err, codes.InvalidArgument, "must name a target")
-	})
-	t.Run("stream closed before the target", func(t *testing.T) {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		stream, err := raw.Dial(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
+		_, err := stream.Recv()
+		return err
+	}, "must name a target"},
+	{"stream closed before the target", func(t *testing.T, stream tunnelv1.DialService_DialClient) error {
 		stream.CloseSend()
-		_, err = stream.Recv()
-		testutil.CheckStatus(t, "Dial RPC", err, codes.InvalidArgument, "before naming a target")
-	})
-	t.Run("a second target after the first", func(t *testing.T) {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		stream, err := raw.Dial(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
+		_, err := stream.Recv()
+		return err
+	}, "before naming a target"},
+	{"a second target after the first", func(t *testing.T, stream tunnelv1.DialService_DialClient) error {
 		target := &tunnelv1.DialRequest{Frame: &tunnelv1.DialRequest_Target{Target: &tunnelv1.Target{Cluster: cluster, Namespace: "default", Service: "echo", Port: 80}}}
 		stream.Send(target)
 		if msg, err := stream.Recv(); err != nil || msg.GetEstablished() == nil {
@@ -122,12 +136,11 @@ func TestBadInputs(t *testing.T) {
 		}
 		stream.Send(target)
 		for {
-			if _, err = stream.Recv(); err != nil {
-				break
+			if _, err := stream.Recv(); err != nil {
+				return err
 			}
 		}
-		testutil.CheckStatus(t, "Dial RPC", err, codes.InvalidArgument, "may only send non-empty data")
-	})
+	}, "may only send non-empty data"},
 }
 
 // rawDial sends one target on the Dial RPC and returns the broker's answer.

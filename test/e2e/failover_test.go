@@ -150,68 +150,16 @@ func TestFailoverBrokerReplicaDies(t *testing.T) {
 
 	kcp := kcpplugin.NewDialer(callerConn(t, env, r.addrs))
 	stop := make(chan struct{})
-	var tunnels []*traffic
-	for range 210 {
-		conn, err := dialEchoConn(kcp)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer conn.Close()
-		tunnels = append(tunnels, carry(conn, stop))
-	}
-	harness.Eventually(t, 20*time.Second, "every tunnel to carry traffic", func() bool {
-		for _, tr := range tunnels {
-			if tr.trips.Load() == 0 {
-				return false
-			}
-		}
-		return true
-	})
+	tunnels := carryTunnels(t, 210, func() (net.Conn, error) { return dialEchoConn(kcp) }, stop, "every tunnel to carry traffic")
 
 	r.procs[0].Kill()
 	killed := time.Now()
 	// New dials succeed through the survivors within 2 s.
-	ctx, cancel := context.WithDeadline(context.Background(), killed.Add(2*time.Second))
-	defer cancel()
-	for {
-		err := dialEchoCtx(ctx, kcp)
-		if err == nil {
-			break
-		}
-		if ctx.Err() != nil {
-			t.Fatalf("no dial succeeded within 2s of the replica's death: %v", err)
-		}
-	}
+	dialSoonAfterKill(t, kcp, killed)
 	t.Logf("first dial through the survivors %v after the kill", time.Since(killed))
 
 	// Tunnels on the dead replica ended with Unavailable; the others go on.
-	harness.Eventually(t, 20*time.Second, "the dead replica's tunnels to end", func() bool {
-		ended := 0
-		for _, tr := range tunnels {
-			select {
-			case <-tr.done:
-				ended++
-			default:
-			}
-		}
-		return ended > 0
-	})
-	before := map[*traffic]int64{}
-	for _, tr := range tunnels {
-		before[tr] = tr.trips.Load()
-	}
-	harness.Eventually(t, 20*time.Second, "every tunnel to have ended or made progress", func() bool {
-		for _, tr := range tunnels {
-			select {
-			case <-tr.done:
-			default:
-				if tr.trips.Load() == before[tr] {
-					return false
-				}
-			}
-		}
-		return true
-	})
+	waitEndedOrMoving(t, tunnels)
 	ended, alive := 0, 0
 	for _, tr := range tunnels {
 		select {
@@ -240,6 +188,82 @@ func TestFailoverBrokerReplicaDies(t *testing.T) {
 	}
 }
 
+// dialSoonAfterKill dials echo through kcp until a dial succeeds, and
+// fails the test if none did within 2 s of killed.
+func dialSoonAfterKill(t *testing.T, kcp *kcpplugin.Dialer, killed time.Time) {
+	t.Helper()
+	ctx, cancel := context.WithDeadline(context.Background(), killed.Add(2*time.Second))
+	defer cancel()
+	for {
+		err := dialEchoCtx(ctx, kcp)
+		if err == nil {
+			return
+		}
+		if ctx.Err() != nil {
+			t.Fatalf("no dial succeeded within 2s of the replica's death: %v", err)
+		}
+	}
+}
+
+// carryTunnels opens n tunnels with dial, each carrying traffic until stop
+// is closed, and waits (for what) until every one has made a round trip.
+// The tunnels close when the test ends.
+func carryTunnels(t *testing.T, n int, dial func() (net.Conn, error), stop chan struct{}, what string) []*traffic {
+	t.Helper()
+	var tunnels []*traffic
+	for range n {
+		conn, err := dial()
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { conn.Close() })
+		tunnels = append(tunnels, carry(conn, stop))
+	}
+	harness.Eventually(t, 20*time.Second, what, func() bool {
+		for _, tr := range tunnels {
+			if tr.trips.Load() == 0 {
+				return false
+			}
+		}
+		return true
+	})
+	return tunnels
+}
+
+// waitEndedOrMoving waits until some tunnels have ended, and then until
+// every tunnel has either ended or made progress since: after a replica
+// died, its tunnels end and the others carry on.
+func waitEndedOrMoving(t *testing.T, tunnels []*traffic) {
+	t.Helper()
+	harness.Eventually(t, 20*time.Second, "the dead replica's tunnels to end", func() bool {
+		ended := 0
+		for _, tr := range tunnels {
+			select {
+			case <-tr.done:
+				ended++
+			default:
+			}
+		}
+		return ended > 0
+	})
+	before := map[*traffic]int64{}
+	for _, tr := range tunnels {
+		before[tr] = tr.trips.Load()
+	}
+	harness.Eventually(t, 20*time.Second, "every tunnel to have ended or made progress", func() bool {
+		for _, tr := range tunnels {
+			select {
+			case <-tr.done:
+			default:
+				if tr.trips.Load() == before[tr] {
+					return false
+				}
+			}
+		}
+		return true
+	})
+}
+
 func TestFailoverAgentDies(t *testing.T) {
 	env := harness.NewEnv(t)
 	r := startReplicas(t, env)
@@ -256,23 +280,9 @@ func TestFailoverAgentDies(t *testing.T) {
 	kcp := kcpplugin.NewDialer(callerConn(t, env, r.addrs))
 
 	stop := make(chan struct{})
-	var tunnels []*traffic
-	for range 20 {
-		conn, err := dialEchoConnCluster(context.Background(), kcp, "solo")
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer conn.Close()
-		tunnels = append(tunnels, carry(conn, stop))
-	}
-	harness.Eventually(t, 20*time.Second, "tunnels to carry traffic", func() bool {
-		for _, tr := range tunnels {
-			if tr.trips.Load() == 0 {
-				return false
-			}
-		}
-		return true
-	})
+	tunnels := carryTunnels(t, 20, func() (net.Conn, error) {
+		return dialEchoConnCluster(context.Background(), kcp, "solo")
+	}, stop, "tunnels to carry traffic")
 
 	solo.Kill()
 	// In-flight tunnels through it end with Unavailable.

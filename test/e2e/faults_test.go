@@ -47,6 +47,37 @@ type faults struct {
 // caller sees, and then that the broker, the agent and the caller (all in
 // this process) hold no more goroutines and open files than before.
 func TestFaults(t *testing.T) {
+	w := newFaults(t)
+	rows := []struct {
+		name string
+		run  func(w *faults, t *testing.T)
+	}{
+		{"target refuses", (*faults).targetRefuses},
+		{"target hangs at connect", (*faults).targetHangsAtConnect},
+		{"target hangs after accept", (*faults).targetHangsAfterAccept},
+		{"target resets mid-stream", (*faults).targetResetsMidStream},
+		{"agent cancels its control stream mid-dial", func(w *faults, t *testing.T) {
+			w.agentVanishesMidDial(t, func(cancel context.CancelFunc, _ *grpc.ClientConn) { cancel() })
+		}},
+		{"agent's connection drops mid-dial", func(w *faults, t *testing.T) {
+			w.agentVanishesMidDial(t, func(_ context.CancelFunc, cc *grpc.ClientConn) { cc.Close() })
+		}},
+		{"caller's connection drops mid-transfer", (*faults).callerConnectionDrops},
+		{"caller closes the tunnel mid-transfer", (*faults).callerClosesMidTransfer},
+	}
+	for _, row := range rows {
+		t.Run(row.name, func(t *testing.T) {
+			base := quietBaseline(t, w.broker)
+			row.run(w, t)
+			base.checkNoLeaks(t, row.name)
+		})
+	}
+}
+
+// newFaults starts TestFaults' world: a broker with a short dial timeout,
+// an agent serving a target of each kind of fault and an echo server, and
+// a caller whose connection to the broker is made.
+func newFaults(t *testing.T) *faults {
 	env := harness.NewEnv(t)
 	w := &faults{
 		env:          env,
@@ -74,105 +105,93 @@ func TestFaults(t *testing.T) {
 	if err := echoDial(w.kcp); err != nil {
 		t.Fatalf("warm-up dial: %v", err)
 	}
+	return w
+}
 
-	rows := []struct {
-		name string
-		run  func(t *testing.T, w *faults)
-	}{
-		{"target refuses", func(t *testing.T, w *faults) {
-			_, err := w.dial(t, "refuses")
-			testutil.CheckStatus(t, "dial", err, codes.Unavailable, "connection refused")
-		}},
-		{"target hangs at connect", func(t *testing.T, w *faults) {
-			_, err := w.dial(t, "stuck")
-			// From the broker's timer or the agent's own, whichever is
-			// first; not the caller's (its timeout is far longer).
-			testutil.CheckStatus(t, "dial", err, codes.DeadlineExceeded, "agent ")
-		}},
-		{"target hangs after accept", func(t *testing.T, w *faults) {
-			conn, err := w.dial(t, "hangs")
-			if err != nil {
-				t.Fatalf("dial: %v", err)
-			}
-			if _, err := conn.Write([]byte("anybody there?\n")); err != nil {
-				t.Fatalf("write: %v", err)
-			}
-			conn.SetReadDeadline(time.Now().Add(300 * time.Millisecond))
-			n, err := conn.Read(make([]byte, 16))
-			var ne net.Error
-			if n != 0 || !errors.Is(err, os.ErrDeadlineExceeded) || !errors.As(err, &ne) || !ne.Timeout() {
-				t.Errorf("Read = %d, %v; want a timeout", n, err)
-			}
-			conn.Close()
-			// The target still holds its end: after kcpplugin's close
-			// linger, the broker and agent end the tunnel and the agent
-			// aborts its connection to the target.
-			harness.Eventually(t, boundedWait, "the broker to end the tunnel", func() bool {
-				return brokerTunnels(w.broker) == 0
-			})
-			if n := w.hung.release(); n != 1 {
-				t.Errorf("the hanging target held %d connections, want 1", n)
-			}
-		}},
-		{"target resets mid-stream", func(t *testing.T, w *faults) {
-			conn, err := w.dial(t, "resets")
-			if err != nil {
-				t.Fatalf("dial: %v", err)
-			}
-			defer conn.Close()
-			conn.SetDeadline(time.Now().Add(boundedWait))
-			got := make([]byte, len(greeting))
-			if _, err := io.ReadFull(conn, got); err != nil || !bytes.Equal(got, greeting) {
-				t.Fatalf("read %q, %v; want the greeting", got, err)
-			}
-			if _, err := conn.Write([]byte("ack\n")); err != nil {
-				t.Fatalf("write: %v", err)
-			}
-			n, err := conn.Read(make([]byte, 16))
-			if n != 0 {
-				t.Errorf("read %d bytes after the reset", n)
-			}
-			testutil.CheckStatus(t, "Read", err, codes.Unavailable, "agent's side")
-		}},
-		{"agent cancels its control stream mid-dial", func(t *testing.T, w *faults) {
-			w.agentVanishesMidDial(t, func(cancel context.CancelFunc, _ *grpc.ClientConn) { cancel() })
-		}},
-		{"agent's connection drops mid-dial", func(t *testing.T, w *faults) {
-			w.agentVanishesMidDial(t, func(_ context.CancelFunc, cc *grpc.ClientConn) { cc.Close() })
-		}},
-		{"caller's connection drops mid-transfer", func(t *testing.T, w *faults) {
-			cc := w.rowEnv(t).BrokerConn(w.broker.Addr, "/kcp")
-			defer cc.Close()
-			conn := w.midTransfer(t, kcpplugin.NewDialer(cc))
-			defer conn.Close()
-			cc.Close()
-			// Data already received may come first; then the end.
-			conn.SetReadDeadline(time.Now().Add(boundedWait))
-			_, err := io.Copy(io.Discard, conn)
-			if !errors.Is(err, net.ErrClosed) && status.Code(err) != codes.Canceled {
-				t.Errorf("Read after the caller's connection closed: %v, want Canceled (net.ErrClosed)", err)
-			}
-			w.targetSeesEnd(t)
-		}},
-		{"caller closes the tunnel mid-transfer", func(t *testing.T, w *faults) {
-			conn := w.midTransfer(t, w.kcp)
-			conn.Close()
-			if _, err := conn.Read(make([]byte, 1)); !errors.Is(err, net.ErrClosed) {
-				t.Errorf("Read after Close: %v, want net.ErrClosed", err)
-			}
-			// The target keeps sending, so the stream cannot end cleanly:
-			// kcpplugin cancels it after its close linger, and the agent
-			// aborts the target's connection.
-			w.targetSeesEnd(t)
-		}},
+func (w *faults) targetRefuses(t *testing.T) {
+	_, err := w.dial(t, "refuses")
+	testutil.CheckStatus(t, "dial", err, codes.Unavailable, "connection refused")
+}
+
+func (w *faults) targetHangsAtConnect(t *testing.T) {
+	_, err := w.dial(t, "stuck")
+	// From the broker's timer or the agent's own, whichever is first; not
+	// the caller's (its timeout is far longer).
+	testutil.CheckStatus(t, "dial", err, codes.DeadlineExceeded, "agent ")
+}
+
+func (w *faults) targetHangsAfterAccept(t *testing.T) {
+	conn, err := w.dial(t, "hangs")
+	if err != nil {
+		t.Fatalf("dial: %v", err)
 	}
-	for _, row := range rows {
-		t.Run(row.name, func(t *testing.T) {
-			base := quietBaseline(t, w.broker)
-			row.run(t, w)
-			base.checkNoLeaks(t, row.name)
-		})
+	if _, err := conn.Write([]byte("anybody there?\n")); err != nil {
+		t.Fatalf("write: %v", err)
 	}
+	conn.SetReadDeadline(time.Now().Add(300 * time.Millisecond))
+	n, err := conn.Read(make([]byte, 16))
+	var ne net.Error
+	if n != 0 || !errors.Is(err, os.ErrDeadlineExceeded) || !errors.As(err, &ne) || !ne.Timeout() {
+		t.Errorf("Read = %d, %v; want a timeout", n, err)
+	}
+	conn.Close()
+	// The target still holds its end: after kcpplugin's close linger, the
+	// broker and agent end the tunnel and the agent aborts its connection
+	// to the target.
+	harness.Eventually(t, boundedWait, "the broker to end the tunnel", func() bool {
+		return brokerTunnels(w.broker) == 0
+	})
+	if n := w.hung.release(); n != 1 {
+		t.Errorf("the hanging target held %d connections, want 1", n)
+	}
+}
+
+func (w *faults) targetResetsMidStream(t *testing.T) {
+	conn, err := w.dial(t, "resets")
+	if err != nil {
+		t.Fatalf("dial: %v", err)
+	}
+	defer conn.Close()
+	conn.SetDeadline(time.Now().Add(boundedWait))
+	got := make([]byte, len(greeting))
+	if _, err := io.ReadFull(conn, got); err != nil || !bytes.Equal(got, greeting) {
+		t.Fatalf("read %q, %v; want the greeting", got, err)
+	}
+	if _, err := conn.Write([]byte("ack\n")); err != nil {
+		t.Fatalf("write: %v", err)
+	}
+	n, err := conn.Read(make([]byte, 16))
+	if n != 0 {
+		t.Errorf("read %d bytes after the reset", n)
+	}
+	testutil.CheckStatus(t, "Read", err, codes.Unavailable, "agent's side")
+}
+
+func (w *faults) callerConnectionDrops(t *testing.T) {
+	cc := w.rowEnv(t).BrokerConn(w.broker.Addr, "/kcp")
+	defer cc.Close()
+	conn := w.midTransfer(t, kcpplugin.NewDialer(cc))
+	defer conn.Close()
+	cc.Close()
+	// Data already received may come first; then the end.
+	conn.SetReadDeadline(time.Now().Add(boundedWait))
+	_, err := io.Copy(io.Discard, conn)
+	if !errors.Is(err, net.ErrClosed) && status.Code(err) != codes.Canceled {
+		t.Errorf("Read after the caller's connection closed: %v, want Canceled (net.ErrClosed)", err)
+	}
+	w.targetSeesEnd(t)
+}
+
+func (w *faults) callerClosesMidTransfer(t *testing.T) {
+	conn := w.midTransfer(t, w.kcp)
+	conn.Close()
+	if _, err := conn.Read(make([]byte, 1)); !errors.Is(err, net.ErrClosed) {
+		t.Errorf("Read after Close: %v, want net.ErrClosed", err)
+	}
+	// The target keeps sending, so the stream cannot end cleanly:
+	// kcpplugin cancels it after its close linger, and the agent aborts
+	// the target's connection.
+	w.targetSeesEnd(t)
 }
 
 // dial dials service in root through the shared caller. A dial must end

@@ -50,17 +50,26 @@ func TestMetricsMoveWithTraffic(t *testing.T) {
 	}
 	dialEchoCtxCluster(t.Context(), kcp, "nowhere")
 
+	checkTrafficCounted(t, broker, agent, dials)
+	checkProbeSeesHungAgent(t, broker, agent)
+}
+
+// checkTrafficCounted checks the broker's and the agent's metrics after
+// dials echo round trips of 5 bytes each way and one dial to a cluster no
+// agent serves.
+func checkTrafficCounted(t *testing.T, broker, agent *harness.Process, dials int) {
+	t.Helper()
 	want := map[string]float64{
-		`kcp_tunnel_broker_dials_total{code="OK"}`:                 dials,
+		`kcp_tunnel_broker_dials_total{code="OK"}`:                 float64(dials),
 		`kcp_tunnel_broker_dials_total{code="Unavailable"}`:        1,
 		`kcp_tunnel_broker_registered_agents`:                      1,
 		`kcp_tunnel_broker_clusters_served`:                        1,
 		`kcp_tunnel_broker_clusters_single_agent`:                  1,
 		`kcp_tunnel_broker_agent_registrations_total`:              1,
-		`kcp_tunnel_broker_dial_duration_seconds_count{code="OK"}`: dials,
-		`kcp_tunnel_broker_tunnel_bytes_total{direction="up"}`:     dials * 5,
-		`kcp_tunnel_broker_tunnel_bytes_total{direction="down"}`:   dials * 5,
-		`grpc_server_handled_total{grpc_code="OK",grpc_method="Dial",grpc_service="kcp.tunnel.v1.DialService",grpc_type="bidi_stream"}`: dials,
+		`kcp_tunnel_broker_dial_duration_seconds_count{code="OK"}`: float64(dials),
+		`kcp_tunnel_broker_tunnel_bytes_total{direction="up"}`:     float64(dials * 5),
+		`kcp_tunnel_broker_tunnel_bytes_total{direction="down"}`:   float64(dials * 5),
+		`grpc_server_handled_total{grpc_code="OK",grpc_method="Dial",grpc_service="kcp.tunnel.v1.DialService",grpc_type="bidi_stream"}`: float64(dials),
 	}
 	harness.Eventually(t, 10*time.Second, "broker metrics to count the traffic", func() bool {
 		for series, v := range want {
@@ -75,15 +84,18 @@ func TestMetricsMoveWithTraffic(t *testing.T) {
 			t.Errorf("%s = %v (present %v), want %v", series, got, ok, v)
 		}
 	}
-	if got, _ := scrape(t, agent, `kcp_tunnel_agent_dials_total{code="OK"}`); got != dials {
+	if got, _ := scrape(t, agent, `kcp_tunnel_agent_dials_total{code="OK"}`); got != float64(dials) {
 		t.Errorf("agent dials OK = %v, want %d", got, dials)
 	}
 	if got, _ := scrape(t, agent, `kcp_tunnel_agent_registered_brokers`); got != 1 {
 		t.Errorf("agent registered brokers = %v, want 1", got)
 	}
+}
 
-	// The probe sees the agent, and stops seeing it when it hangs (SIGSTOP:
-	// no TCP reset, only silence).
+// checkProbeSeesHungAgent checks that the broker's probe sees the agent,
+// and stops seeing it when it hangs (SIGSTOP: no TCP reset, only silence).
+func checkProbeSeesHungAgent(t *testing.T, broker, agent *harness.Process) {
+	t.Helper()
 	reachable := `kcp_tunnel_broker_agent_reachable{agent="sync-target-1",spiffe_id="spiffe://tunnel.test/agent/sync-target-1"}`
 	rtt := `kcp_tunnel_broker_agent_probe_rtt_seconds{agent="sync-target-1",spiffe_id="spiffe://tunnel.test/agent/sync-target-1"}`
 	harness.Eventually(t, 10*time.Second, "a probe round trip", func() bool {

@@ -62,36 +62,7 @@ type AdmissionOptions struct {
 // NewAdmission builds and starts the plugin; it stops with the test.
 func NewAdmission(t T, opts AdmissionOptions) *Admission {
 	t.Helper()
-	fail := admissionregistrationv1.Fail
-	none := admissionregistrationv1.SideEffectClassNone
-	timeout := int32(10)
-	rules := []admissionregistrationv1.RuleWithOperations{{
-		Operations: []admissionregistrationv1.OperationType{admissionregistrationv1.Create},
-		Rule:       admissionregistrationv1.Rule{APIGroups: []string{""}, APIVersions: []string{"v1"}, Resources: []string{"configmaps"}},
-	}}
-	objects := []runtime.Object{&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "default"}}}
-	if opts.Mutating {
-		objects = append(objects, &admissionregistrationv1.MutatingWebhookConfiguration{
-			ObjectMeta: metav1.ObjectMeta{Name: "tunneled"},
-			Webhooks: []admissionregistrationv1.MutatingWebhook{{
-				Name: "mutate.tunnel.test", ClientConfig: opts.Service.ClientConfig(), Rules: rules,
-				FailurePolicy: &fail, SideEffects: &none, TimeoutSeconds: &timeout,
-				AdmissionReviewVersions: []string{"v1"},
-				NamespaceSelector:       &metav1.LabelSelector{}, ObjectSelector: &metav1.LabelSelector{},
-			}},
-		})
-	} else {
-		objects = append(objects, &admissionregistrationv1.ValidatingWebhookConfiguration{
-			ObjectMeta: metav1.ObjectMeta{Name: "tunneled"},
-			Webhooks: []admissionregistrationv1.ValidatingWebhook{{
-				Name: "validate.tunnel.test", ClientConfig: opts.Service.ClientConfig(), Rules: rules,
-				FailurePolicy: &fail, SideEffects: &none, TimeoutSeconds: &timeout,
-				AdmissionReviewVersions: []string{"v1"},
-				NamespaceSelector:       &metav1.LabelSelector{}, ObjectSelector: &metav1.LabelSelector{},
-			}},
-		})
-	}
-	client := fake.NewSimpleClientset(objects...)
+	client := fake.NewSimpleClientset(webhookObjects(opts)...)
 	factory := informers.NewSharedInformerFactory(client, 0)
 
 	config := admissionConfig(t, opts.ClientCert)
@@ -128,6 +99,40 @@ func NewAdmission(t T, opts AdmissionOptions) *Admission {
 	factory.Start(stop)
 	factory.WaitForCacheSync(stop)
 	return a
+}
+
+// webhookObjects is what the fake clientset holds: the default namespace
+// and one webhook configuration, mutating or validating as opts say, that
+// sends every ConfigMap creation to opts.Service and fails closed.
+func webhookObjects(opts AdmissionOptions) []runtime.Object {
+	fail := admissionregistrationv1.Fail
+	none := admissionregistrationv1.SideEffectClassNone
+	timeout := int32(10)
+	rules := []admissionregistrationv1.RuleWithOperations{{
+		Operations: []admissionregistrationv1.OperationType{admissionregistrationv1.Create},
+		Rule:       admissionregistrationv1.Rule{APIGroups: []string{""}, APIVersions: []string{"v1"}, Resources: []string{"configmaps"}},
+	}}
+	objects := []runtime.Object{&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "default"}}}
+	if opts.Mutating {
+		return append(objects, &admissionregistrationv1.MutatingWebhookConfiguration{
+			ObjectMeta: metav1.ObjectMeta{Name: "tunneled"},
+			Webhooks: []admissionregistrationv1.MutatingWebhook{{
+				Name: "mutate.tunnel.test", ClientConfig: opts.Service.ClientConfig(), Rules: rules,
+				FailurePolicy: &fail, SideEffects: &none, TimeoutSeconds: &timeout,
+				AdmissionReviewVersions: []string{"v1"},
+				NamespaceSelector:       &metav1.LabelSelector{}, ObjectSelector: &metav1.LabelSelector{},
+			}},
+		})
+	}
+	return append(objects, &admissionregistrationv1.ValidatingWebhookConfiguration{
+		ObjectMeta: metav1.ObjectMeta{Name: "tunneled"},
+		Webhooks: []admissionregistrationv1.ValidatingWebhook{{
+			Name: "validate.tunnel.test", ClientConfig: opts.Service.ClientConfig(), Rules: rules,
+			FailurePolicy: &fail, SideEffects: &none, TimeoutSeconds: &timeout,
+			AdmissionReviewVersions: []string{"v1"},
+			NamespaceSelector:       &metav1.LabelSelector{}, ObjectSelector: &metav1.LabelSelector{},
+		}},
+	})
 }
 
 // admissionConfig is a WebhookAdmissionConfiguration whose kubeconfig gives

@@ -350,6 +350,8 @@ func (c *RawConn) read() {
 	c.conn.Close()
 }
 
+// readFrames reads the server's frames until the connection fails or the
+// server sends a GOAWAY with an error, and returns why it stopped.
 func (c *RawConn) readFrames() error {
 	for {
 		f, err := c.fr.ReadFrame()
@@ -358,68 +360,17 @@ func (c *RawConn) readFrames() error {
 		}
 		switch f := f.(type) {
 		case *http2.SettingsFrame:
-			if f.IsAck() {
-				continue
-			}
-			c.mu.Lock()
-			_ = f.ForeachSetting(func(s http2.Setting) error {
-				switch s.ID {
-				case http2.SettingInitialWindowSize:
-					delta := int64(s.Val) - c.initWindow
-					c.initWindow = int64(s.Val)
-					for _, st := range c.streams {
-						st.window += delta
-					}
-				case http2.SettingMaxConcurrentStreams:
-					c.maxStreams = s.Val
-				}
-				return nil
-			})
-			c.cond.Broadcast()
-			c.mu.Unlock()
-			c.write(func() error { return c.fr.WriteSettingsAck() })
+			c.onSettings(f)
 		case *http2.PingFrame:
 			if !f.IsAck() {
 				c.write(func() error { return c.fr.WritePing(true, f.Data) })
 			}
 		case *http2.WindowUpdateFrame:
-			c.mu.Lock()
-			if f.StreamID == 0 {
-				c.connWindow += int64(f.Increment)
-			} else if s := c.streams[f.StreamID]; s != nil {
-				s.window += int64(f.Increment)
-			}
-			c.cond.Broadcast()
-			c.mu.Unlock()
+			c.onWindowUpdate(f)
 		case *http2.DataFrame:
-			c.mu.Lock()
-			if s := c.streams[f.StreamID]; s != nil {
-				s.data.Write(f.Data())
-			}
-			c.mu.Unlock()
-			if n := uint32(len(f.Data())); n > 0 {
-				c.write(func() error {
-					if err := c.fr.WriteWindowUpdate(0, n); err != nil {
-						return err
-					}
-					return c.fr.WriteWindowUpdate(f.StreamID, n)
-				})
-			}
-			if f.StreamEnded() {
-				c.endStream(f.StreamID, status.New(codes.Internal, "stream ended without trailers"))
-			}
+			c.onData(f)
 		case *http2.MetaHeadersFrame:
-			if code := f.PseudoValue("status"); code != "" && code != "200" {
-				c.endStream(f.StreamID, status.New(codes.Unknown, "HTTP status "+code))
-				continue
-			}
-			if v := field(f, "grpc-status"); v != "" {
-				n, _ := strconv.Atoi(v)
-				msg, _ := url.PathUnescape(field(f, "grpc-message"))
-				c.endStream(f.StreamID, status.New(codes.Code(n), msg))
-			} else if f.StreamEnded() {
-				c.endStream(f.StreamID, status.New(codes.Internal, "stream ended without grpc-status"))
-			}
+			c.onHeaders(f)
 		case *http2.RSTStreamFrame:
 			c.endStream(f.StreamID, status.New(codes.Unavailable, "RST_STREAM "+f.ErrCode.String()))
 		case *http2.GoAwayFrame:
@@ -427,6 +378,84 @@ func (c *RawConn) readFrames() error {
 				return fmt.Errorf("GOAWAY %v: %s", f.ErrCode, f.DebugData())
 			}
 		}
+	}
+}
+
+// onSettings applies the server's SETTINGS that matter to a writer (the
+// streams' initial window, which moves every open stream's window by the
+// change, and the concurrent streams allowed) and acknowledges them.
+func (c *RawConn) onSettings(f *http2.SettingsFrame) {
+	if f.IsAck() {
+		return
+	}
+	c.mu.Lock()
+	_ = f.ForeachSetting(func(s http2.Setting) error {
+		switch s.ID {
+		case http2.SettingInitialWindowSize:
+			delta := int64(s.Val) - c.initWindow
+			c.initWindow = int64(s.Val)
+			for _, st := range c.streams {
+				st.window += delta
+			}
+		case http2.SettingMaxConcurrentStreams:
+			c.maxStreams = s.Val
+		}
+		return nil
+	})
+	c.cond.Broadcast()
+	c.mu.Unlock()
+	c.write(func() error { return c.fr.WriteSettingsAck() })
+}
+
+// onWindowUpdate gives the connection or a stream more window, and wakes
+// the writers waiting for it.
+func (c *RawConn) onWindowUpdate(f *http2.WindowUpdateFrame) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if f.StreamID == 0 {
+		c.connWindow += int64(f.Increment)
+	} else if s := c.streams[f.StreamID]; s != nil {
+		s.window += int64(f.Increment)
+	}
+	c.cond.Broadcast()
+}
+
+// onData keeps what the server sent on a stream and gives the window back
+// at once: this peer reads everything. Data that ends the stream without
+// trailers ends it as Internal, as a gRPC client would.
+func (c *RawConn) onData(f *http2.DataFrame) {
+	c.mu.Lock()
+	if s := c.streams[f.StreamID]; s != nil {
+		s.data.Write(f.Data())
+	}
+	c.mu.Unlock()
+	if n := uint32(len(f.Data())); n > 0 {
+		c.write(func() error {
+			if err := c.fr.WriteWindowUpdate(0, n); err != nil {
+				return err
+			}
+			return c.fr.WriteWindowUpdate(f.StreamID, n)
+		})
+	}
+	if f.StreamEnded() {
+		c.endStream(f.StreamID, status.New(codes.Internal, "stream ended without trailers"))
+	}
+}
+
+// onHeaders ends a stream on an HTTP status other than 200, on trailers
+// (with their grpc-status and grpc-message), or on headers that end it
+// without a grpc-status.
+func (c *RawConn) onHeaders(f *http2.MetaHeadersFrame) {
+	if code := f.PseudoValue("status"); code != "" && code != "200" {
+		c.endStream(f.StreamID, status.New(codes.Unknown, "HTTP status "+code))
+		return
+	}
+	if v := field(f, "grpc-status"); v != "" {
+		n, _ := strconv.Atoi(v)
+		msg, _ := url.PathUnescape(field(f, "grpc-message"))
+		c.endStream(f.StreamID, status.New(codes.Code(n), msg))
+	} else if f.StreamEnded() {
+		c.endStream(f.StreamID, status.New(codes.Internal, "stream ended without grpc-status"))
 	}
 }
 

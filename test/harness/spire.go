@@ -166,9 +166,19 @@ func StartSPIRE(t T, opts SPIREOptions) *SPIRE {
 		serverSocket: filepath.Join(dir, "server", "api.sock"),
 	}
 	port := freePort(t)
+	s.startServer(t, dir, port)
+	token := s.joinToken(t)
+	for _, e := range opts.Entries {
+		s.CreateEntry(t, e)
+	}
+	s.startAgent(t, dir, port, token)
+	return s
+}
 
-	serverConf := filepath.Join(dir, "server.conf")
-	must(t, os.WriteFile(serverConf, []byte(fmt.Sprintf(`server {
+// spireServerConf is the SPIRE server's configuration, with its port, API
+// socket, trust domain, data folder and datastore file: keys in memory,
+// an SQLite datastore, agents attested by join tokens.
+const spireServerConf = `server {
     bind_address = "127.0.0.1"
     bind_port = "%d"
     socket_path = %q
@@ -195,27 +205,13 @@ plugins {
         plugin_data {}
     }
 }
-`, port, s.serverSocket, td.Name(), filepath.Join(dir, "server", "data"),
-		filepath.Join(dir, "server", "datastore.sqlite3"))), 0o600))
-	s.Server = StartCommand(t, "spire-server", []string{filepath.Join(bin, "spire-server"), "run", "-config", serverConf})
-	s.waitHealthy(t, s.Server, []string{filepath.Join(bin, "spire-server"), "healthcheck", "-socketPath", s.serverSocket})
+`
 
-	var token struct {
-		Value string `json:"value"`
-	}
-	must(t, json.Unmarshal(s.ServerCLI(t, "token", "generate", "-ttl", "600", "-output", "json"), &token))
-	if token.Value == "" {
-		t.Fatal("spire-server token generate gave no token")
-	}
-	s.AgentID = spiffeid.RequireFromPath(td, "/spire/agent/join_token/"+token.Value)
-	for _, e := range opts.Entries {
-		s.CreateEntry(t, e)
-	}
-
-	bundle := filepath.Join(dir, "bundle.pem")
-	must(t, os.WriteFile(bundle, s.ServerCLI(t, "bundle", "show", "-format", "pem"), 0o600))
-	agentConf := filepath.Join(dir, "agent.conf")
-	must(t, os.WriteFile(agentConf, []byte(fmt.Sprintf(`agent {
+// spireAgentConf is the SPIRE agent's configuration, with the server's
+// port, the Workload API's socket, the trust domain, the server's bundle,
+// its data folder and its join token: keys in memory, workloads attested
+// by their Unix process.
+const spireAgentConf = `agent {
     server_address = "127.0.0.1"
     server_port = "%d"
     socket_path = %q
@@ -237,10 +233,47 @@ plugins {
         plugin_data {}
     }
 }
-`, port, filepath.Join(sockDir, "api.sock"), td.Name(), bundle, filepath.Join(dir, "agent", "data"), token.Value)), 0o600))
-	s.Agent = StartCommand(t, "spire-agent", []string{filepath.Join(bin, "spire-agent"), "run", "-config", agentConf})
-	s.waitHealthy(t, s.Agent, []string{filepath.Join(bin, "spire-agent"), "healthcheck", "-socketPath", filepath.Join(sockDir, "api.sock")})
-	return s
+`
+
+// startServer starts the SPIRE server, listening on port with its files
+// in dir, and waits until it is healthy.
+func (s *SPIRE) startServer(t T, dir string, port int) {
+	t.Helper()
+	serverConf := filepath.Join(dir, "server.conf")
+	must(t, os.WriteFile(serverConf, []byte(fmt.Sprintf(spireServerConf, port, s.serverSocket, s.TrustDomain.Name(), filepath.Join(dir, "server", "data"),
+		filepath.Join(dir, "server", "datastore.sqlite3"))), 0o600))
+	s.Server = StartCommand(t, "spire-server", []string{filepath.Join(s.bin, "spire-server"), "run", "-config", serverConf})
+	s.waitHealthy(t, s.Server, []string{filepath.Join(s.bin, "spire-server"), "healthcheck", "-socketPath", s.serverSocket})
+}
+
+// joinToken has the server generate a join token for the agent, and sets
+// AgentID, the SPIFFE ID the agent gets with it.
+func (s *SPIRE) joinToken(t T) string {
+	t.Helper()
+	var token struct {
+		Value string `json:"value"`
+	}
+	must(t, json.Unmarshal(s.ServerCLI(t, "token", "generate", "-ttl", "600", "-output", "json"), &token))
+	if token.Value == "" {
+		t.Fatal("spire-server token generate gave no token")
+	}
+	s.AgentID = spiffeid.RequireFromPath(s.TrustDomain, "/spire/agent/join_token/"+token.Value)
+	return token.Value
+}
+
+// startAgent starts the SPIRE agent, trusting the server's bundle and
+// attesting with token, with its files in dir, and waits until it is
+// healthy.
+func (s *SPIRE) startAgent(t T, dir string, port int, token string) {
+	t.Helper()
+	sockDir := filepath.Join(dir, "workload")
+	bundle := filepath.Join(dir, "bundle.pem")
+	must(t, os.WriteFile(bundle, s.ServerCLI(t, "bundle", "show", "-format", "pem"), 0o600))
+	agentConf := filepath.Join(dir, "agent.conf")
+	must(t, os.WriteFile(agentConf, []byte(fmt.Sprintf(spireAgentConf,
+		port, filepath.Join(sockDir, "api.sock"), s.TrustDomain.Name(), bundle, filepath.Join(dir, "agent", "data"), token)), 0o600))
+	s.Agent = StartCommand(t, "spire-agent", []string{filepath.Join(s.bin, "spire-agent"), "run", "-config", agentConf})
+	s.waitHealthy(t, s.Agent, []string{filepath.Join(s.bin, "spire-agent"), "healthcheck", "-socketPath", filepath.Join(sockDir, "api.sock")})
 }
 
 // waitHealthy runs a healthcheck command until it passes (30s at most).

@@ -41,7 +41,30 @@ func TestImagesRunTheirStampedBinaryAsNonRoot(t *testing.T) {
 		t.Fatalf("make images: %v\n%s", err, b)
 	}
 	version := harness.Version(t)
-	oci, err := layout.FromPath(filepath.Join(out, "oci"))
+	oci, byName := ociImages(t, filepath.Join(out, "oci"))
+	for binary, name := range built {
+		t.Run(binary, func(t *testing.T) {
+			digest, ok := byName[name+":"+version]
+			if !ok {
+				t.Fatalf("the OCI layout has no %s:%s (it has %v)", name, version, byName)
+			}
+			img, err := oci.Image(digest)
+			if err != nil {
+				t.Fatal(err)
+			}
+			cfg, revision := checkImageConfig(t, img, binary, version)
+			rootfs, want := checkImageFiles(t, img, binary, version, revision)
+			checkArchive(t, filepath.Join(out, binary+".tar"), name+":"+version)
+			checkRunsAsContainer(t, rootfs, cfg.Config, name, want)
+		})
+	}
+}
+
+// ociImages opens the OCI layout at dir and returns its images' digests by
+// reference name.
+func ociImages(t *testing.T, dir string) (layout.Path, map[string]v1.Hash) {
+	t.Helper()
+	oci, err := layout.FromPath(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -57,60 +80,67 @@ func TestImagesRunTheirStampedBinaryAsNonRoot(t *testing.T) {
 	for _, d := range manifest.Manifests {
 		byName[d.Annotations[image.RefNameAnnotation]] = d.Digest
 	}
+	return oci, byName
+}
 
-	for binary, name := range built {
-		t.Run(binary, func(t *testing.T) {
-			digest, ok := byName[name+":"+version]
-			if !ok {
-				t.Fatalf("the OCI layout has no %s:%s (it has %v)", name, version, byName)
-			}
-			img, err := oci.Image(digest)
-			if err != nil {
-				t.Fatal(err)
-			}
-			cfg, err := img.ConfigFile()
-			if err != nil {
-				t.Fatal(err)
-			}
-			c := cfg.Config
-			if !slices.Equal(c.Entrypoint, []string{"/" + binary}) || len(c.Cmd) != 0 {
-				t.Errorf("entrypoint %q, cmd %q: want the binary alone", c.Entrypoint, c.Cmd)
-			}
-			if c.User != "65532:65532" {
-				t.Errorf("user %q, want 65532:65532 (non-root)", c.User)
-			}
-			if cfg.OS != "linux" || cfg.Architecture != runtime.GOARCH {
-				t.Errorf("platform %s/%s, want linux/%s", cfg.OS, cfg.Architecture, runtime.GOARCH)
-			}
-			revision := c.Labels["org.opencontainers.image.revision"]
-			if c.Labels["org.opencontainers.image.version"] != version || revision == "" {
-				t.Errorf("labels %v: want version %s and a revision", c.Labels, version)
-			}
-
-			rootfs := unpack(t, img)
-			checkStatic(t, filepath.Join(rootfs, binary))
-			if passwd, err := os.ReadFile(filepath.Join(rootfs, "etc", "passwd")); err != nil || !strings.Contains(string(passwd), ":65532:65532:") {
-				t.Errorf("/etc/passwd has no user 65532: %v", err)
-			}
-			want := regexp.MustCompile(`^` + regexp.QuoteMeta(binary+" "+version+" (commit "+revision+", go") + `\S+\)\n$`)
-			got, err := exec.Command(filepath.Join(rootfs, binary), "--version").Output()
-			if err != nil || !want.Match(got) {
-				t.Errorf("/%s --version from the image's filesystem: %q, %v; want %s", binary, got, err, want)
-			}
-			checkArchive(t, filepath.Join(out, binary+".tar"), name+":"+version)
-
-			runc, err := exec.LookPath("runc")
-			if err != nil || os.Getuid() != 0 {
-				t.Logf("not running the image as a container: runc is not installed or not root (apt-get install runc)")
-				return
-			}
-			got = runContainer(t, runc, rootfs, cfg.Config, "--version")
-			if !want.Match(got) {
-				t.Errorf("runc run %s --version: %q, want %s", name, got, want)
-			}
-			t.Logf("runc run %s --version: %s", name, got)
-		})
+// checkImageConfig checks that img's config runs binary alone, as a
+// non-root user, on this platform, labelled with version and a revision;
+// it returns the config and the revision.
+func checkImageConfig(t *testing.T, img v1.Image, binary, version string) (*v1.ConfigFile, string) {
+	t.Helper()
+	cfg, err := img.ConfigFile()
+	if err != nil {
+		t.Fatal(err)
 	}
+	c := cfg.Config
+	if !slices.Equal(c.Entrypoint, []string{"/" + binary}) || len(c.Cmd) != 0 {
+		t.Errorf("entrypoint %q, cmd %q: want the binary alone", c.Entrypoint, c.Cmd)
+	}
+	if c.User != "65532:65532" {
+		t.Errorf("user %q, want 65532:65532 (non-root)", c.User)
+	}
+	if cfg.OS != "linux" || cfg.Architecture != runtime.GOARCH {
+		t.Errorf("platform %s/%s, want linux/%s", cfg.OS, cfg.Architecture, runtime.GOARCH)
+	}
+	revision := c.Labels["org.opencontainers.image.revision"]
+	if c.Labels["org.opencontainers.image.version"] != version || revision == "" {
+		t.Errorf("labels %v: want version %s and a revision", c.Labels, version)
+	}
+	return cfg, revision
+}
+
+// checkImageFiles checks img's filesystem: a static binary that says it is
+// version at revision, and the non-root user in /etc/passwd. It returns
+// the unpacked filesystem and what binary --version must print.
+func checkImageFiles(t *testing.T, img v1.Image, binary, version, revision string) (rootfs string, want *regexp.Regexp) {
+	t.Helper()
+	rootfs = unpack(t, img)
+	checkStatic(t, filepath.Join(rootfs, binary))
+	if passwd, err := os.ReadFile(filepath.Join(rootfs, "etc", "passwd")); err != nil || !strings.Contains(string(passwd), ":65532:65532:") {
+		t.Errorf("/etc/passwd has no user 65532: %v", err)
+	}
+	want = regexp.MustCompile(`^` + regexp.QuoteMeta(binary+" "+version+" (commit "+revision+", go") + `\S+\)\n$`)
+	got, err := exec.Command(filepath.Join(rootfs, binary), "--version").Output()
+	if err != nil || !want.Match(got) {
+		t.Errorf("/%s --version from the image's filesystem: %q, %v; want %s", binary, got, err, want)
+	}
+	return rootfs, want
+}
+
+// checkRunsAsContainer runs the unpacked image name with --version as a
+// container, with runc (as root only), and checks what it prints.
+func checkRunsAsContainer(t *testing.T, rootfs string, config v1.Config, name string, want *regexp.Regexp) {
+	t.Helper()
+	runc, err := exec.LookPath("runc")
+	if err != nil || os.Getuid() != 0 {
+		t.Logf("not running the image as a container: runc is not installed or not root (apt-get install runc)")
+		return
+	}
+	got := runContainer(t, runc, rootfs, config, "--version")
+	if !want.Match(got) {
+		t.Errorf("runc run %s --version: %q, want %s", name, got, want)
+	}
+	t.Logf("runc run %s --version: %s", name, got)
 }
 
 // unpack writes the image's flattened filesystem into a folder.

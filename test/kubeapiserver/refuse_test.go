@@ -19,14 +19,50 @@ import (
 // says so, though the API server accepted what names it.
 func TestKubeAPIServerRefusesTargets(t *testing.T) {
 	w := newWorld(t)
-	ctx := context.Background()
 	ns := w.syncedNamespace(w.syncTarget, lookup.NamespaceLocatorAnnotation, "c1", "default")
 	other := w.syncedNamespace(w.syncTarget, lookup.NamespaceLocatorAnnotation, "c2", "default")
 	otherTarget := lookup.SyncTarget{Name: "st", Cluster: "stws", UID: w.syncTarget.UID + "-other"}
 	foreign := w.syncedNamespace(otherTarget, lookup.NamespaceLocatorAnnotation, "c1", "foreign")
 	foreignOnly := w.syncedNamespace(otherTarget, lookup.NamespaceLocatorAnnotation, "c9", "default")
 	live := startServer(t, webhookPort)
+	w.stageRefusedTargets(ns, live)
+	// Services that exist, but in namespaces of another cluster, or of
+	// another sync target.
+	for _, n := range []string{other, foreign, foreignOnly} {
+		w.service(n, "secret", intstr.FromInt32(webhookPort))
+		w.mustSetEndpoints(n, "secret", "secret-abcde", webhookPort, ready(live.ip)...)
+	}
 
+	w.startAgent(lookup.KubeOptions{})
+
+	for _, c := range []struct{ svc, why string }{
+		{"external", "ExternalName"},
+		{"apiserver", "API server"},
+		{"multicast", "multicast"},
+		{"handmade", "not managed by"},
+	} {
+		if msg := w.wantRefusal("c1", "default", c.svc, 443, codes.PermissionDenied); !strings.Contains(msg, c.why) {
+			t.Errorf("message does not say why: %s", msg)
+		}
+	}
+	// c2's Service is not c1's, though the agent serves both.
+	w.wantRefusal("c1", "default", "secret", 443, codes.NotFound)
+	w.mustReach("c2", "default", "secret", 443, live)
+	// Another sync target's namespace: not mapped, for a cluster this agent
+	// serves or one it does not (then no agent serves it at all).
+	w.wantRefusal("c1", "foreign", "secret", 443, codes.NotFound)
+	w.wantRefusal("c9", "default", "secret", 443, codes.Unavailable)
+	// Downstream namespace names are not upstream ones.
+	w.wantRefusal("c1", other, "secret", 443, codes.NotFound)
+	w.wantRefusal("c1", foreign, "secret", 443, codes.NotFound)
+}
+
+// stageRefusedTargets creates, in namespace ns, Services the API server
+// accepts and the agent must refuse to dial: external, apiserver,
+// multicast and handmade (whose hand-made slice aims at live).
+func (w *world) stageRefusedTargets(ns string, live *server) {
+	w.t.Helper()
+	t, ctx := w.t, context.Background()
 	// ExternalName: the agent would connect wherever DNS says.
 	if _, err := w.admin.CoreV1().Services(ns).Create(ctx, &corev1.Service{
 		ObjectMeta: metav1.ObjectMeta{Name: "external"},
@@ -47,37 +83,6 @@ func TestKubeAPIServerRefusesTargets(t *testing.T) {
 	if err := w.setEndpoints(ns, "handmade", "handmade", "tenant", webhookPort, ready(live.ip)...); err != nil {
 		t.Fatal(err)
 	}
-	// Services that exist, but in namespaces of another cluster, or of
-	// another sync target.
-	for _, n := range []string{other, foreign, foreignOnly} {
-		w.service(n, "secret", intstr.FromInt32(webhookPort))
-		w.mustSetEndpoints(n, "secret", "secret-abcde", webhookPort, ready(live.ip)...)
-	}
-
-	w.startAgent(lookup.KubeOptions{})
-
-	if msg := w.wantRefusal("c1", "default", "external", 443, codes.PermissionDenied); !strings.Contains(msg, "ExternalName") {
-		t.Errorf("message does not say why: %s", msg)
-	}
-	if msg := w.wantRefusal("c1", "default", "apiserver", 443, codes.PermissionDenied); !strings.Contains(msg, "API server") {
-		t.Errorf("message does not say why: %s", msg)
-	}
-	if msg := w.wantRefusal("c1", "default", "multicast", 443, codes.PermissionDenied); !strings.Contains(msg, "multicast") {
-		t.Errorf("message does not say why: %s", msg)
-	}
-	if msg := w.wantRefusal("c1", "default", "handmade", 443, codes.PermissionDenied); !strings.Contains(msg, "not managed by") {
-		t.Errorf("message does not say why: %s", msg)
-	}
-	// c2's Service is not c1's, though the agent serves both.
-	w.wantRefusal("c1", "default", "secret", 443, codes.NotFound)
-	w.mustReach("c2", "default", "secret", 443, live)
-	// Another sync target's namespace: not mapped, for a cluster this agent
-	// serves or one it does not (then no agent serves it at all).
-	w.wantRefusal("c1", "foreign", "secret", 443, codes.NotFound)
-	w.wantRefusal("c9", "default", "secret", 443, codes.Unavailable)
-	// Downstream namespace names are not upstream ones.
-	w.wantRefusal("c1", other, "secret", 443, codes.NotFound)
-	w.wantRefusal("c1", foreign, "secret", 443, codes.NotFound)
 }
 
 // The API server itself refuses loopback, link-local and unspecified

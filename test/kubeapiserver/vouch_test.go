@@ -27,6 +27,42 @@ func TestKubeAPIServerDialsOnlyWhatTheControlPlaneVouchesFor(t *testing.T) {
 	webhook := startServer(t, webhookPort)   // the webhook's Pod
 	bystander := startServer(t, webhookPort) // another Pod of the namespace
 
+	w.stageVouchTargets(ns, trusted, kubelet, webhook, bystander)
+
+	trust, err := lookup.ParseScope("c1/trusted")
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.startAgent(lookup.KubeOptions{TrustEndpointSlicesIn: trust})
+
+	// The forged slice beside the controller's is never dialed.
+	for range 6 {
+		w.mustReach("c1", "default", "webhook", 443, webhook)
+	}
+	for svc, why := range map[string]string{
+		"nosel":      "the Service has no selector",
+		"nopod":      "names no Pod",
+		"ghost":      "names Pod ghost, which does not exist",
+		"stolen":     "is not an address of Pod",
+		"unselected": "which the Service does not select",
+		"hostnet":    "hostNetwork",
+		"manual":     "the Service has no selector",
+	} {
+		if msg := w.wantRefusal("c1", "default", svc, 443, codes.PermissionDenied); !strings.Contains(msg, why) {
+			t.Errorf("%s: the message does not say %q: %s", svc, why, msg)
+		}
+	}
+	w.mustReach("c1", "trusted", "manual", 443, webhook)
+}
+
+// stageVouchTargets creates the Services and EndpointSlices of
+// TestKubeAPIServerDialsOnlyWhatTheControlPlaneVouchesFor in namespace ns
+// (and, for "manual", in trusted too): the webhook's, and every way its
+// writers try to aim the agent at the kubelet or at Pods a Service does
+// not select.
+func (w *world) stageVouchTargets(ns, trusted string, kubelet, webhook, bystander *server) {
+	w.t.Helper()
+	t := w.t
 	// The webhook, as the controller lists it, and beside that a slice
 	// with every mark of the controller's (its managed-by label, a
 	// controller owner reference to the Service with its real UID) that
@@ -67,31 +103,6 @@ func TestKubeAPIServerDialsOnlyWhatTheControlPlaneVouchesFor(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-
-	trust, err := lookup.ParseScope("c1/trusted")
-	if err != nil {
-		t.Fatal(err)
-	}
-	w.startAgent(lookup.KubeOptions{TrustEndpointSlicesIn: trust})
-
-	// The forged slice beside the controller's is never dialed.
-	for range 6 {
-		w.mustReach("c1", "default", "webhook", 443, webhook)
-	}
-	for svc, why := range map[string]string{
-		"nosel":      "the Service has no selector",
-		"nopod":      "names no Pod",
-		"ghost":      "names Pod ghost, which does not exist",
-		"stolen":     "is not an address of Pod",
-		"unselected": "which the Service does not select",
-		"hostnet":    "hostNetwork",
-		"manual":     "the Service has no selector",
-	} {
-		if msg := w.wantRefusal("c1", "default", svc, 443, codes.PermissionDenied); !strings.Contains(msg, why) {
-			t.Errorf("%s: the message does not say %q: %s", svc, why, msg)
-		}
-	}
-	w.mustReach("c1", "trusted", "manual", 443, webhook)
 }
 
 // selectorlessService creates a Service like world.service, without a

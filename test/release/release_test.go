@@ -26,6 +26,44 @@ func TestReleaseTagsOneStampedCommitAndPushesNothing(t *testing.T) {
 	out := mustRun(t, repo, "make", "release", "VERSION="+version, "RELEASE_CHECKS=")
 	t.Logf("make release:\n%s", out)
 
+	checkModuleTags(t, repo, version)
+	checkStampedCommit(t, repo, version)
+
+	// After the release, main says what comes next.
+	if got := strings.TrimSpace(showAt(t, repo, "HEAD", "VERSION")); got != next {
+		t.Errorf("VERSION after the release: %s, want %s", got, next)
+	}
+	if status := mustRun(t, repo, "git", "status", "--porcelain"); status != "" {
+		t.Errorf("make release left changes behind:\n%s", status)
+	}
+
+	checkReleaseImages(t, repo, version)
+
+	// From now on, buf breaking compares proto/ with this release.
+	if lint := mustRun(t, repo, "make", "-n", "lint"); !strings.Contains(lint, "--against '.git#ref=proto/"+version+"'") {
+		t.Errorf("make lint after the release does not compare proto/ with proto/%s:\n%s", version, lint)
+	}
+
+	if refs := mustRun(t, origin, "git", "for-each-ref"); refs != "" {
+		t.Errorf("make release pushed:\n%s", refs)
+	}
+
+	// Once released, the version is taken.
+	if out, err := runIn(repo, "make", "release", "VERSION="+version, "RELEASE_CHECKS="); err == nil || !strings.Contains(out, "exists already") {
+		t.Errorf("releasing %s again: %v\n%s", version, err, out)
+	}
+}
+
+// showAt is file at revision rev of repo.
+func showAt(t *testing.T, repo, rev, file string) string {
+	t.Helper()
+	return mustRun(t, repo, "git", "show", rev+":"+file)
+}
+
+// checkModuleTags checks that every module's tag of version is on the
+// release commit, the one before HEAD.
+func checkModuleTags(t *testing.T, repo, version string) {
+	t.Helper()
 	released := strings.TrimSpace(mustRun(t, repo, "git", "rev-parse", "HEAD~1"))
 	for _, m := range release.Modules {
 		at := strings.TrimSpace(mustRun(t, repo, "git", "rev-parse", m.Tag(version)+"^{commit}"))
@@ -33,15 +71,21 @@ func TestReleaseTagsOneStampedCommitAndPushesNothing(t *testing.T) {
 			t.Errorf("tag %s is on %s, want the release commit %s", m.Tag(version), at, released)
 		}
 	}
-	show := func(rev, file string) string { return mustRun(t, repo, "git", "show", rev+":"+file) }
-	if got := strings.TrimSpace(show(version, "VERSION")); got != version {
+}
+
+// checkStampedCommit checks what the release commit says of version: in
+// VERSION, in the modules' requirements of each other, in the production
+// overlay and in the changelog.
+func checkStampedCommit(t *testing.T, repo, version string) {
+	t.Helper()
+	if got := strings.TrimSpace(showAt(t, repo, version, "VERSION")); got != version {
 		t.Errorf("VERSION at the release: %s", got)
 	}
 	for file, wants := range map[string][]string{
 		"kcpplugin/go.mod": {release.Root + "/proto"},
 		"go.mod":           {release.Root + "/proto", release.Root + "/kcpplugin"},
 	} {
-		f, err := modfile.Parse(file, []byte(show(version, file)), nil)
+		f, err := modfile.Parse(file, []byte(showAt(t, repo, version, file)), nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -57,21 +101,18 @@ func TestReleaseTagsOneStampedCommitAndPushesNothing(t *testing.T) {
 			}
 		}
 	}
-	if overlay := show(version, "deploy/overlays/production/kustomization.yaml"); !strings.Contains(overlay, "newTag: "+version) {
+	if overlay := showAt(t, repo, version, "deploy/overlays/production/kustomization.yaml"); !strings.Contains(overlay, "newTag: "+version) {
 		t.Errorf("the production overlay at the release does not deploy %s:\n%s", version, overlay)
 	}
-	if changelog := show(version, "CHANGELOG.md"); !strings.Contains(changelog, "## Unreleased\n\n## "+version+" (") {
+	if changelog := showAt(t, repo, version, "CHANGELOG.md"); !strings.Contains(changelog, "## Unreleased\n\n## "+version+" (") {
 		t.Errorf("CHANGELOG.md at the release has no section for %s under a new Unreleased one", version)
 	}
+}
 
-	// After the release, main says what comes next.
-	if got := strings.TrimSpace(show("HEAD", "VERSION")); got != next {
-		t.Errorf("VERSION after the release: %s, want %s", got, next)
-	}
-	if status := mustRun(t, repo, "git", "status", "--porcelain"); status != "" {
-		t.Errorf("make release left changes behind:\n%s", status)
-	}
-
+// checkReleaseImages checks that bin/images/oci holds every image of the
+// release, tagged version.
+func checkReleaseImages(t *testing.T, repo, version string) {
+	t.Helper()
 	oci, err := layout.FromPath(filepath.Join(repo, "bin", "images", "oci"))
 	if err != nil {
 		t.Fatal(err)
@@ -92,20 +133,6 @@ func TestReleaseTagsOneStampedCommitAndPushesNothing(t *testing.T) {
 		if !names[name+":"+version] {
 			t.Errorf("no image %s:%s in bin/images/oci (%v)", name, version, names)
 		}
-	}
-
-	// From now on, buf breaking compares proto/ with this release.
-	if lint := mustRun(t, repo, "make", "-n", "lint"); !strings.Contains(lint, "--against '.git#ref=proto/"+version+"'") {
-		t.Errorf("make lint after the release does not compare proto/ with proto/%s:\n%s", version, lint)
-	}
-
-	if refs := mustRun(t, origin, "git", "for-each-ref"); refs != "" {
-		t.Errorf("make release pushed:\n%s", refs)
-	}
-
-	// Once released, the version is taken.
-	if out, err := runIn(repo, "make", "release", "VERSION="+version, "RELEASE_CHECKS="); err == nil || !strings.Contains(out, "exists already") {
-		t.Errorf("releasing %s again: %v\n%s", version, err, out)
 	}
 }
 

@@ -71,192 +71,255 @@ var (
 )
 
 func TestSPIRE(t *testing.T) {
-	if os.Geteuid() != 0 {
-		// Not a skip: CI runs as root, and this test must run there.
-		t.Fatal("TestSPIRE runs workloads as separate system users (useradd, runuser) and needs root")
-	}
-	start := time.Now()
-	for _, u := range []string{"tunnel-broker", "tunnel-agent", "tunnel-stranger", "tunnel-rogue"} {
-		harness.SystemUser(t, u)
-	}
-	shared := harness.SharedDir(t)
-	bin := harness.SharedBinaries(t, shared, "github.com/kcp-dev/tunnel-broker/test/cmd/spiffe-dial")
-	t.Logf("users and binaries ready after %v", time.Since(start).Round(time.Millisecond))
-
-	s := harness.StartSPIRE(t, harness.SPIREOptions{TrustDomain: trustDomain, Entries: []harness.SPIREEntry{
-		{SPIFFEID: brokerID, Selectors: []string{"unix:user:tunnel-broker"}, X509SVIDTTL: svidTTL, DNSNames: []string{"localhost"}},
-		{SPIFFEID: agentID, Selectors: []string{"unix:user:tunnel-agent"}, X509SVIDTTL: svidTTL},
-		{SPIFFEID: kcpID, Selectors: []string{"unix:uid:0"}, X509SVIDTTL: svidTTL},
-		{SPIFFEID: strangerID, Selectors: []string{"unix:user:tunnel-stranger"}},
-	}})
-	var logs []*harness.Command
-	logs = append(logs, s.Server, s.Agent)
-	t.Cleanup(func() {
-		if t.Failed() {
-			for _, c := range logs {
-				t.Logf("---- %s (last lines) ----\n%s", c.Name, tail(c.Output(), 40))
-			}
-		}
-	})
-	t.Logf("SPIRE server and agent up (agent %s) after %v", s.AgentID, time.Since(start).Round(time.Millisecond))
-
-	// (1) Every workload gets its SVID from the Workload API.
-	s.WaitForSVID(t, kcpID, firstSVID)
-	t.Logf("first SVID after %v", time.Since(start).Round(time.Millisecond))
-	caller := s.X509Source(t, firstSVID)
-	if got := mustSVID(t, caller).ID; got != kcpID {
-		t.Fatalf("the test process got %s, want %s", got, kcpID)
-	}
-
-	wh := harness.StartWebhook(t, harness.WebhookOptions{Namespace: "default", Name: "webhook"}, review)
-	echo := harness.StartEcho(t)
-	policyFile := harness.WriteShared(t, shared, "policy.yaml", brokerPolicy())
-	services := harness.WriteShared(t, shared, "services.yaml", lookup.StaticFile{Services: []lookup.StaticService{
-		{Cluster: cluster, Namespace: "default", Name: "webhook", Ports: map[string]string{"443": wh.Addr}},
-		{Cluster: cluster, Namespace: "default", Name: "echo", Ports: map[string]string{"7": echo}},
-	}})
-
-	brokerW := harness.Workload{Name: "broker", Bin: bin, Prefix: harness.AsUser("tunnel-broker"), Socket: s.WorkloadAPI}
-	// Clients move to new connections, with their current SVIDs, well
-	// within half an SVID's life, as the default does for SPIRE's default
-	// TTL of an hour.
-	broker, brokerAddr := brokerW.StartBroker(t, policyFile, firstSVID, "--max-connection-age", (svidTTL / 5).String())
-	logs = append(logs, broker)
-	if got := broker.WaitFor(t, brokerServing, time.Second)[1]; got != brokerID.String() {
-		t.Fatalf("broker serves as %s, want %s", got, brokerID)
-	}
-	agentW := harness.Workload{Name: "syncer-agent", Bin: bin, Prefix: harness.AsUser("tunnel-agent"), Socket: s.WorkloadAPI}
-	agent := agentW.StartAgent(t, brokerAddr, services, "--broker-spiffe-id", brokerID.String())
-	logs = append(logs, agent)
-	if got := agent.WaitFor(t, agentStarting, firstSVID)[1]; got != agentID.String() {
-		t.Fatalf("agent runs as %s, want %s", got, agentID)
-	}
-	agent.WaitFor(t, harness.AgentRegistered, 20*time.Second)
-	t.Logf("broker (%s) and agent (%s) up from the Workload API after %v", brokerID, agentID, time.Since(start).Round(time.Millisecond))
+	r := startSPIRERun(t)
+	r.startWorkloads(t)
 
 	// (2) kcp's real webhook client reaches the webhook through the tunnel.
-	conn := brokerConn(t, caller, brokerAddr)
-	dialer := kcpplugin.NewDialer(conn)
-	adm := harness.NewAdmission(t, harness.AdmissionOptions{
-		Service: harness.WebhookService{Namespace: "default", Name: "webhook", Path: "/admit", Port: 443, CABundle: wh.CABundle},
-		Wrapper: kcpplugin.AuthInfoResolverWrapper(cluster, dialer),
+	r.conn = brokerConn(t, r.caller, r.brokerAddr)
+	r.dialer = kcpplugin.NewDialer(r.conn)
+	r.adm = harness.NewAdmission(t, harness.AdmissionOptions{
+		Service: harness.WebhookService{Namespace: "default", Name: "webhook", Path: "/admit", Port: 443, CABundle: r.wh.CABundle},
+		Wrapper: kcpplugin.AuthInfoResolverWrapper(cluster, r.dialer),
 	})
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	admit(ctx, t, adm, "before rotation")
+	admit(ctx, t, r.adm, "before rotation")
 
 	// A tunnel that stays open across the rotation.
-	longLived, err := dialer.DialService(ctx, cluster, "default", "echo", 7)
+	longLived, err := r.dialer.DialService(ctx, cluster, "default", "echo", 7)
 	if err != nil {
 		t.Fatalf("dial echo: %v", err)
 	}
 	defer longLived.Close()
+	r.longLived = longLived
 	roundTrip(t, longLived, "before rotation")
-
-	// The SVIDs in force now: the connections above were made with these or
-	// older ones. The SPIRE agent hands every process of a workload the
-	// same SVID, so a fetch as the workload's user shows the agent's.
-	callerSVID0 := mustSVID(t, caller)
-	brokerCert0 := brokerCert(t, caller, brokerAddr)
-	agentSerial0, agentExpiry0 := svidOf(t, bin, s, "tunnel-agent", agentID)
-	t.Logf("SVIDs in force after %v: kcp serial %s (expires %s), broker %s, agent %s",
-		time.Since(start).Round(time.Millisecond), callerSVID0.Certificates[0].SerialNumber,
-		callerSVID0.Certificates[0].NotAfter.Format(time.TimeOnly), brokerCert0.SerialNumber, agentSerial0)
+	r.noteSVIDsInForce(t)
 
 	// (4) Refusals, while the SVIDs age.
-	t.Run("unregistered and unauthorized workloads are refused", func(t *testing.T) {
-		// Registered in SPIRE, so it gets an SVID; not in the policy, so
-		// the broker refuses its Dial...
-		out, code := run(t, bin, "tunnel-stranger", s, "--wait", firstSVID.String(),
-			"--broker", brokerAddr, "--broker-spiffe-id", brokerID.String(), "--service", "echo", "--port", "7")
-		if !strings.Contains(out, "svid: "+strangerID.String()+" ") || !strings.Contains(out, "dial-error: PermissionDenied") || code != 3 {
-			t.Errorf("unauthorized caller: exit %d, output:\n%s\nwant an SVID for %s, then PermissionDenied", code, out, strangerID)
-		}
-		t.Logf("tunnel-stranger as caller: %s", oneLine(out))
-		// ...and its registration as an agent.
-		strangerAgent := harness.Workload{Name: "stranger-agent", Bin: bin, Prefix: harness.AsUser("tunnel-stranger"), Socket: s.WorkloadAPI}.
-			StartAgent(t, brokerAddr, services)
-		logs = append(logs, strangerAgent)
-		refused := strangerAgent.WaitFor(t, regexp.MustCompile(`level=ERROR msg="the broker's policy refuses this agent.*(code = PermissionDenied desc = [^"]*)`), 20*time.Second)
-		t.Logf("tunnel-stranger as agent: %s", refused[1])
-		broker.WaitFor(t, regexp.MustCompile(`permission denied" peer=`+regexp.QuoteMeta(strangerID.String())+` method=/kcp.tunnel.v1.AgentService/Connect`), 5*time.Second)
-		if err := strangerAgent.Stop(); err != nil {
-			t.Errorf("stranger agent: %v", err)
-		}
-		if n := strangerAgent.Count(harness.AgentRegistered); n != 0 {
-			t.Errorf("an agent outside the policy registered %d times", n)
-		}
-
-		// Not registered in SPIRE at all: the Workload API gives it nothing,
-		// so it has no identity to present to the broker.
-		out, code = run(t, bin, "tunnel-rogue", s)
-		if !strings.Contains(out, "svid-error: PermissionDenied") || code != 2 {
-			t.Errorf("unregistered workload: exit %d, output:\n%s\nwant no SVID (PermissionDenied)", code, out)
-		}
-		t.Logf("tunnel-rogue: %s", oneLine(out))
-	})
-
+	t.Run("unregistered and unauthorized workloads are refused", r.refusals)
 	// (3) SPIRE rotates every SVID, and the ones in force above expire.
-	t.Run("rotation keeps tunnels and new dials working", func(t *testing.T) {
-		// SPIRE must hand out the new SVID before the old one expires.
-		callerSVID1 := waitForRotation(t, caller, callerSVID0.Certificates[0].SerialNumber.String(),
-			min(time.Until(callerSVID0.Certificates[0].NotAfter), 2*svidTTL))
-		t.Logf("kcp's SVID rotated after %v: serial %s", time.Since(start).Round(time.Millisecond), callerSVID1.Certificates[0].SerialNumber)
-
-		// Wait until the SVIDs that made the open connections have expired,
-		// so nothing below can be using one.
-		expiry := latest(callerSVID0.Certificates[0].NotAfter, brokerCert0.NotAfter, agentExpiry0)
-		if wait := time.Until(expiry) + time.Second; wait > 0 {
-			if wait > 2*svidTTL {
-				t.Fatalf("first SVIDs expire at %v, later than their TTL allows", expiry)
-			}
-			time.Sleep(wait)
-		}
-		agentSerial, _ := svidOf(t, bin, s, "tunnel-agent", agentID)
-		if agentSerial == agentSerial0 {
-			t.Errorf("the agent's SVID was not rotated: serial %s", agentSerial)
-		}
-		brokerCert1 := brokerCert(t, caller, brokerAddr)
-		if brokerCert1.SerialNumber.Cmp(brokerCert0.SerialNumber) == 0 {
-			t.Errorf("the broker still presents its first SVID (serial %s) to new handshakes", brokerCert1.SerialNumber)
-		}
-		t.Logf("after %v the SVIDs above have expired; now: kcp %s, broker %s, agent %s",
-			time.Since(start).Round(time.Millisecond), mustSVID(t, caller).Certificates[0].SerialNumber, brokerCert1.SerialNumber, agentSerial)
-
-		// The tunnel opened with the expired SVIDs still carries data.
-		roundTrip(t, longLived, "after rotation")
-		// The agent followed its SVID's rotation: it registered on a new
-		// connection with each new SVID, and drained the old registration
-		// (the dials below reach it).
-		if n := agent.Count(harness.AgentRegistered); n < 2 {
-			t.Errorf("the agent registered %d times, want once per SVID it held", n)
-		}
-		// New dials on the first gRPC connection (which the broker has
-		// since asked to move to a new one) and on a new one, whose
-		// handshakes can only succeed with kcp's new SVID.
-		admit(ctx, t, adm, "after rotation")
-		for name, d := range map[string]*kcpplugin.Dialer{"old connection": dialer, "new connection": kcpplugin.NewDialer(brokerConn(t, caller, brokerAddr))} {
-			c, err := d.DialService(ctx, cluster, "default", "echo", 7)
-			if err != nil {
-				t.Fatalf("dial after rotation on the %s: %v", name, err)
-			}
-			roundTrip(t, c, "new tunnel after rotation, "+name)
-			c.Close()
-		}
-		t.Log("the tunnel opened before still echoes, the agent is still registered once, new dials and the webhook work")
-	})
+	t.Run("rotation keeps tunnels and new dials working", func(t *testing.T) { r.rotation(ctx, t) })
 	// Tunnels end with kcp's connection (the webhook client keeps idle
 	// ones); then the agent and the broker shut down by themselves.
 	longLived.Close()
-	conn.Close()
-	for _, c := range []*harness.Command{agent, broker} {
+	r.conn.Close()
+	for _, c := range []*harness.Command{r.agent, r.broker} {
 		stopping := time.Now()
 		if err := c.Stop(); err != nil {
 			t.Errorf("%s on SIGTERM: %v", c.Name, err)
 		}
 		t.Logf("%s stopped in %v", c.Name, time.Since(stopping).Round(time.Millisecond))
 	}
-	t.Logf("done after %v", time.Since(start).Round(time.Millisecond))
+	t.Logf("done after %v", time.Since(r.start).Round(time.Millisecond))
+}
+
+// spireRun is TestSPIRE's world: SPIRE, the workloads it gives their
+// SVIDs to, kcp's side (this process) and what the steps note for later
+// ones.
+type spireRun struct {
+	start  time.Time
+	bin    string // the folder of the broker, agent and spiffe-dial binaries
+	shared string // a folder every workload's user may read
+	s      *harness.SPIRE
+	// logs are the processes whose last lines a failed run shows.
+	logs []*harness.Command
+
+	caller     *workloadapi.X509Source // kcp's SVIDs
+	wh         *harness.Webhook
+	services   string // the agent's services file
+	broker     *harness.Command
+	brokerAddr string
+	agent      *harness.Command
+
+	conn      *grpc.ClientConn // kcp's connection to the broker
+	dialer    *kcpplugin.Dialer
+	adm       *harness.Admission
+	longLived net.Conn // a tunnel that stays open across the rotation
+
+	// The SVIDs in force before the rotation.
+	callerSVID0  *x509svid.SVID
+	brokerCert0  *x509.Certificate
+	agentSerial0 string
+	agentExpiry0 time.Time
+}
+
+// startSPIRERun makes the workloads' system users and shared binaries, and
+// starts a SPIRE server and agent with an entry for each workload but the
+// rogue. A failed run logs the last lines of every process it started.
+func startSPIRERun(t *testing.T) *spireRun {
+	if os.Geteuid() != 0 {
+		// Not a skip: CI runs as root, and this test must run there.
+		t.Fatal("TestSPIRE runs workloads as separate system users (useradd, runuser) and needs root")
+	}
+	r := &spireRun{start: time.Now()}
+	for _, u := range []string{"tunnel-broker", "tunnel-agent", "tunnel-stranger", "tunnel-rogue"} {
+		harness.SystemUser(t, u)
+	}
+	r.shared = harness.SharedDir(t)
+	r.bin = harness.SharedBinaries(t, r.shared, "github.com/kcp-dev/tunnel-broker/test/cmd/spiffe-dial")
+	t.Logf("users and binaries ready after %v", time.Since(r.start).Round(time.Millisecond))
+
+	r.s = harness.StartSPIRE(t, harness.SPIREOptions{TrustDomain: trustDomain, Entries: []harness.SPIREEntry{
+		{SPIFFEID: brokerID, Selectors: []string{"unix:user:tunnel-broker"}, X509SVIDTTL: svidTTL, DNSNames: []string{"localhost"}},
+		{SPIFFEID: agentID, Selectors: []string{"unix:user:tunnel-agent"}, X509SVIDTTL: svidTTL},
+		{SPIFFEID: kcpID, Selectors: []string{"unix:uid:0"}, X509SVIDTTL: svidTTL},
+		{SPIFFEID: strangerID, Selectors: []string{"unix:user:tunnel-stranger"}},
+	}})
+	r.logs = append(r.logs, r.s.Server, r.s.Agent)
+	t.Cleanup(func() {
+		if t.Failed() {
+			for _, c := range r.logs {
+				t.Logf("---- %s (last lines) ----\n%s", c.Name, tail(c.Output(), 40))
+			}
+		}
+	})
+	t.Logf("SPIRE server and agent up (agent %s) after %v", r.s.AgentID, time.Since(r.start).Round(time.Millisecond))
+	return r
+}
+
+// startWorkloads checks that every workload gets its SVID from the
+// Workload API (1): this process as kcp, then the broker and the agent,
+// each as its own user, in front of a webhook and an echo server.
+func (r *spireRun) startWorkloads(t *testing.T) {
+	r.s.WaitForSVID(t, kcpID, firstSVID)
+	t.Logf("first SVID after %v", time.Since(r.start).Round(time.Millisecond))
+	r.caller = r.s.X509Source(t, firstSVID)
+	if got := mustSVID(t, r.caller).ID; got != kcpID {
+		t.Fatalf("the test process got %s, want %s", got, kcpID)
+	}
+
+	r.wh = harness.StartWebhook(t, harness.WebhookOptions{Namespace: "default", Name: "webhook"}, review)
+	echo := harness.StartEcho(t)
+	policyFile := harness.WriteShared(t, r.shared, "policy.yaml", brokerPolicy())
+	r.services = harness.WriteShared(t, r.shared, "services.yaml", lookup.StaticFile{Services: []lookup.StaticService{
+		{Cluster: cluster, Namespace: "default", Name: "webhook", Ports: map[string]string{"443": r.wh.Addr}},
+		{Cluster: cluster, Namespace: "default", Name: "echo", Ports: map[string]string{"7": echo}},
+	}})
+
+	brokerW := harness.Workload{Name: "broker", Bin: r.bin, Prefix: harness.AsUser("tunnel-broker"), Socket: r.s.WorkloadAPI}
+	// Clients move to new connections, with their current SVIDs, well
+	// within half an SVID's life, as the default does for SPIRE's default
+	// TTL of an hour.
+	r.broker, r.brokerAddr = brokerW.StartBroker(t, policyFile, firstSVID, "--max-connection-age", (svidTTL / 5).String())
+	r.logs = append(r.logs, r.broker)
+	if got := r.broker.WaitFor(t, brokerServing, time.Second)[1]; got != brokerID.String() {
+		t.Fatalf("broker serves as %s, want %s", got, brokerID)
+	}
+	agentW := harness.Workload{Name: "syncer-agent", Bin: r.bin, Prefix: harness.AsUser("tunnel-agent"), Socket: r.s.WorkloadAPI}
+	r.agent = agentW.StartAgent(t, r.brokerAddr, r.services, "--broker-spiffe-id", brokerID.String())
+	r.logs = append(r.logs, r.agent)
+	if got := r.agent.WaitFor(t, agentStarting, firstSVID)[1]; got != agentID.String() {
+		t.Fatalf("agent runs as %s, want %s", got, agentID)
+	}
+	r.agent.WaitFor(t, harness.AgentRegistered, 20*time.Second)
+	t.Logf("broker (%s) and agent (%s) up from the Workload API after %v", brokerID, agentID, time.Since(r.start).Round(time.Millisecond))
+}
+
+// noteSVIDsInForce notes the SVIDs in force now: the connections made so
+// far were made with these or older ones. The SPIRE agent hands every
+// process of a workload the same SVID, so a fetch as the workload's user
+// shows the agent's.
+func (r *spireRun) noteSVIDsInForce(t *testing.T) {
+	r.callerSVID0 = mustSVID(t, r.caller)
+	r.brokerCert0 = brokerCert(t, r.caller, r.brokerAddr)
+	r.agentSerial0, r.agentExpiry0 = svidOf(t, r.bin, r.s, "tunnel-agent", agentID)
+	t.Logf("SVIDs in force after %v: kcp serial %s (expires %s), broker %s, agent %s",
+		time.Since(r.start).Round(time.Millisecond), r.callerSVID0.Certificates[0].SerialNumber,
+		r.callerSVID0.Certificates[0].NotAfter.Format(time.TimeOnly), r.brokerCert0.SerialNumber, r.agentSerial0)
+}
+
+// refusals checks that a workload SPIRE knows but the policy does not is
+// refused as a caller and as an agent, and that one SPIRE does not know
+// gets no SVID at all.
+func (r *spireRun) refusals(t *testing.T) {
+	// Registered in SPIRE, so it gets an SVID; not in the policy, so the
+	// broker refuses its Dial...
+	out, code := run(t, r.bin, "tunnel-stranger", r.s, "--wait", firstSVID.String(),
+		"--broker", r.brokerAddr, "--broker-spiffe-id", brokerID.String(), "--service", "echo", "--port", "7")
+	if !strings.Contains(out, "svid: "+strangerID.String()+" ") || !strings.Contains(out, "dial-error: PermissionDenied") || code != 3 {
+		t.Errorf("unauthorized caller: exit %d, output:\n%s\nwant an SVID for %s, then PermissionDenied", code, out, strangerID)
+	}
+	t.Logf("tunnel-stranger as caller: %s", oneLine(out))
+	// ...and its registration as an agent.
+	strangerAgent := harness.Workload{Name: "stranger-agent", Bin: r.bin, Prefix: harness.AsUser("tunnel-stranger"), Socket: r.s.WorkloadAPI}.
+		StartAgent(t, r.brokerAddr, r.services)
+	r.logs = append(r.logs, strangerAgent)
+	refused := strangerAgent.WaitFor(t, regexp.MustCompile(`level=ERROR msg="the broker's policy refuses this agent.*(code = PermissionDenied desc = [^"]*)`), 20*time.Second)
+	t.Logf("tunnel-stranger as agent: %s", refused[1])
+	r.broker.WaitFor(t, regexp.MustCompile(`permission denied" peer=`+regexp.QuoteMeta(strangerID.String())+` method=/kcp.tunnel.v1.AgentService/Connect`), 5*time.Second)
+	if err := strangerAgent.Stop(); err != nil {
+		t.Errorf("stranger agent: %v", err)
+	}
+	if n := strangerAgent.Count(harness.AgentRegistered); n != 0 {
+		t.Errorf("an agent outside the policy registered %d times", n)
+	}
+
+	// Not registered in SPIRE at all: the Workload API gives it nothing,
+	// so it has no identity to present to the broker.
+	out, code = run(t, r.bin, "tunnel-rogue", r.s)
+	if !strings.Contains(out, "svid-error: PermissionDenied") || code != 2 {
+		t.Errorf("unregistered workload: exit %d, output:\n%s\nwant no SVID (PermissionDenied)", code, out)
+	}
+	t.Logf("tunnel-rogue: %s", oneLine(out))
+}
+
+// rotation waits until SPIRE has rotated every SVID and the ones in force
+// before have expired, and checks that the tunnel opened with them still
+// carries data, that the agent followed its rotation, and that new dials
+// and the webhook work on the old connection and on a new one.
+func (r *spireRun) rotation(ctx context.Context, t *testing.T) {
+	r.waitFirstSVIDsExpired(t)
+
+	// The tunnel opened with the expired SVIDs still carries data.
+	roundTrip(t, r.longLived, "after rotation")
+	// The agent followed its SVID's rotation: it registered on a new
+	// connection with each new SVID, and drained the old registration
+	// (the dials below reach it).
+	if n := r.agent.Count(harness.AgentRegistered); n < 2 {
+		t.Errorf("the agent registered %d times, want once per SVID it held", n)
+	}
+	// New dials on the first gRPC connection (which the broker has since
+	// asked to move to a new one) and on a new one, whose handshakes can
+	// only succeed with kcp's new SVID.
+	admit(ctx, t, r.adm, "after rotation")
+	for name, d := range map[string]*kcpplugin.Dialer{"old connection": r.dialer, "new connection": kcpplugin.NewDialer(brokerConn(t, r.caller, r.brokerAddr))} {
+		c, err := d.DialService(ctx, cluster, "default", "echo", 7)
+		if err != nil {
+			t.Fatalf("dial after rotation on the %s: %v", name, err)
+		}
+		roundTrip(t, c, "new tunnel after rotation, "+name)
+		c.Close()
+	}
+	t.Log("the tunnel opened before still echoes, the agent is still registered once, new dials and the webhook work")
+}
+
+// waitFirstSVIDsExpired waits until kcp's SVID rotated (SPIRE must hand
+// out the new one before the old one expires) and then until the SVIDs
+// that made the open connections have expired, so that nothing after can
+// be using one; it checks that the agent and the broker rotated theirs.
+func (r *spireRun) waitFirstSVIDsExpired(t *testing.T) {
+	t.Helper()
+	callerSVID1 := waitForRotation(t, r.caller, r.callerSVID0.Certificates[0].SerialNumber.String(),
+		min(time.Until(r.callerSVID0.Certificates[0].NotAfter), 2*svidTTL))
+	t.Logf("kcp's SVID rotated after %v: serial %s", time.Since(r.start).Round(time.Millisecond), callerSVID1.Certificates[0].SerialNumber)
+
+	expiry := latest(r.callerSVID0.Certificates[0].NotAfter, r.brokerCert0.NotAfter, r.agentExpiry0)
+	if wait := time.Until(expiry) + time.Second; wait > 0 {
+		if wait > 2*svidTTL {
+			t.Fatalf("first SVIDs expire at %v, later than their TTL allows", expiry)
+		}
+		time.Sleep(wait)
+	}
+	agentSerial, _ := svidOf(t, r.bin, r.s, "tunnel-agent", agentID)
+	if agentSerial == r.agentSerial0 {
+		t.Errorf("the agent's SVID was not rotated: serial %s", agentSerial)
+	}
+	brokerCert1 := brokerCert(t, r.caller, r.brokerAddr)
+	if brokerCert1.SerialNumber.Cmp(r.brokerCert0.SerialNumber) == 0 {
+		t.Errorf("the broker still presents its first SVID (serial %s) to new handshakes", brokerCert1.SerialNumber)
+	}
+	t.Logf("after %v the SVIDs above have expired; now: kcp %s, broker %s, agent %s",
+		time.Since(r.start).Round(time.Millisecond), mustSVID(t, r.caller).Certificates[0].SerialNumber, brokerCert1.SerialNumber, agentSerial)
 }
 
 // review allows ConfigMaps unless they ask to be denied.

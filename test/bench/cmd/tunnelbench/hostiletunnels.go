@@ -4,12 +4,10 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"maps"
-	"slices"
 	"strings"
-	"sync"
 	"time"
 
+	"google.golang.org/grpc"
 	"google.golang.org/protobuf/proto"
 
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
@@ -55,13 +53,58 @@ func (r *runner) hostileTunnels(ctx context.Context, c hostileTunnelCase) {
 	cfg := r.cfg
 	broker, addr := r.env.StartBrokerProcess()
 	defer func() { _ = broker.Stop() }()
-	pid := broker.Cmd.Process.Pid
 	ctx, cancel := context.WithTimeout(ctx, cfg.hostileWait)
 	defer cancel()
+	agent := r.registerHostileAgent(ctx, addr)
+	defer agent.close()
+	rss := r.watchRSS(broker.Cmd.Process.Pid)
 
-	agentConn := r.env.BrokerConn(addr, agentPath)
-	defer agentConn.Close()
-	control, err := tunnelv1.NewAgentServiceClient(agentConn).Connect(ctx)
+	streams, setupErr := r.establishHostileTunnels(ctx, agent)
+	payload, frame, what := c.payload(cfg)
+	wait := writeAll(ctx, streams, payload, frame)
+	sent := sentUntilQuiet(ctx, streams)
+	codes := endedCodes(streams)
+	cancel() // the writers stop, kcp's dials end
+	wait()
+	agent.tunnels.Close()
+	rss.stop()
+	after := rss.settled()
+
+	summary, ended := countsByCode(codes, "%d ended by the broker with %s")
+	if left := len(streams) - ended; left > 0 {
+		summary = append(summary, fmt.Sprintf("%d held until the agent gave up", left))
+	}
+	if setupErr != nil {
+		summary = append(summary, fmt.Sprintf("establishing stopped after %d: %v", len(streams), setupErr))
+	}
+	perTunnel := none
+	if len(streams) > 0 {
+		perTunnel = float64(sent) / float64(len(streams)) / (1 << 20)
+	}
+	r.report.note("hostile %s: %d tunnels of one agent, %s, %d bytes of padding per frame: %.2f MiB of data sent per tunnel; %s",
+		c.name, len(streams), what, cfg.hostilePad, perTunnel, strings.Join(summary, ", "))
+	name := "hostile_" + c.name + "_"
+	rss.rows(name, after)
+	r.report.hostileRow(name+"MiB_sent_per_tunnel", perTunnel)
+	r.report.hostileRow(name+"tunnels_ended_by_broker", float64(ended))
+}
+
+// hostileAgent is the hostile agent's side of a broker, and kcp's: the
+// agent registers on a gRPC client's control stream and opens its Tunnel
+// streams on a connection it speaks by hand; kcp dials through it.
+type hostileAgent struct {
+	conn    *grpc.ClientConn // the agent's control connection
+	control tunnelv1.AgentService_ConnectClient
+	tunnels *harness.RawConn
+	kcpConn *grpc.ClientConn
+	dial    tunnelv1.DialServiceClient
+}
+
+// registerHostileAgent registers the hostile agent for cluster with the
+// broker at addr, and connects kcp.
+func (r *runner) registerHostileAgent(ctx context.Context, addr string) *hostileAgent {
+	a := &hostileAgent{conn: r.env.BrokerConn(addr, agentPath)}
+	control, err := tunnelv1.NewAgentServiceClient(a.conn).Connect(ctx)
 	if err != nil {
 		r.m.Fatal(err)
 	}
@@ -72,45 +115,39 @@ func (r *runner) hostileTunnels(ctx context.Context, c hostileTunnelCase) {
 	if msg, err := control.Recv(); err != nil || msg.GetRegistered() == nil {
 		r.m.Fatalf("registering the hostile agent: %v, %v", msg, err)
 	}
-	tunnels := r.env.RawConn(addr, agentPath)
-	defer tunnels.Close()
-	tunnels.Padding = cfg.hostilePad
-	kcpConn := r.env.BrokerConn(addr, "/kcp")
-	defer kcpConn.Close()
-	dial := tunnelv1.NewDialServiceClient(kcpConn)
+	a.control = control
+	a.tunnels = r.env.RawConn(addr, agentPath)
+	a.tunnels.Padding = r.cfg.hostilePad
+	a.kcpConn = r.env.BrokerConn(addr, "/kcp")
+	a.dial = tunnelv1.NewDialServiceClient(a.kcpConn)
+	return a
+}
 
-	time.Sleep(settle)
-	before := r.rssMiB(pid)
-	peak := before
-	sampled := make(chan struct{})
-	stopSampling := make(chan struct{})
-	go func() {
-		defer close(sampled)
-		for {
-			peak = max(peak, r.rssMiB(pid))
-			select {
-			case <-stopSampling:
-				return
-			case <-time.After(50 * time.Millisecond):
-			}
-		}
-	}()
+// close closes kcp's connection and the agent's, last opened first.
+func (a *hostileAgent) close() {
+	a.kcpConn.Close()
+	a.tunnels.Close()
+	a.conn.Close()
+}
 
-	streams := make([]*harness.RawStream, 0, cfg.hostileTunnels)
-	var setupErr error
-	for range cfg.hostileTunnels {
-		s, err := r.establishHostile(ctx, dial, control, tunnels)
+// establishHostileTunnels establishes -hostile-tunnels tunnels through the
+// agent, one by one, and stops at the first that fails.
+func (r *runner) establishHostileTunnels(ctx context.Context, a *hostileAgent) ([]*harness.RawStream, error) {
+	streams := make([]*harness.RawStream, 0, r.cfg.hostileTunnels)
+	for range r.cfg.hostileTunnels {
+		s, err := a.establish(ctx)
 		if err != nil {
-			setupErr = err
-			break
+			return streams, err
 		}
 		streams = append(streams, s)
 	}
+	return streams, nil
+}
 
-	// What each tunnel's agent sends, in frames of how much data.
-	var payload []byte
-	var what string
-	frame := cfg.hostileFrame
+// payload is what the agent sends on each tunnel in case c, in frames of
+// how many bytes, and what the case's line says of it.
+func (c hostileTunnelCase) payload(cfg config) (payload []byte, frame int, what string) {
+	frame = cfg.hostileFrame
 	switch {
 	case c.small:
 		one := dataMessage(1)
@@ -125,22 +162,13 @@ func (r *runner) hostileTunnels(ctx context.Context, c hostileTunnelCase) {
 		payload = append(harness.GRPCPrefix(int(cfg.hostileMessage)), make([]byte, cfg.hostileMessage-1)...)
 		what = fmt.Sprintf("all but the last byte of a %d-byte message in %d-byte frames", cfg.hostileMessage, frame)
 	}
-	work := make(chan *harness.RawStream)
-	var wg sync.WaitGroup
-	for range hostileWriters {
-		wg.Go(func() {
-			for s := range work {
-				_ = s.Write(ctx, payload, frame)
-			}
-		})
-	}
-	go func() {
-		for _, s := range streams {
-			work <- s
-		}
-		close(work)
-	}()
-	// Until nothing more goes out for a few seconds.
+	return payload, frame, what
+}
+
+// sentUntilQuiet polls what the agent got out on streams every half second
+// until nothing more went out for a few seconds (or ctx ended), and returns
+// the total: flow control, or the broker, has stopped the agent by then.
+func sentUntilQuiet(ctx context.Context, streams []*harness.RawStream) int64 {
 	var sent int64
 	for quiet := 0; quiet < 6 && ctx.Err() == nil; {
 		time.Sleep(500 * time.Millisecond)
@@ -155,51 +183,25 @@ func (r *runner) hostileTunnels(ctx context.Context, c hostileTunnelCase) {
 		}
 		sent = now
 	}
+	return sent
+}
+
+// endedCodes counts, by status code, the streams the broker has ended so
+// far; the others are still held.
+func endedCodes(streams []*harness.RawStream) map[string]int {
 	codes := map[string]int{}
 	for _, s := range streams {
 		if isEnded(s) {
 			codes[s.Status().Code().String()]++
 		}
 	}
-	cancel() // the writers stop, kcp's dials end
-	wg.Wait()
-	tunnels.Close()
-	close(stopSampling)
-	<-sampled
-	time.Sleep(settle)
-	after := r.rssMiB(pid)
-
-	ended := 0
-	var summary []string
-	for _, code := range slices.Sorted(maps.Keys(codes)) {
-		ended += codes[code]
-		summary = append(summary, fmt.Sprintf("%d ended by the broker with %s", codes[code], code))
-	}
-	if left := len(streams) - ended; left > 0 {
-		summary = append(summary, fmt.Sprintf("%d held until the agent gave up", left))
-	}
-	if setupErr != nil {
-		summary = append(summary, fmt.Sprintf("establishing stopped after %d: %v", len(streams), setupErr))
-	}
-	perTunnel := none
-	if len(streams) > 0 {
-		perTunnel = float64(sent) / float64(len(streams)) / (1 << 20)
-	}
-	r.report.note("hostile %s: %d tunnels of one agent, %s, %d bytes of padding per frame: %.2f MiB of data sent per tunnel; %s",
-		c.name, len(streams), what, cfg.hostilePad, perTunnel, strings.Join(summary, ", "))
-	name := "hostile_" + c.name + "_"
-	r.report.hostileRow(name+"broker_rss_MiB_before", before)
-	r.report.hostileRow(name+"broker_rss_MiB_peak", peak)
-	r.report.hostileRow(name+"broker_rss_MiB_after", after)
-	r.report.hostileRow(name+"MiB_sent_per_tunnel", perTunnel)
-	r.report.hostileRow(name+"tunnels_ended_by_broker", float64(ended))
+	return codes
 }
 
-// establishHostile dials through the hostile agent as kcp and opens the
-// agent's Tunnel stream for the dial on tunnels.
-func (r *runner) establishHostile(ctx context.Context, dial tunnelv1.DialServiceClient, control tunnelv1.AgentService_ConnectClient,
-	tunnels *harness.RawConn) (*harness.RawStream, error) {
-	caller, err := dial.Dial(ctx)
+// establish dials through the hostile agent as kcp and opens the agent's
+// Tunnel stream for the dial on its hand-spoken connection.
+func (a *hostileAgent) establish(ctx context.Context) (*harness.RawStream, error) {
+	caller, err := a.dial.Dial(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -209,13 +211,13 @@ func (r *runner) establishHostile(ctx context.Context, dial tunnelv1.DialService
 	}
 	var order *tunnelv1.DialOrder
 	for order == nil {
-		msg, err := control.Recv()
+		msg, err := a.control.Recv()
 		if err != nil {
 			return nil, fmt.Errorf("waiting for the dial order: %w", err)
 		}
 		order = msg.GetDialOrder()
 	}
-	s, err := tunnels.Open(tunnelv1.AgentService_Tunnel_FullMethodName)
+	s, err := a.tunnels.Open(tunnelv1.AgentService_Tunnel_FullMethodName)
 	if err != nil {
 		return nil, err
 	}

@@ -21,66 +21,74 @@ const maxRoundTrips = 1_000_000
 // per path, for cfg.duration, and reports p50, p99 and what the tunnel (and
 // the relay and peer paths, when they run) adds.
 func (r *runner) latency(ctx context.Context) {
-	q := map[string][2]float64{}
-	cpu := map[string]float64{}
-	var broker, agent, relay1, relay2, server, client float64
+	figs := map[string]rttFigures{}
 	for _, p := range r.allPaths() {
-		var stop func()
-		if p.name == "tunneled" {
-			stop = r.profile(ctx, "latency", r.cfg.duration)
-		}
-		c := r.dialOrFatal(ctx, p, svcEcho)
-		cpu0 := r.cpu()
-		s, err := roundTrips(c, r.cfg.duration)
-		used := r.cpu().sub(cpu0)
-		c.Close()
-		if stop != nil {
-			stop()
-		}
-		if err != nil {
-			r.m.Fatalf("%s round trips: %v", p.name, err)
-		}
-		q[p.name] = [2]float64{bench.Micros(s.Quantile(0.5)), bench.Micros(s.Quantile(0.99))}
-		perRT := func(d time.Duration) float64 { return bench.Micros(d) / float64(len(s)) }
-		cpu[p.name] = perRT(used.total())
-		switch p.name {
-		case "tunneled":
-			broker, agent = perRT(used.broker), perRT(used.agent)
-		case "relay":
-			relay1, relay2 = perRT(used.relay1), perRT(used.relay2)
-		case peerName:
-			server, client = perRT(used.peerServer), perRT(used.peerClient)
-		}
-		r.logf("%s: %d round trips", p.name, len(s))
+		figs[p.name] = r.latencyOn(ctx, p)
 	}
-	d, t := q["direct"], q["tunneled"]
-	r.report.row("rtt64_p50_us", d[0], t[0])
-	r.report.row("rtt64_p99_us", d[1], t[1])
-	r.report.row("rtt64_added_p50_us", none, t[0]-d[0])
-	r.report.row("rtt64_added_p99_us", none, t[1]-d[1])
-	r.report.row("rtt64_cpu_us_per_rt", cpu["direct"], cpu["tunneled"])
-	r.report.row("rtt64_broker_cpu_us_per_rt", none, broker)
-	r.report.row("rtt64_agent_cpu_us_per_rt", none, agent)
+	d, t := figs["direct"], figs["tunneled"]
+	r.report.row("rtt64_p50_us", d.p50, t.p50)
+	r.report.row("rtt64_p99_us", d.p99, t.p99)
+	r.report.row("rtt64_added_p50_us", none, t.p50-d.p50)
+	r.report.row("rtt64_added_p99_us", none, t.p99-d.p99)
+	r.report.row("rtt64_cpu_us_per_rt", d.cpuPerRT, t.cpuPerRT)
+	r.report.row("rtt64_broker_cpu_us_per_rt", none, t.first)
+	r.report.row("rtt64_agent_cpu_us_per_rt", none, t.second)
 	if r.relay != nil {
-		rl := q["relay"]
-		r.report.relayRow("rtt64_p50_us", d[0], rl[0])
-		r.report.relayRow("rtt64_p99_us", d[1], rl[1])
-		r.report.relayRow("rtt64_added_p50_us", none, rl[0]-d[0])
-		r.report.relayRow("rtt64_added_p99_us", none, rl[1]-d[1])
-		r.report.relayRow("rtt64_cpu_us_per_rt", cpu["direct"], cpu["relay"])
-		r.report.relayRow("rtt64_relay1_cpu_us_per_rt", none, relay1)
-		r.report.relayRow("rtt64_relay2_cpu_us_per_rt", none, relay2)
+		rl := figs["relay"]
+		r.report.relayRow("rtt64_p50_us", d.p50, rl.p50)
+		r.report.relayRow("rtt64_p99_us", d.p99, rl.p99)
+		r.report.relayRow("rtt64_added_p50_us", none, rl.p50-d.p50)
+		r.report.relayRow("rtt64_added_p99_us", none, rl.p99-d.p99)
+		r.report.relayRow("rtt64_cpu_us_per_rt", d.cpuPerRT, rl.cpuPerRT)
+		r.report.relayRow("rtt64_relay1_cpu_us_per_rt", none, rl.first)
+		r.report.relayRow("rtt64_relay2_cpu_us_per_rt", none, rl.second)
 	}
 	if r.peer != nil {
-		pr := q[peerName]
-		r.report.floorRow(peerName, "rtt64_p50_us", d[0], pr[0])
-		r.report.floorRow(peerName, "rtt64_p99_us", d[1], pr[1])
-		r.report.floorRow(peerName, "rtt64_added_p50_us", none, pr[0]-d[0])
-		r.report.floorRow(peerName, "rtt64_added_p99_us", none, pr[1]-d[1])
-		r.report.floorRow(peerName, "rtt64_cpu_us_per_rt", cpu["direct"], cpu[peerName])
-		r.report.floorRow(peerName, "rtt64_server_cpu_us_per_rt", none, server)
-		r.report.floorRow(peerName, "rtt64_client_cpu_us_per_rt", none, client)
+		pr := figs[peerName]
+		r.report.floorRow(peerName, "rtt64_p50_us", d.p50, pr.p50)
+		r.report.floorRow(peerName, "rtt64_p99_us", d.p99, pr.p99)
+		r.report.floorRow(peerName, "rtt64_added_p50_us", none, pr.p50-d.p50)
+		r.report.floorRow(peerName, "rtt64_added_p99_us", none, pr.p99-d.p99)
+		r.report.floorRow(peerName, "rtt64_cpu_us_per_rt", d.cpuPerRT, pr.cpuPerRT)
+		r.report.floorRow(peerName, "rtt64_server_cpu_us_per_rt", none, pr.first)
+		r.report.floorRow(peerName, "rtt64_client_cpu_us_per_rt", none, pr.second)
 	}
+}
+
+// rttFigures are one path's round-trip latencies (µs) and CPU per round
+// trip (µs): of every process, and of the path's two middle processes in
+// order (broker and agent, relay1 and relay2, the peer's server and
+// client; 0 for the direct path, which has none).
+type rttFigures struct {
+	p50, p99      float64
+	cpuPerRT      float64
+	first, second float64
+}
+
+// latencyOn is latency's measurement on path p.
+func (r *runner) latencyOn(ctx context.Context, p path) rttFigures {
+	stop := r.profilePath(ctx, p, "latency", r.cfg.duration)
+	c := r.dialOrFatal(ctx, p, svcEcho)
+	cpu0 := r.cpu()
+	s, err := roundTrips(c, r.cfg.duration)
+	used := r.cpu().sub(cpu0)
+	c.Close()
+	stop()
+	if err != nil {
+		r.m.Fatalf("%s round trips: %v", p.name, err)
+	}
+	perRT := func(d time.Duration) float64 { return bench.Micros(d) / float64(len(s)) }
+	f := rttFigures{p50: bench.Micros(s.Quantile(0.5)), p99: bench.Micros(s.Quantile(0.99)), cpuPerRT: perRT(used.total())}
+	switch p.name {
+	case "tunneled":
+		f.first, f.second = perRT(used.broker), perRT(used.agent)
+	case "relay":
+		f.first, f.second = perRT(used.relay1), perRT(used.relay2)
+	case peerName:
+		f.first, f.second = perRT(used.peerServer), perRT(used.peerClient)
+	}
+	r.logf("%s: %d round trips", p.name, len(s))
+	return f
 }
 
 // roundTrips runs 64-byte round trips on c for d (after a short warm-up)
@@ -117,50 +125,7 @@ func (r *runner) roundTripRate(ctx context.Context) {
 	rates := map[string]float64{}
 	cpu := map[string]float64{}
 	for _, p := range r.allPaths() {
-		var stop func()
-		if p.name == "tunneled" {
-			stop = r.profile(ctx, "rps", r.cfg.duration)
-		}
-		conns := make([]net.Conn, r.cfg.conns)
-		for i := range conns {
-			conns[i] = r.dialOrFatal(ctx, p, svcEcho)
-		}
-		cpu0 := r.cpu()
-		var (
-			total  atomic.Int64
-			failed atomic.Value
-			wg     sync.WaitGroup
-			start  = time.Now()
-			end    = start.Add(r.cfg.duration)
-		)
-		for _, c := range conns {
-			wg.Go(func() {
-				msg, buf := make([]byte, msgSize), make([]byte, msgSize)
-				_ = c.SetDeadline(end.Add(30 * time.Second))
-				for n := 0; n < maxRoundTrips && time.Now().Before(end); n++ {
-					if err := bench.RoundTrip(c, msg, buf); err != nil {
-						failed.Store(err)
-						return
-					}
-					total.Add(1)
-				}
-			})
-		}
-		wg.Wait()
-		took := time.Since(start)
-		used := r.cpu().sub(cpu0)
-		for _, c := range conns {
-			c.Close()
-		}
-		if stop != nil {
-			stop()
-		}
-		if err, _ := failed.Load().(error); err != nil {
-			r.m.Fatalf("%s round trips: %v", p.name, err)
-		}
-		rates[p.name] = float64(total.Load()) / took.Seconds()
-		cpu[p.name] = bench.Micros(used.total()) / float64(max(1, total.Load()))
-		r.logf("%s: %d round trips on %d connections in %v", p.name, total.Load(), r.cfg.conns, took.Round(time.Millisecond))
+		rates[p.name], cpu[p.name] = r.roundTripRateOn(ctx, p)
 	}
 	name := "rtt64_" + strconv.Itoa(r.cfg.conns) + "conns"
 	r.report.row(name+"_per_s", rates["direct"], rates["tunneled"])
@@ -173,4 +138,56 @@ func (r *runner) roundTripRate(ctx context.Context) {
 		r.report.floorRow(peerName, name+"_per_s", rates["direct"], rates[peerName])
 		r.report.floorRow(peerName, name+"_cpu_us_per_rt", cpu["direct"], cpu[peerName])
 	}
+}
+
+// roundTripRateOn is roundTripRate's measurement on path p: round trips
+// per second, and CPU (µs) per round trip of every process.
+func (r *runner) roundTripRateOn(ctx context.Context, p path) (rate, cpuPerRT float64) {
+	stop := r.profilePath(ctx, p, "rps", r.cfg.duration)
+	conns := make([]net.Conn, r.cfg.conns)
+	for i := range conns {
+		conns[i] = r.dialOrFatal(ctx, p, svcEcho)
+	}
+	cpu0 := r.cpu()
+	start := time.Now()
+	total, err := roundTripsUntil(conns, start.Add(r.cfg.duration))
+	took := time.Since(start)
+	used := r.cpu().sub(cpu0)
+	for _, c := range conns {
+		c.Close()
+	}
+	stop()
+	if err != nil {
+		r.m.Fatalf("%s round trips: %v", p.name, err)
+	}
+	r.logf("%s: %d round trips on %d connections in %v", p.name, total, r.cfg.conns, took.Round(time.Millisecond))
+	return float64(total) / took.Seconds(), bench.Micros(used.total()) / float64(max(1, total))
+}
+
+// roundTripsUntil runs 64-byte round trips on every one of conns at once,
+// each one after another, until end (at most maxRoundTrips per
+// connection), and returns how many completed in all. A connection that
+// fails stops; the error returned is one of theirs.
+func roundTripsUntil(conns []net.Conn, end time.Time) (int64, error) {
+	var (
+		total  atomic.Int64
+		failed atomic.Value
+		wg     sync.WaitGroup
+	)
+	for _, c := range conns {
+		wg.Go(func() {
+			msg, buf := make([]byte, msgSize), make([]byte, msgSize)
+			_ = c.SetDeadline(end.Add(30 * time.Second))
+			for n := 0; n < maxRoundTrips && time.Now().Before(end); n++ {
+				if err := bench.RoundTrip(c, msg, buf); err != nil {
+					failed.Store(err)
+					return
+				}
+				total.Add(1)
+			}
+		})
+	}
+	wg.Wait()
+	err, _ := failed.Load().(error)
+	return total.Load(), err
 }

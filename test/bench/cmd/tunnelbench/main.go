@@ -59,20 +59,46 @@ type config struct {
 }
 
 func main() {
-	switch os.Getenv(roleEnv) {
-	case "webhook":
-		serveWebhook()
-		return
-	case "relay":
-		serveRelay()
-		return
-	case "grpc-echo":
-		serveGRPCEcho()
-		return
-	case "echo":
-		serveEcho()
+	if serveRole(os.Getenv(roleEnv)) {
 		return
 	}
+	cfg, maxTime := parseFlags()
+	b := newBench(cfg)
+	defer b.close()
+	b.stopOnSignalOrAfter(maxTime)
+	ctx := context.Background()
+	b.report.header(b)
+	for _, p := range allPhases {
+		if !slices.Contains(cfg.phases, p) {
+			continue
+		}
+		b.logf("phase %s (load %s)", p, loadAvg())
+		b.runPhase(ctx, p)
+	}
+	b.report.footer(b)
+}
+
+// serveRole serves role, if this process is a child started to serve one
+// (see child.go), and says whether it did.
+func serveRole(role string) bool {
+	switch role {
+	case "webhook":
+		serveWebhook()
+	case "relay":
+		serveRelay()
+	case "grpc-echo":
+		serveGRPCEcho()
+	case "echo":
+		serveEcho()
+	default:
+		return false
+	}
+	return true
+}
+
+// parseFlags reads the command line into the run's config, and the bound
+// of the whole run. It exits on a bad flag.
+func parseFlags() (config, time.Duration) {
 	var (
 		cfg    config
 		size   = flag.String("size", "1GiB", "bytes of each bulk transfer (download and upload), e.g. 1GiB, 64MiB")
@@ -98,21 +124,38 @@ func main() {
 	maxTime := flag.Duration("max-time", 20*time.Minute, "bound of the whole run: stop everything and fail after it")
 	flag.Parse()
 
-	var err error
-	if cfg.size, err = parseBytes(*size); err != nil {
-		fatalf("-size: %v", err)
-	}
-	if cfg.hostileMessage, err = parseBytes(*hostileMessage); err != nil {
-		fatalf("-hostile-message: %v", err)
-	}
+	cfg.size = mustParseBytes("-size", *size)
+	cfg.hostileMessage = mustParseBytes("-hostile-message", *hostileMessage)
 	if *hostilePad > 255 {
 		fatalf("-hostile-pad: at most 255, HTTP/2's most")
 	}
 	cfg.hostilePad = uint8(*hostilePad)
-	if cfg.flood, err = parseBytes(*flood); err != nil {
-		fatalf("-flood: %v", err)
+	cfg.flood = mustParseBytes("-flood", *flood)
+	cfg.idle = parseIdleCounts(*idle)
+	cfg.phases = parsePhases(*phases)
+	if *quick {
+		cfg.size = 64 << 20
+		cfg.duration = time.Second
+		cfg.dials = 200
+		cfg.idle = []int{100, 1000}
 	}
-	for _, f := range strings.Split(*idle, ",") {
+	return cfg, *maxTime
+}
+
+// mustParseBytes is parseBytes of the value s of flag name, or exits.
+func mustParseBytes(name, s string) int64 {
+	n, err := parseBytes(s)
+	if err != nil {
+		fatalf("%s: %v", name, err)
+	}
+	return n
+}
+
+// parseIdleCounts reads -idle: positive counts, comma-separated; empty
+// items are skipped. It exits on a bad count.
+func parseIdleCounts(s string) []int {
+	var counts []int
+	for _, f := range strings.Split(s, ",") {
 		if f = strings.TrimSpace(f); f == "" {
 			continue
 		}
@@ -120,73 +163,72 @@ func main() {
 		if err != nil || n <= 0 {
 			fatalf("-idle: bad count %q", f)
 		}
-		cfg.idle = append(cfg.idle, n)
+		counts = append(counts, n)
 	}
-	for _, p := range strings.Split(*phases, ",") {
+	return counts
+}
+
+// parsePhases reads -phases: names of allPhases, comma-separated; empty
+// items are skipped. It exits on an unknown name.
+func parsePhases(s string) []string {
+	var phases []string
+	for _, p := range strings.Split(s, ",") {
 		if p = strings.TrimSpace(p); p == "" {
 			continue
 		}
 		if !slices.Contains(allPhases, p) {
 			fatalf("-phases: unknown phase %q (have %s)", p, strings.Join(allPhases, ","))
 		}
-		cfg.phases = append(cfg.phases, p)
+		phases = append(phases, p)
 	}
-	if *quick {
-		cfg.size = 64 << 20
-		cfg.duration = time.Second
-		cfg.dials = 200
-		cfg.idle = []int{100, 1000}
-	}
+	return phases
+}
 
-	b := newBench(cfg)
-	defer b.close()
-	// Whatever happens, stop the broker, agent, webhook, relay and peer processes
-	// before exiting: on a signal, and at -max-time.
+// stopOnSignalOrAfter makes sure that, whatever happens, the broker,
+// agent, webhook, relay and peer processes are stopped before the program
+// exits: on a signal, and once the run took longer than maxTime, it stops
+// them and exits with status 1.
+func (r *runner) stopOnSignalOrAfter(maxTime time.Duration) {
 	stop := make(chan os.Signal, 1)
 	signal.Notify(stop, os.Interrupt, syscall.SIGTERM)
 	go func() {
 		select {
 		case s := <-stop:
-			b.logf("%v: stopping", s)
-		case <-time.After(*maxTime):
-			b.logf("the run took longer than -max-time %v: stopping", *maxTime)
+			r.logf("%v: stopping", s)
+		case <-time.After(maxTime):
+			r.logf("the run took longer than -max-time %v: stopping", maxTime)
 		}
-		b.close()
+		r.close()
 		os.Exit(1)
 	}()
-	ctx := context.Background()
-	b.report.header(b)
-	for _, p := range allPhases {
-		if !slices.Contains(cfg.phases, p) {
-			continue
-		}
-		b.logf("phase %s (load %s)", p, loadAvg())
-		switch p {
-		case "throughput":
-			b.throughput(ctx)
-		case "latency":
-			b.latency(ctx)
-		case "rps":
-			b.roundTripRate(ctx)
-		case "dial":
-			b.dialLatency(ctx)
-		case "grpc":
-			b.grpcFloor(ctx)
-		case "isolation":
-			b.isolation(ctx)
-		case "tenants":
-			b.tenants(ctx)
-		case "webhook":
-			b.webhookRate(ctx)
-		case "idle":
-			b.idleTunnels(ctx)
-		case "hostile":
-			b.hostile(ctx)
-		case "scale":
-			b.scale(ctx)
-		}
+}
+
+// runPhase runs phase p, one of allPhases.
+func (r *runner) runPhase(ctx context.Context, p string) {
+	switch p {
+	case "throughput":
+		r.throughput(ctx)
+	case "latency":
+		r.latency(ctx)
+	case "rps":
+		r.roundTripRate(ctx)
+	case "dial":
+		r.dialLatency(ctx)
+	case "grpc":
+		r.grpcFloor(ctx)
+	case "isolation":
+		r.isolation(ctx)
+	case "tenants":
+		r.tenants(ctx)
+	case "webhook":
+		r.webhookRate(ctx)
+	case "idle":
+		r.idleTunnels(ctx)
+	case "hostile":
+		r.hostile(ctx)
+	case "scale":
+		r.scale(ctx)
 	}
-	b.report.footer(b)
 }
 
 // parseBytes reads a byte count with an optional KiB, MiB or GiB suffix.

@@ -46,3 +46,12 @@ func (r *runner) profile(ctx context.Context, name string, window time.Duration)
 		}
 	}
 }
+
+// profilePath is profile for a measurement on path p: only the tunneled
+// path's measurements are profiled, the others' stop does nothing.
+func (r *runner) profilePath(ctx context.Context, p path, name string, window time.Duration) (stop func()) {
+	if p.name != "tunneled" {
+		return func() {}
+	}
+	return r.profile(ctx, name, window)
+}

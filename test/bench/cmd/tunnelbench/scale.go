@@ -546,30 +546,60 @@ func (r *runner) scaleBig(ctx context.Context, w *scaleWorld) {
 // expected; one that fails while its agent is registered is a fault.
 func (r *runner) scaleRestart(ctx context.Context, w *scaleWorld) {
 	cfg := w.cfg
-	type failure struct {
-		agent      int
-		start, end time.Time
-		err        error
-	}
-	var (
-		mu       sync.Mutex
-		dials    int
-		failures []failure
-	)
 	stopProfile := r.scaleProfile(ctx, w.many, "restart", cfg.restart)
 	indices := make([]int, cfg.agents)
 	for i := range indices {
 		indices[i] = i
 	}
 	startRep := r.loadDo(w, loadRequest{Op: "restart", Broker: "many", Indices: indices, PerAgent: cfg.clusters, Over: cfg.restart})
-	began := time.Unix(0, startRep.Start)
-	stop := make(chan struct{})
+	d := &restartDials{}
+	stopDials := d.run(ctx, w, time.Unix(0, startRep.Start))
+	rep := r.loadDo(w, loadRequest{Op: "restart_wait"})
+	// Dials go on a moment after the last agent is back.
+	time.Sleep(time.Second)
+	stopDials()
+	stopProfile()
+
+	away, neverBack := timesAway(rep.Away)
+	awayFailed, connectedFailed := r.sortRestartFailures(d.failures, rep.Away)
+	r.report.note("scale restart: %d agents each disconnected and reconnected once over %v (even ones unregistering cleanly first, odd ones dropping their connection); %d dials, %d failed while their agent was away, %d while it was registered; %d agents did not come back",
+		len(rep.Away), cfg.restart, d.dials, awayFailed, connectedFailed, neverBack)
+	r.report.row("scale_restart_dials", none, float64(d.dials))
+	r.report.row("scale_restart_dials_failed_agent_registered", none, float64(connectedFailed))
+	r.report.row("scale_restart_dials_failed_agent_away", none, float64(awayFailed))
+	r.report.row("scale_restart_agents_not_back", none, float64(neverBack))
+	r.report.row("scale_restart_away_p50_ms", none, bench.Millis(away.Quantile(0.5)))
+	r.report.row("scale_restart_away_p99_ms", none, bench.Millis(away.Quantile(0.99)))
+}
+
+// restartDials are the dials of the rolling restart: how many, and the
+// ones that failed.
+type restartDials struct {
+	mu       sync.Mutex
+	dials    int
+	failures []restartFailure
+}
+
+// restartFailure is a dial to a cluster of agent that failed with err.
+type restartFailure struct {
+	agent      int
+	start, end time.Time
+	err        error
+}
+
+// run has two callers dial clusters of broker many's agents, whose restart
+// began at began, until the returned stop is called: half the dials go to
+// an agent due to restart about now, so that the dials meet agents as they
+// leave and come back; the other half to any agent.
+func (d *restartDials) run(ctx context.Context, w *scaleWorld, began time.Time) (stop func()) {
+	cfg := w.cfg
+	stopping := make(chan struct{})
 	var wg sync.WaitGroup
 	for range 2 {
 		wg.Go(func() {
 			for {
 				select {
-				case <-stop:
+				case <-stopping:
 					return
 				default:
 				}
@@ -579,45 +609,63 @@ func (r *runner) scaleRestart(ctx context.Context, w *scaleWorld) {
 					due := time.Since(began) - time.Duration(rand.Int64N(int64(500*time.Millisecond)))
 					agent = max(0, min(cfg.agents-1, int(int64(due)*int64(cfg.agents)/int64(cfg.restart))))
 				}
-				cluster := scaleCluster(agent, rand.IntN(cfg.clusters))
-				dctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-				start := time.Now()
-				c, err := w.many.dialer.DialService(dctx, cluster, namespace, svcDial, portPlain)
-				end := time.Now()
-				cancel()
-				if err == nil {
-					c.Close()
-				}
-				mu.Lock()
-				dials++
-				if err != nil {
-					failures = append(failures, failure{agent, start, end, err})
-				}
-				mu.Unlock()
+				start, end, err := w.many.dialAndClose(ctx, scaleCluster(agent, rand.IntN(cfg.clusters)))
+				d.record(restartFailure{agent, start, end, err})
 			}
 		})
 	}
-	rep := r.loadDo(w, loadRequest{Op: "restart_wait"})
-	// Dials go on a moment after the last agent is back.
-	time.Sleep(time.Second)
-	close(stop)
-	wg.Wait()
-	stopProfile()
+	return func() {
+		close(stopping)
+		wg.Wait()
+	}
+}
 
-	var away bench.Samples
-	neverBack := 0
-	for _, a := range rep.Away {
+// record counts dial f, and keeps it if it failed.
+func (d *restartDials) record(f restartFailure) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.dials++
+	if f.err != nil {
+		d.failures = append(d.failures, f)
+	}
+}
+
+// dialAndClose dials cluster through b as kcp, bounded by 10 seconds, and
+// closes the connection if it got one: the scale phase's dials only count
+// whether the broker routed them. It returns when the dial started and
+// when it returned.
+func (b *scaleBroker) dialAndClose(ctx context.Context, cluster string) (start, end time.Time, err error) {
+	dctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	start = time.Now()
+	c, err := b.dialer.DialService(dctx, cluster, namespace, svcDial, portPlain)
+	end = time.Now()
+	if err == nil {
+		c.Close()
+	}
+	return start, end, err
+}
+
+// timesAway is how long each agent that came back was away, and how many
+// never came back, from a load reply's Away.
+func timesAway(byAgent map[int][2]int64) (away bench.Samples, neverBack int) {
+	for _, a := range byAgent {
 		if a[1] == 0 {
 			neverBack++
 			continue
 		}
 		away = append(away, time.Duration(a[1]-a[0]))
 	}
-	awayFailed, connectedFailed := 0, 0
+	return away, neverBack
+}
+
+// sortRestartFailures counts the failed dials whose agent was away and the
+// ones whose agent was registered, the fault; it logs the first ten faults.
+// An agent is away from its disconnect until its new registered arrived;
+// one that never came back is away from its disconnect on.
+func (r *runner) sortRestartFailures(failures []restartFailure, byAgent map[int][2]int64) (awayFailed, connectedFailed int) {
 	for _, f := range failures {
-		a, ok := rep.Away[f.agent]
-		// Away from its disconnect until its new registered arrived; an
-		// agent that never came back is away from its disconnect on.
+		a, ok := byAgent[f.agent]
 		isAway := ok && f.end.UnixNano() >= a[0] && (a[1] == 0 || f.start.UnixNano() <= a[1])
 		if isAway {
 			awayFailed++
@@ -630,14 +678,7 @@ func (r *runner) scaleRestart(ctx context.Context, w *scaleWorld) {
 				f.start.Format(time.StampMicro), f.end.Format(time.StampMicro), f.err)
 		}
 	}
-	r.report.note("scale restart: %d agents each disconnected and reconnected once over %v (even ones unregistering cleanly first, odd ones dropping their connection); %d dials, %d failed while their agent was away, %d while it was registered; %d agents did not come back",
-		len(rep.Away), cfg.restart, dials, awayFailed, connectedFailed, neverBack)
-	r.report.row("scale_restart_dials", none, float64(dials))
-	r.report.row("scale_restart_dials_failed_agent_registered", none, float64(connectedFailed))
-	r.report.row("scale_restart_dials_failed_agent_away", none, float64(awayFailed))
-	r.report.row("scale_restart_agents_not_back", none, float64(neverBack))
-	r.report.row("scale_restart_away_p50_ms", none, bench.Millis(away.Quantile(0.5)))
-	r.report.row("scale_restart_away_p99_ms", none, bench.Millis(away.Quantile(0.99)))
+	return awayFailed, connectedFailed
 }
 
 // scaleProfile starts a CPU profile of broker b for window; stop waits for
@@ -695,45 +736,17 @@ func (r *runner) scaleVanish(ctx context.Context, w *scaleWorld) {
 		}
 	}
 	rep := r.loadDo(w, loadRequest{Op: "vanish", Broker: "many", Indices: indices, PerAgent: cfg.clusters})
-	var (
-		mu            sync.Mutex
-		dials, failed int
-		lastFailure   time.Duration
-		codesSeen     = map[codes.Code]int{}
-	)
+	d := vanishDials{codes: map[codes.Code]int{}}
 	deadline := time.Now().Add(cfg.vanishWatch)
 	var wg sync.WaitGroup
 	for _, i := range indices {
-		back := time.Unix(0, rep.Away[i][1])
 		for range 2 {
-			wg.Go(func() {
-				for time.Now().Before(deadline) {
-					// A dial started within the watch runs to its end:
-					// one routed to a hung agent fails only at the
-					// broker's dial timeout (5 s).
-					dctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-					start := time.Now()
-					c, err := w.many.dialer.DialService(dctx, scaleCluster(i, rand.IntN(cfg.clusters)), namespace, svcDial, portPlain)
-					cancel()
-					if err == nil {
-						c.Close()
-					}
-					mu.Lock()
-					dials++
-					// Every dial starts after the agent's new registered.
-					if err != nil && start.After(back) {
-						failed++
-						codesSeen[status.Code(err)]++
-						lastFailure = max(lastFailure, start.Sub(time.Unix(0, rep.Away[i][0])))
-					}
-					mu.Unlock()
-				}
-			})
+			wg.Go(func() { d.watch(ctx, w, i, rep.Away[i], deadline) })
 		}
 	}
 	wg.Wait()
 	summary := []string{}
-	for c, n := range codesSeen {
+	for c, n := range d.codes {
 		summary = append(summary, fmt.Sprintf("%d %s", n, c))
 	}
 	if len(summary) == 0 {
@@ -741,8 +754,38 @@ func (r *runner) scaleVanish(ctx context.Context, w *scaleWorld) {
 	}
 	slices.Sort(summary)
 	r.report.note("scale vanish: %d agents hung (socket open, silent) and reconnected at once on a new connection; %d dials to their clusters over %v, all after the new registration: %d failed (%s); the last failed dial started %v after its agent hung",
-		len(indices), dials, cfg.vanishWatch, failed, strings.Join(summary, ", "), lastFailure.Round(time.Millisecond))
-	r.report.row("scale_vanish_dials", none, float64(dials))
-	r.report.row("scale_vanish_dials_failed_agent_registered", none, float64(failed))
-	r.report.row("scale_vanish_stale_routed_s", none, lastFailure.Seconds())
+		len(indices), d.dials, cfg.vanishWatch, d.failed, strings.Join(summary, ", "), d.lastFailure.Round(time.Millisecond))
+	r.report.row("scale_vanish_dials", none, float64(d.dials))
+	r.report.row("scale_vanish_dials_failed_agent_registered", none, float64(d.failed))
+	r.report.row("scale_vanish_stale_routed_s", none, d.lastFailure.Seconds())
+}
+
+// vanishDials are the dials to the hung agents' clusters after they
+// reconnected: how many, how many failed and with which codes, and how
+// long after its agent hung the last failed one started.
+type vanishDials struct {
+	mu            sync.Mutex
+	dials, failed int
+	lastFailure   time.Duration
+	codes         map[codes.Code]int
+}
+
+// watch dials clusters of agent i, which hung at away[0] and registered
+// anew at away[1] (unix ns), one after another until deadline.
+func (d *vanishDials) watch(ctx context.Context, w *scaleWorld, i int, away [2]int64, deadline time.Time) {
+	hung, back := time.Unix(0, away[0]), time.Unix(0, away[1])
+	for time.Now().Before(deadline) {
+		// A dial started within the watch runs to its end: one routed
+		// to a hung agent fails only at the broker's dial timeout (5 s).
+		start, _, err := w.many.dialAndClose(ctx, scaleCluster(i, rand.IntN(w.cfg.clusters)))
+		d.mu.Lock()
+		d.dials++
+		// Every dial starts after the agent's new registered.
+		if err != nil && start.After(back) {
+			d.failed++
+			d.codes[status.Code(err)]++
+			d.lastFailure = max(d.lastFailure, start.Sub(hung))
+		}
+		d.mu.Unlock()
+	}
 }
