@@ -75,31 +75,7 @@ func TestSlowReaderDoesNotStallOtherConns(t *testing.T) {
 		if p.target.GetService() != "flood" {
 			return p.echo()
 		}
-		// Send until the caller half-closes, or all of flood.
-		eof := make(chan struct{})
-		go func() {
-			_, _ = p.recvAll()
-			close(eof)
-		}()
-		chunk := make([]byte, wire.MaxFrame)
-		var err error
-		for floodSent.Load() < flood {
-			select {
-			case <-eof:
-			default:
-				if err = p.send(chunk); err == nil {
-					floodSent.Add(int64(len(chunk)))
-					continue
-				}
-			}
-			break
-		}
-		floodDone <- err
-		if err != nil {
-			return err
-		}
-		<-eof
-		return p.closeWrite()
+		return floodUntilHalfClosed(p, flood, &floodSent, floodDone)
 	})
 
 	slow, err := d.DialService(context.Background(), testCluster, testNamespace, "flood", testPort)
@@ -129,6 +105,38 @@ func TestSlowReaderDoesNotStallOtherConns(t *testing.T) {
 		t.Logf("flood ended with %v", err)
 	}
 	receiveDone(t, slow)
+}
+
+// floodUntilHalfClosed sends frames of wire.MaxFrame bytes to the caller
+// until the caller half-closes, or until it has sent flood bytes in all,
+// counting them in sent. It reports on done how the sending ended (nil,
+// or the send's error); after a clean end it waits for the caller's
+// half-close and half-closes in turn.
+func floodUntilHalfClosed(p *peer, flood int64, sent *atomic.Int64, done chan<- error) error {
+	eof := make(chan struct{})
+	go func() {
+		_, _ = p.recvAll()
+		close(eof)
+	}()
+	chunk := make([]byte, wire.MaxFrame)
+	var err error
+	for sent.Load() < flood {
+		select {
+		case <-eof:
+		default:
+			if err = p.send(chunk); err == nil {
+				sent.Add(int64(len(chunk)))
+				continue
+			}
+		}
+		break
+	}
+	done <- err
+	if err != nil {
+		return err
+	}
+	<-eof
+	return p.closeWrite()
 }
 
 // Concurrent Writes on one conn do not interleave: each Write's bytes arrive

@@ -104,73 +104,102 @@ const (
 // buffers within a frame), and large ones, so that a run stays cheap.
 var readSizes = []int{1, 64 << 10, 3, 1000, 32<<10 + 5, 64, 4096}
 
+// parseScript reads a script from fuzz input: a flags byte, then opcodes
+// and their arguments until the input, the frame limit or a status ends it.
 func parseScript(in []byte) script {
-	var s script
-	next := func() (byte, bool) {
-		if len(in) == 0 {
-			return 0, false
-		}
-		b := in[0]
-		in = in[1:]
-		return b, true
-	}
-	flags, _ := next()
-	s.skipEstablished = flags&1 != 0
-	s.readFrom = int(flags>>1) % len(readSizes)
-	total := 0
-	add := func(m *tunnelv1.DialResponse) {
-		wire, err := proto.Marshal(m)
-		if err != nil {
-			panic(err)
-		}
-		s.frames = append(s.frames, frame{wire: wire, msg: m, canonical: true})
-	}
-	data := func(n int) {
-		n = min(n, maxScriptBytes-total)
-		total += n
-		b := make([]byte, n)
-		for i := range b {
-			b[i] = byte(len(s.frames)*31 + i) // each frame its own pattern
-		}
-		add(&tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_Data{Data: b}})
-	}
-	for len(s.frames) < maxScriptFrames {
-		op, ok := next()
-		if !ok {
+	p := &scriptParser{in: in}
+	flags, _ := p.next()
+	p.s.skipEstablished = flags&1 != 0
+	p.s.readFrom = int(flags>>1) % len(readSizes)
+	for len(p.s.frames) < maxScriptFrames {
+		op, ok := p.next()
+		if !ok || p.apply(op) {
 			break
 		}
-		switch op % opCount {
-		case opData:
-			n, _ := next()
-			data(int(n))
-		case opBigData:
-			hi, _ := next()
-			lo, _ := next()
-			data(int(hi)<<8 | int(lo))
-		case opCloseWrite:
-			add(&tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_CloseWrite{CloseWrite: &tunnelv1.CloseWrite{}}})
-		case opEstablished:
-			add(&tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_Established{Established: &tunnelv1.Established{TunnelId: "again"}}})
-		case opEmpty:
-			add(&tunnelv1.DialResponse{})
-		case opRaw:
-			n, _ := next()
-			wire := append([]byte(nil), in[:min(int(n), len(in))]...)
-			in = in[len(wire):]
-			fr := frame{wire: wire}
-			var m tunnelv1.DialResponse
-			if proto.Unmarshal(wire, &m) == nil {
-				fr.msg = &m
-				fr.canonical = isDataFrame(wire)
-			}
-			s.frames = append(s.frames, fr)
-		case opStatus:
-			c, _ := next()
-			s.end = codes.Code(c % 17)
-			return s
-		}
 	}
-	return s
+	return p.s
+}
+
+// scriptParser is parseScript's state: the input not read yet, the script
+// so far and how many data bytes it holds, which maxScriptBytes bounds.
+type scriptParser struct {
+	in    []byte
+	s     script
+	total int
+}
+
+// next takes the input's next byte; past its end, it is 0 and false, so
+// that an opcode missing its arguments still makes a frame.
+func (p *scriptParser) next() (byte, bool) {
+	if len(p.in) == 0 {
+		return 0, false
+	}
+	b := p.in[0]
+	p.in = p.in[1:]
+	return b, true
+}
+
+// apply reads op's arguments and adds its frame, or, for opStatus, the
+// RPC's end; it says whether the script has ended.
+func (p *scriptParser) apply(op byte) (ended bool) {
+	switch op % opCount {
+	case opData:
+		n, _ := p.next()
+		p.data(int(n))
+	case opBigData:
+		hi, _ := p.next()
+		lo, _ := p.next()
+		p.data(int(hi)<<8 | int(lo))
+	case opCloseWrite:
+		p.add(&tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_CloseWrite{CloseWrite: &tunnelv1.CloseWrite{}}})
+	case opEstablished:
+		p.add(&tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_Established{Established: &tunnelv1.Established{TunnelId: "again"}}})
+	case opEmpty:
+		p.add(&tunnelv1.DialResponse{})
+	case opRaw:
+		n, _ := p.next()
+		p.raw(int(n))
+	case opStatus:
+		c, _ := p.next()
+		p.s.end = codes.Code(c % 17)
+		return true
+	}
+	return false
+}
+
+// add appends m as the protocol encodes it.
+func (p *scriptParser) add(m *tunnelv1.DialResponse) {
+	wire, err := proto.Marshal(m)
+	if err != nil {
+		panic(err)
+	}
+	p.s.frames = append(p.s.frames, frame{wire: wire, msg: m, canonical: true})
+}
+
+// data appends a data frame of n bytes, fewer if the script would hold
+// more than maxScriptBytes.
+func (p *scriptParser) data(n int) {
+	n = min(n, maxScriptBytes-p.total)
+	p.total += n
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = byte(len(p.s.frames)*31 + i) // each frame its own pattern
+	}
+	p.add(&tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_Data{Data: b}})
+}
+
+// raw appends the input's next n bytes (fewer where it ends) as a message
+// of their own, with what they decode to if they decode.
+func (p *scriptParser) raw(n int) {
+	wire := append([]byte(nil), p.in[:min(n, len(p.in))]...)
+	p.in = p.in[len(wire):]
+	fr := frame{wire: wire}
+	var m tunnelv1.DialResponse
+	if proto.Unmarshal(wire, &m) == nil {
+		fr.msg = &m
+		fr.canonical = isDataFrame(wire)
+	}
+	p.s.frames = append(p.s.frames, fr)
 }
 
 // isDataFrame says wire is a data frame as docs/protocol.md §2 spells it:

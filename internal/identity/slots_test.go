@@ -1,6 +1,7 @@
 package identity
 
 import (
+	"crypto/tls"
 	"net"
 	"testing"
 	"time"
@@ -52,12 +53,7 @@ func TestStalledHandshakesGiveWayAndFreshOnesAreNotDropped(t *testing.T) {
 
 	// Both slots are taken by handshakes that just began: a new one is
 	// turned away, the others keep theirs.
-	if _, err := dialAndRead(addr, good); err == nil {
-		t.Fatal("a handshake past the bound was admitted")
-	}
-	if r := next(t, results); ReasonOf(r.err) != ReasonOverLimit {
-		t.Fatalf("refused for %q (%v), want %q", ReasonOf(r.err), r.err, ReasonOverLimit)
-	}
+	wantTurnedAwayOverLimit(t, addr, good, results)
 	if slots.inUse() != 2 {
 		t.Fatalf("%d handshakes in progress, want the 2 stalled ones", slots.inUse())
 	}
@@ -69,6 +65,35 @@ func TestStalledHandshakesGiveWayAndFreshOnesAreNotDropped(t *testing.T) {
 		t.Fatalf("a handshake did not take a stalled one's place: %v", err)
 	}
 	closedByServer(t, first)
+	wantOneEvictedAndOnePassed(t, results)
+	if got := refusals.get(ReasonOverLimit); got != 2 {
+		t.Errorf("counted %d handshakes over the limit, want 2", got)
+	}
+	// The younger stalled handshake still holds its slot.
+	if slots.inUse() != 1 {
+		t.Errorf("%d handshakes in progress, want 1", slots.inUse())
+	}
+	second.Close()
+	testutil.Eventually(t, "the last slot to be freed", func() bool { return slots.inUse() == 0 })
+}
+
+// wantTurnedAwayOverLimit dials addr with cfg and wants the handshake
+// refused, and the server to report it refused as over the limit.
+func wantTurnedAwayOverLimit(t *testing.T, addr string, cfg *tls.Config, results <-chan handshake) {
+	t.Helper()
+	if _, err := dialAndRead(addr, cfg); err == nil {
+		t.Fatal("a handshake past the bound was admitted")
+	}
+	if r := next(t, results); ReasonOf(r.err) != ReasonOverLimit {
+		t.Fatalf("refused for %q (%v), want %q", ReasonOf(r.err), r.err, ReasonOverLimit)
+	}
+}
+
+// wantOneEvictedAndOnePassed wants the server's next two handshakes to be
+// one that ended over the limit, the stalled one evicted, and one that
+// passed, in either order: the two finish on their own goroutines.
+func wantOneEvictedAndOnePassed(t *testing.T, results <-chan handshake) {
+	t.Helper()
 	var evicted, passed int
 	for range 2 {
 		r := next(t, results)
@@ -84,13 +109,4 @@ func TestStalledHandshakesGiveWayAndFreshOnesAreNotDropped(t *testing.T) {
 	if evicted != 1 || passed != 1 {
 		t.Fatalf("%d evicted and %d passed, want one each", evicted, passed)
 	}
-	if got := refusals.get(ReasonOverLimit); got != 2 {
-		t.Errorf("counted %d handshakes over the limit, want 2", got)
-	}
-	// The younger stalled handshake still holds its slot.
-	if slots.inUse() != 1 {
-		t.Errorf("%d handshakes in progress, want 1", slots.inUse())
-	}
-	second.Close()
-	testutil.Eventually(t, "the last slot to be freed", func() bool { return slots.inUse() == 0 })
 }

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"io"
 	"log/slog"
+	"net"
 	"slices"
 	"sync"
 	"syscall"
@@ -250,21 +251,8 @@ func TestDrainRefusesNewOrdersAndWaitsForTunnelsInFlight(t *testing.T) {
 	tu := b.nextTunnel(t)
 
 	stopped := stopAsync(stop)
-	m := s.next(t)
-	if m.GetDrain() == nil {
-		t.Fatalf("agent sent %T when its context ended, want drain", m.GetMessage())
-	}
-	if got := m.GetDrain().GetGraceMs(); got != 60000 {
-		t.Errorf("drain grace_ms %d, want 60000", got)
-	}
-
-	s.order(t, dialOrder(2))
-	f := s.failure(t)
-	if f.GetDialId() != 2 || codes.Code(f.GetCode()) != codes.Unavailable || f.GetMessage() != shuttingDown {
-		t.Errorf("dial_failure{%d, %v, %q}, want {2, Unavailable, %q}", f.GetDialId(), codes.Code(f.GetCode()), f.GetMessage(), shuttingDown)
-	}
-	tg.noConnection(t)
-	b.noTunnel(t)
+	wantDrainOfAMinute(t, s)
+	wantOrderRefusedWhileDraining(t, b, s, tg)
 
 	// The tunnel in flight still carries bytes, and Run waits for it.
 	if err := tu.send([]byte("in flight")); err != nil {
@@ -281,6 +269,43 @@ func TestDrainRefusesNewOrdersAndWaitsForTunnelsInFlight(t *testing.T) {
 	}
 
 	// Once the tunnel ends cleanly, Run returns without waiting out the grace.
+	endTunnelCleanly(t, tu, conn)
+	testutil.Wait(t, "Run to return after its last tunnel ended", stopped)
+	s.ended(t)
+}
+
+// wantDrainOfAMinute wants the next message on the control stream to be
+// the Drain a stopping agent sends, with the agent's grace of a minute.
+func wantDrainOfAMinute(t *testing.T, s *session) {
+	t.Helper()
+	m := s.next(t)
+	if m.GetDrain() == nil {
+		t.Fatalf("agent sent %T when its context ended, want drain", m.GetMessage())
+	}
+	if got := m.GetDrain().GetGraceMs(); got != 60000 {
+		t.Errorf("drain grace_ms %d, want 60000", got)
+	}
+}
+
+// wantOrderRefusedWhileDraining sends dial order 2 to a draining agent and
+// wants it refused as Unavailable because the agent is shutting down,
+// without the agent dialing the target or opening a tunnel.
+func wantOrderRefusedWhileDraining(t *testing.T, b *fakeBroker, s *session, tg *target) {
+	t.Helper()
+	s.order(t, dialOrder(2))
+	f := s.failure(t)
+	if f.GetDialId() != 2 || codes.Code(f.GetCode()) != codes.Unavailable || f.GetMessage() != shuttingDown {
+		t.Errorf("dial_failure{%d, %v, %q}, want {2, Unavailable, %q}", f.GetDialId(), codes.Code(f.GetCode()), f.GetMessage(), shuttingDown)
+	}
+	tg.noConnection(t)
+	b.noTunnel(t)
+}
+
+// endTunnelCleanly half-closes the tunnel from the broker's end, then the
+// target's, reads each direction to its end and ends the Tunnel stream
+// without an error: the way a tunnel ends when neither end fails.
+func endTunnelCleanly(t *testing.T, tu *tunnel, conn *net.TCPConn) {
+	t.Helper()
 	if err := tu.closeWrite(); err != nil {
 		t.Fatal(err)
 	}
@@ -294,8 +319,6 @@ func TestDrainRefusesNewOrdersAndWaitsForTunnelsInFlight(t *testing.T) {
 		t.Fatal(err)
 	}
 	tu.finish(nil)
-	testutil.Wait(t, "Run to return after its last tunnel ended", stopped)
-	s.ended(t)
 }
 
 func TestDrainEndsTunnelsAfterGrace(t *testing.T) {

@@ -215,21 +215,7 @@ func waitCtx(t *testing.T) context.Context {
 // reported on the control stream with its dial id, its code and a message
 // that says what failed in words, and opens no tunnel.
 func TestDialFailuresAreReportedWithTheirCode(t *testing.T) {
-	resolving := func(addrs []string, err error) lookup.Resolver {
-		return &funcResolver{clusters: []string{testCluster}, resolve: func(context.Context, *tunnelv1.Target) ([]string, error) {
-			return addrs, err
-		}}
-	}
-	for _, tc := range []struct {
-		name string
-		// setup is the agent's resolver, and a check to run after the
-		// failure (nil for none).
-		setup   func(t *testing.T) (lookup.Resolver, func(t *testing.T))
-		service string // the Service the order names; "" for the test's
-		code    codes.Code
-		message string // the failure's message contains it
-		exact   bool   // the failure's message is message, and no more
-	}{{
+	for _, tc := range []dialFailure{{
 		// No address in the message: the caller may be a kcp end user.
 		name:    "the target refuses",
 		setup:   func(t *testing.T) (lookup.Resolver, func(*testing.T)) { return staticResolver(t, refusedAddr(t)), nil },
@@ -238,7 +224,7 @@ func TestDialFailuresAreReportedWithTheirCode(t *testing.T) {
 		exact:   true,
 	}, {
 		name:    "the Service has no endpoints",
-		setup:   func(*testing.T) (lookup.Resolver, func(*testing.T)) { return resolving(nil, nil), nil },
+		setup:   func(*testing.T) (lookup.Resolver, func(*testing.T)) { return resolvingTo(nil, nil), nil },
 		code:    codes.Unavailable,
 		message: "default/webhook",
 	}, {
@@ -252,48 +238,74 @@ func TestDialFailuresAreReportedWithTheirCode(t *testing.T) {
 	}, {
 		name: "the resolver says NotFound",
 		setup: func(*testing.T) (lookup.Resolver, func(*testing.T)) {
-			return resolving(nil, status.Error(codes.NotFound, "resolver says NotFound")), nil
+			return resolvingTo(nil, status.Error(codes.NotFound, "resolver says NotFound")), nil
 		},
 		code:    codes.NotFound,
 		message: "resolver says NotFound",
 	}, {
 		name: "the resolver says PermissionDenied",
 		setup: func(*testing.T) (lookup.Resolver, func(*testing.T)) {
-			return resolving(nil, status.Error(codes.PermissionDenied, "resolver says PermissionDenied")), nil
+			return resolvingTo(nil, status.Error(codes.PermissionDenied, "resolver says PermissionDenied")), nil
 		},
 		code:    codes.PermissionDenied,
 		message: "resolver says PermissionDenied",
 	}, {
 		name: "the resolver says FailedPrecondition",
 		setup: func(*testing.T) (lookup.Resolver, func(*testing.T)) {
-			return resolving(nil, status.Error(codes.FailedPrecondition, "resolver says FailedPrecondition")), nil
+			return resolvingTo(nil, status.Error(codes.FailedPrecondition, "resolver says FailedPrecondition")), nil
 		},
 		code:    codes.FailedPrecondition,
 		message: "resolver says FailedPrecondition",
 	}} {
-		t.Run(tc.name, func(t *testing.T) {
-			p := newPKI(t)
-			b := startBroker(t, p)
-			r, after := tc.setup(t)
-			run(t, newAgent(t, p, b, r))
-			s := b.nextSession(t)
-
-			o := dialOrder(7)
-			if tc.service != "" {
-				o.Target.Service = tc.service
-			}
-			s.order(t, o)
-			f := s.failure(t)
-			msg := f.GetMessage()
-			if f.GetDialId() != 7 || codes.Code(f.GetCode()) != tc.code || !strings.Contains(msg, tc.message) || tc.exact && msg != tc.message {
-				t.Errorf("dial_failure{%d, %v, %q}, want {7, %v, %q}", f.GetDialId(), codes.Code(f.GetCode()), msg, tc.code, tc.message)
-			}
-			if after != nil {
-				after(t)
-			}
-			b.noTunnel(t)
-		})
+		t.Run(tc.name, tc.check)
 	}
+}
+
+// resolvingTo is a resolver of the test's cluster that answers every
+// target with addrs and err.
+func resolvingTo(addrs []string, err error) lookup.Resolver {
+	return &funcResolver{clusters: []string{testCluster}, resolve: func(context.Context, *tunnelv1.Target) ([]string, error) {
+		return addrs, err
+	}}
+}
+
+// dialFailure is one way a dial order fails, and how the agent must
+// report it.
+type dialFailure struct {
+	name string
+	// setup is the agent's resolver, and a check to run after the
+	// failure (nil for none).
+	setup   func(t *testing.T) (lookup.Resolver, func(t *testing.T))
+	service string // the Service the order names; "" for the test's
+	code    codes.Code
+	message string // the failure's message contains it
+	exact   bool   // the failure's message is message, and no more
+}
+
+// check sends dial order 7 to an agent with the case's resolver and wants
+// its failure reported with id 7, the case's code and message, then the
+// case's own check, and no tunnel.
+func (tc dialFailure) check(t *testing.T) {
+	p := newPKI(t)
+	b := startBroker(t, p)
+	r, after := tc.setup(t)
+	run(t, newAgent(t, p, b, r))
+	s := b.nextSession(t)
+
+	o := dialOrder(7)
+	if tc.service != "" {
+		o.Target.Service = tc.service
+	}
+	s.order(t, o)
+	f := s.failure(t)
+	msg := f.GetMessage()
+	if f.GetDialId() != 7 || codes.Code(f.GetCode()) != tc.code || !strings.Contains(msg, tc.message) || tc.exact && msg != tc.message {
+		t.Errorf("dial_failure{%d, %v, %q}, want {7, %v, %q}", f.GetDialId(), codes.Code(f.GetCode()), msg, tc.code, tc.message)
+	}
+	if after != nil {
+		after(t)
+	}
+	b.noTunnel(t)
 }
 
 func TestInvalidTargetIsRefusedBeforeResolving(t *testing.T) {

@@ -277,63 +277,86 @@ func TestCoalescedTLSCarriesBytesBothWaysWithConcurrentWriters(t *testing.T) {
 
 func TestLargeWriteReachesTheSocketInOneWrite(t *testing.T) {
 	tt := newTestTLS(t, tls.VersionTLS13)
-	for _, tc := range []struct {
-		name     string
-		coalesce bool
-		// The most socket writes a 256 KiB Write may take.
-		maxWrites int64
-	}{
+	for _, tc := range []largeWrite{
 		{"coalesced", true, 1},
 		// Plain TLS, for contrast: one write per record, 16 KiB each at most.
 		{"plain", false, 1 << 10},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			wrap := func(c credentials.TransportCredentials) credentials.TransportCredentials { return c }
-			if tc.coalesce {
-				wrap = CoalesceWrites
-			}
-			p := newTLSPair(t, wrap(credentials.NewTLS(tt.client)), wrap(credentials.NewTLS(tt.server)))
-			data := make([]byte, 256<<10)
-			for i := range data {
-				data[i] = byte(i * 13)
-			}
-			got := make(chan []byte, 1)
-			go func() {
-				b := make([]byte, len(data))
-				_, _ = io.ReadFull(p.server, b)
-				got <- b
-			}()
-			before, beforeBytes := p.clientRaw.writes.Load(), p.clientRaw.bytes.Load()
-			if n, err := p.client.Write(data); n != len(data) || err != nil {
-				t.Fatalf("Write: %d, %v", n, err)
-			}
-			writes, sent := p.clientRaw.writes.Load()-before, p.clientRaw.bytes.Load()-beforeBytes
-			if !bytes.Equal(<-got, data) {
-				t.Fatal("the peer read other bytes than were written")
-			}
-			if writes > tc.maxWrites {
-				t.Errorf("256 KiB took %d socket writes (%d bytes); want at most %d", writes, sent, tc.maxWrites)
-			}
-			if !tc.coalesce && writes < 16 {
-				t.Errorf("plain TLS took %d socket writes for 256 KiB; the count is wrong", writes)
-			}
-			if sent <= int64(len(data)) {
-				t.Errorf("%d bytes reached the socket for %d of data", sent, len(data))
-			}
-
-			// A small Write is one record, sent as is.
-			before = p.clientRaw.writes.Load()
-			if _, err := p.client.Write([]byte("small")); err != nil {
-				t.Fatal(err)
-			}
-			if writes := p.clientRaw.writes.Load() - before; writes != 1 {
-				t.Errorf("a 5-byte write took %d socket writes", writes)
-			}
-			b := make([]byte, 5)
-			if _, err := io.ReadFull(p.server, b); err != nil || string(b) != "small" {
-				t.Fatalf("read %q, %v", b, err)
-			}
+			p := tc.pair(t, tt)
+			tc.check(t, p)
+			wantSmallWriteSentAsIs(t, p)
 		})
+	}
+}
+
+// largeWrite is one case of TestLargeWriteReachesTheSocketInOneWrite: TLS
+// with or without CoalesceWrites.
+type largeWrite struct {
+	name     string
+	coalesce bool
+	// The most socket writes a 256 KiB Write may take.
+	maxWrites int64
+}
+
+// pair connects a client and a server over TLS, both coalescing their
+// writes if the case does.
+func (tc largeWrite) pair(t *testing.T, tt *testTLS) *tlsPair {
+	wrap := func(c credentials.TransportCredentials) credentials.TransportCredentials { return c }
+	if tc.coalesce {
+		wrap = CoalesceWrites
+	}
+	return newTLSPair(t, wrap(credentials.NewTLS(tt.client)), wrap(credentials.NewTLS(tt.server)))
+}
+
+// check writes 256 KiB from the client and wants the server to read them
+// intact, in at most the case's socket writes. Plain TLS must take at
+// least one write per 16 KiB record, or the count itself is broken; and
+// more bytes than the data must reach the socket, since records add
+// their headers.
+func (tc largeWrite) check(t *testing.T, p *tlsPair) {
+	data := make([]byte, 256<<10)
+	for i := range data {
+		data[i] = byte(i * 13)
+	}
+	got := make(chan []byte, 1)
+	go func() {
+		b := make([]byte, len(data))
+		_, _ = io.ReadFull(p.server, b)
+		got <- b
+	}()
+	before, beforeBytes := p.clientRaw.writes.Load(), p.clientRaw.bytes.Load()
+	if n, err := p.client.Write(data); n != len(data) || err != nil {
+		t.Fatalf("Write: %d, %v", n, err)
+	}
+	writes, sent := p.clientRaw.writes.Load()-before, p.clientRaw.bytes.Load()-beforeBytes
+	if !bytes.Equal(<-got, data) {
+		t.Fatal("the peer read other bytes than were written")
+	}
+	if writes > tc.maxWrites {
+		t.Errorf("256 KiB took %d socket writes (%d bytes); want at most %d", writes, sent, tc.maxWrites)
+	}
+	if !tc.coalesce && writes < 16 {
+		t.Errorf("plain TLS took %d socket writes for 256 KiB; the count is wrong", writes)
+	}
+	if sent <= int64(len(data)) {
+		t.Errorf("%d bytes reached the socket for %d of data", sent, len(data))
+	}
+}
+
+// wantSmallWriteSentAsIs wants a small Write, one record, to reach the
+// socket in one write and the server intact.
+func wantSmallWriteSentAsIs(t *testing.T, p *tlsPair) {
+	before := p.clientRaw.writes.Load()
+	if _, err := p.client.Write([]byte("small")); err != nil {
+		t.Fatal(err)
+	}
+	if writes := p.clientRaw.writes.Load() - before; writes != 1 {
+		t.Errorf("a 5-byte write took %d socket writes", writes)
+	}
+	b := make([]byte, 5)
+	if _, err := io.ReadFull(p.server, b); err != nil || string(b) != "small" {
+		t.Fatalf("read %q, %v", b, err)
 	}
 }
 
