@@ -60,6 +60,12 @@ func (r *runner) dialLatency(ctx context.Context) {
 	for _, p := range paths {
 		r.logf("%s: %d dials", p.name, len(dials[p.name]))
 	}
+	r.reportDials(dials, firstEchoes, handshakes)
+}
+
+// reportDials prints the dial phase's rows: each path's dials and first
+// echoes against the direct path's.
+func (r *runner) reportDials(dials, firstEchoes map[string]bench.Samples, handshakes bench.Samples) {
 	us := func(s bench.Samples, q float64) float64 { return bench.Micros(s.Quantile(q)) }
 	d, t := dials["direct"], dials["tunneled"]
 	r.report.row("dial_p50_us", us(d, 0.5), us(t, 0.5))
