@@ -17,7 +17,7 @@ import (
 
 // rowPattern is one figure of the table: name, direct value, path and its
 // value, ratio; "-" where a value does not apply.
-var rowPattern = regexp.MustCompile(`^(\S+) +direct=(\S+) +(tunneled|relay|grpc|hostile|peer_remotedialer)=(\S+) +ratio=(\S+)$`)
+var rowPattern = regexp.MustCompile(`^(\S+) +direct=(\S+) +(tunneled|relay|grpc|hostile|peer_remotedialer|early)=(\S+) +ratio=(\S+)$`)
 
 // TestTinyRunPrintsEveryFigure runs make bench's tool on tiny sizes, every
 // phase with the real binaries and the remotedialer peer, and checks the
