@@ -72,33 +72,14 @@ func (t *Tunnel) Splice(caller grpc.ServerStream, cfg Config, ended func()) (cal
 		// The agent's Tunnel RPC returned before it could copy down.
 		t.fail(&failure{by: agentSide, err: context.Cause(t.agent.Context())})
 		close(t.downDone)
-	} else if t.sendEarlyData() {
-		t.copyUp()
 	}
+	t.copyUp()
 	<-t.downDone
 	unwatch()
 	callerStatus, agentStatus = t.decideEnd().statuses()
 	t.onEnd()
 	t.End(agentStatus)
 	return callerStatus, agentStatus
-}
-
-// sendEarlyData sends the agent the caller's early data that its order did
-// not carry, before any other frame up; false if that failed the tunnel.
-func (t *Tunnel) sendEarlyData() bool {
-	if len(t.earlyData) == 0 {
-		return true
-	}
-	n := len(t.earlyData)
-	err := t.agent.SendMsg(&tunnelv1.TunnelResponse{Frame: &tunnelv1.TunnelResponse_Data{Data: t.earlyData}})
-	t.earlyData = nil
-	if err != nil {
-		t.fail(&failure{by: agentSide, err: err})
-		return false
-	}
-	metrics.BytesUp.Add(float64(n))
-	t.bytesUp.Add(int64(n))
-	return true
 }
 
 // A direction is one way through the tunnel: up, from the caller to the
@@ -115,12 +96,20 @@ type direction struct {
 	carried *atomic.Int64 // this tunnel's bytes this way
 }
 
-// copyUp forwards the caller's bytes to the agent, in the Dial RPC.
+// copyUp forwards the caller's bytes to the agent, in the Dial RPC: first
+// the early data its order did not carry, then the caller's frames.
 func (t *Tunnel) copyUp() {
-	t.forward(direction{
+	d := direction{
 		from: t.caller, to: t.agent, fromSide: callerSide, toSide: agentSide,
 		closeWrite: closeWriteToAgent, notData: callerSentNotData, bytes: metrics.BytesUp, carried: &t.bytesUp,
-	})
+	}
+	if early := t.earlyData; len(early) > 0 {
+		t.earlyData = nil
+		if !t.send(d, &tunnelv1.TunnelResponse{Frame: &tunnelv1.TunnelResponse_Data{Data: early}}, len(early)) {
+			return
+		}
+	}
+	t.forward(d)
 }
 
 // copyDown forwards the agent's bytes to the caller, in the agent's Tunnel
@@ -173,11 +162,20 @@ func (t *Tunnel) forward(d direction) {
 			t.fail(&failure{by: d.fromSide, err: d.notData()})
 			return
 		}
-		if err := d.to.SendMsg(&f); err != nil {
-			t.fail(&failure{by: d.toSide, err: err})
+		if !t.send(d, &f, n) {
 			return
 		}
-		d.bytes.Add(float64(n))
-		d.carried.Add(int64(n))
 	}
+}
+
+// send sends msg, n bytes of data, d's way and counts them; false if that
+// failed the tunnel.
+func (t *Tunnel) send(d direction, msg any, n int) bool {
+	if err := d.to.SendMsg(msg); err != nil {
+		t.fail(&failure{by: d.toSide, err: err})
+		return false
+	}
+	d.bytes.Add(float64(n))
+	d.carried.Add(int64(n))
+	return true
 }
