@@ -100,7 +100,7 @@ func (c *conn) receive() {
 	defer close(c.received)
 	defer c.cancel()
 	defer c.dial.timer.Stop()
-	r := &receiver{conn: c, dialing: true, readsOpen: true, handing: true}
+	r := &receiver{conn: c, readsOpen: true, handing: true}
 	for {
 		// Data frames stay in gRPC's buffers until Read copies them out:
 		// one copy, not two (wire.Frame).
@@ -109,7 +109,7 @@ func (c *conn) receive() {
 			r.streamEnded(err)
 			return
 		}
-		if r.dialing {
+		if r.dial.unanswered() {
 			r.answer(f)
 		} else if _, err := f.DataLen(); err == nil {
 			r.data(f)
@@ -122,9 +122,6 @@ func (c *conn) receive() {
 // receiver is what the receive goroutine keeps track of.
 type receiver struct {
 	*conn
-	// dialing is true until the broker answers the dial: with
-	// established, or with the stream's status.
-	dialing bool
 	// readsOpen is true until frames is closed: at the broker's
 	// close_write, at the end of the stream or at a protocol error.
 	readsOpen bool
@@ -141,7 +138,7 @@ func (r *receiver) streamEnded(err error) {
 	switch {
 	case r.protocolErr != nil:
 		err = r.protocolErr // we cancelled the stream for it
-	case r.dialing:
+	case r.dial.unanswered():
 		err = r.dialFailure(err)
 	case errors.Is(err, io.EOF):
 		// A clean end always follows the broker's close_write, but should
@@ -150,8 +147,7 @@ func (r *receiver) streamEnded(err error) {
 	default:
 		err = streamError(err)
 	}
-	if r.dialing {
-		r.dialing = false
+	if r.dial.unanswered() {
 		r.dial.fail(err)
 	}
 	r.endErr = err

@@ -36,9 +36,6 @@ type dialState struct {
 	mu sync.Mutex
 	// target is what the dial names, until it is sent (or abandoned).
 	target *tunnelv1.Target
-	// sent is set once target has gone or been abandoned: a fast check for
-	// every Read.
-	sent atomic.Bool
 
 	timeout time.Duration
 	timer   *time.Timer // ends the dial when timeout passes unanswered
@@ -54,9 +51,6 @@ type dialState struct {
 // went. A failed send is reported as Send reports it (io.EOF: the stream's
 // status says why).
 func (c *conn) sendTarget(early []byte) (int, error) {
-	if c.dial.sent.Load() {
-		return 0, nil
-	}
 	c.dial.mu.Lock()
 	defer c.dial.mu.Unlock()
 	if c.dial.target == nil {
@@ -65,7 +59,6 @@ func (c *conn) sendTarget(early []byte) (int, error) {
 	early = early[:min(len(early), wire.MaxEarlyData)]
 	err := c.stream.Send(&tunnelv1.DialRequest{Frame: &tunnelv1.DialRequest_Target{Target: c.dial.target}, EarlyData: early})
 	c.dial.target = nil
-	c.dial.sent.Store(true)
 	if err != nil {
 		return 0, err
 	}
@@ -78,7 +71,6 @@ func (d *dialState) abandon() bool {
 	defer d.mu.Unlock()
 	unsent := d.target != nil
 	d.target = nil
-	d.sent.Store(true)
 	return unsent
 }
 
@@ -121,7 +113,6 @@ func (r *receiver) answer(f *wire.Frame) {
 	case err == nil && msg.GetEstablished() != nil:
 		if r.dial.outcome.CompareAndSwap(dialing, dialEstablished) {
 			r.dial.timer.Stop()
-			r.dialing = false
 			close(r.dial.answered)
 		}
 		// Otherwise the timeout came first and has cancelled the stream:
@@ -143,6 +134,10 @@ func (r *receiver) dialFailure(err error) error {
 	}
 	return err
 }
+
+// unanswered is true until the broker has established the tunnel or the
+// dial has failed.
+func (d *dialState) unanswered() bool { return !isClosed(d.answered) }
 
 // fail ends an unanswered dial with err.
 func (d *dialState) fail(err error) {
