@@ -71,3 +71,27 @@ func TestEarlyDataOverItsBoundIsInvalidArgument(t *testing.T) {
 	_, err := caller.Recv()
 	testutil.CheckStatus(t, "Dial", err, codes.InvalidArgument, "a dial's early data may be at most 16384 bytes, not 16385")
 }
+
+func TestEarlyDataAnywhereButBesideTheTargetIsInvalidArgument(t *testing.T) {
+	b := startBroker(t, config{})
+	agent := b.connectAgent(t, "a", "root")
+
+	// Without a target, in the first message.
+	ctx, _ := brokertest.StreamContext(t)
+	stream, err := tunnelv1.NewDialServiceClient(b.Conn(t, kcpPath)).Dial(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := stream.Send(&tunnelv1.DialRequest{EarlyData: []byte("client hello")}); err != nil {
+		t.Fatal(err)
+	}
+	_, err = stream.Recv()
+	testutil.CheckStatus(t, "Dial", err, codes.InvalidArgument, "the first message of a dial must name a target")
+
+	// Beside data, after the target: not a data frame, so a protocol error.
+	tun := agent.Establish(t, kcpPath, brokertest.Target("root"))
+	if err := tun.Caller.Send(&tunnelv1.DialRequest{Frame: &tunnelv1.DialRequest_Data{Data: []byte("x")}, EarlyData: []byte("y")}); err != nil {
+		t.Fatal(err)
+	}
+	testutil.CheckStatus(t, "Dial", tun.CallerEnd(), codes.InvalidArgument, "after the target, a caller may only send non-empty data")
+}
