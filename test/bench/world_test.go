@@ -223,10 +223,13 @@ func (d fakeDial) upload(size, got int64) error {
 }
 
 // paths are the ways a benchmark reaches a service.
-var paths = []struct {
+// benchPath is one way to reach the targets, by name.
+type benchPath struct {
 	name string
 	dial func(ctx context.Context, svc string) (net.Conn, error)
-}{
+}
+
+var paths = []benchPath{
 	{"direct", func(ctx context.Context, svc string) (net.Conn, error) {
 		addr := map[string]string{"echo": world.echo.Addr, "bulk": world.bulk.Addr}[svc]
 		var d net.Dialer
@@ -243,10 +246,7 @@ var paths = []struct {
 // earlyPath is the tunnel with kcpplugin's EarlyData, for the benchmarks
 // that open a connection per op: its dial returns at once, so only a
 // first round trip measures it.
-var earlyPath = struct {
-	name string
-	dial func(ctx context.Context, svc string) (net.Conn, error)
-}{"tunnel_early", func(ctx context.Context, svc string) (net.Conn, error) {
+var earlyPath = benchPath{"tunnel_early", func(ctx context.Context, svc string) (net.Conn, error) {
 	return world.early.DialService(ctx, benchCluster, benchNamespace, svc, 80)
 }}
 
