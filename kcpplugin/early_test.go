@@ -177,21 +177,34 @@ func TestEarlyDialThatTheBrokerNeverAnswersTimesOut(t *testing.T) {
 	checkDialStatus(t, "Read", err, codes.DeadlineExceeded, "dial root/default/webhook:443 timed out after 100ms")
 }
 
+// A broker that answers a dial with data, then with established, broke the
+// protocol: the established after it must not undo the failure, for a dial
+// that waits as for one with early data.
 func TestEarlyDialAnsweredWithDataIsAProtocolError(t *testing.T) {
-	d := earlyDialer(t, func(stream tunnelv1.DialService_DialServer) error {
+	handle := func(stream tunnelv1.DialService_DialServer) error {
 		if _, err := stream.Recv(); err != nil {
 			return err
 		}
 		if err := (&peer{stream: stream}).send([]byte("too soon")); err != nil {
 			return err
 		}
+		if err := stream.Send(established); err != nil {
+			return err
+		}
 		<-stream.Context().Done()
 		return nil
-	})
-	c := dial(t, d)
+	}
+	const want = "protocol error: broker answered a dial with *tunnelv1.DialResponse_Data"
+	waited, err := startBroker(t, handle).DialService(context.Background(), testCluster, testNamespace, testService, testPort)
+	if err == nil {
+		waited.Close()
+	}
+	checkDialStatus(t, "DialService without EarlyData", err, codes.Internal, want)
+
+	c := dial(t, earlyDialer(t, handle))
 	write(t, c, []byte("client hello"))
-	_, err := c.Read(make([]byte, 16))
-	checkDialStatus(t, "Read", err, codes.Internal, "protocol error: broker answered a dial with *tunnelv1.DialResponse_Data")
+	_, err = c.Read(make([]byte, 16))
+	checkDialStatus(t, "Read", err, codes.Internal, want)
 }
 
 func TestEarlyConnClosedBeforeUseDialsNothing(t *testing.T) {

@@ -110,6 +110,9 @@ func (r *receiver) answer(f *wire.Frame) {
 	err := f.Decode(&msg)
 	f.Free()
 	switch {
+	case r.protocolErr != nil:
+		// The stream is being cancelled for a protocol error: whatever
+		// follows, an established included, changes nothing.
 	case err == nil && msg.GetEstablished() != nil:
 		if r.dial.outcome.CompareAndSwap(dialing, dialEstablished) {
 			r.dial.timer.Stop()
@@ -117,7 +120,7 @@ func (r *receiver) answer(f *wire.Frame) {
 		}
 		// Otherwise the timeout came first and has cancelled the stream:
 		// its end is the dial's failure.
-	case r.protocolErr == nil:
+	default:
 		r.protocolErr = status.Errorf(codes.Internal, "protocol error: broker answered a dial with %T", msg.GetFrame())
 		r.cancel()
 	}
