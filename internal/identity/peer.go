@@ -64,6 +64,13 @@ func chainExpiry(cs tls.ConnectionState) time.Time {
 
 // Peer is what the handshake of ctx's connection established about its peer.
 // ok is false for a connection not secured by these credentials.
+//
+// It is never inlined: AuthInfo holds the whole TLS connection state, about
+// 700 bytes, and inlined, its copy would take that room in the caller's
+// stack frame. A tunnel's handler calls it, and its frame stays on the
+// stack for the tunnel's life (docs/perf-history.md, idle tunnels' stacks).
+//
+//go:noinline
 func Peer(ctx context.Context) (AuthInfo, bool) {
 	p, ok := peer.FromContext(ctx)
 	if !ok {
@@ -73,7 +80,10 @@ func Peer(ctx context.Context) (AuthInfo, bool) {
 	return info, ok && !info.ID.IsZero()
 }
 
-// PeerID is the SPIFFE ID of the peer of an RPC.
+// PeerID is the SPIFFE ID of the peer of an RPC. Like Peer, it is never
+// inlined, so that the AuthInfo it reads stays out of its caller's frame.
+//
+//go:noinline
 func PeerID(ctx context.Context) (spiffeid.ID, bool) {
 	info, ok := Peer(ctx)
 	return info.ID, ok

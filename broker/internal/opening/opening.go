@@ -170,17 +170,26 @@ func (g *Guard) unaryArrived(ctx context.Context, req any, _ *grpc.UnaryServerIn
 	return handler(ctx, req)
 }
 
+// stream runs the handler of a stream that must send its first message in
+// time. Its own frame stays small, and the watch is set up in a call of its
+// own, because this frame stays on the stack of every tunnel's handler for
+// the tunnel's life (docs/perf-history.md, idle tunnels' stacks).
 func (g *Guard) stream(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+	w := g.watch(ss, info.FullMethod)
+	defer w.done()
+	return handler(srv, w)
+}
+
+// watch starts waiting for ss's first message.
+//
+//go:noinline
+func (g *Guard) watch(ss grpc.ServerStream, method string) *firstMessage {
 	id, _ := identity.PeerID(ss.Context())
-	what := cmp.Or(g.cfg.First[info.FullMethod], "request")
-	w := &firstMessage{ServerStream: ss, guard: g, peer: id, method: info.FullMethod,
-		late: status.Error(codes.DeadlineExceeded,
-			fmt.Sprintf("no %s within %v: the first message of this stream must be its %s", what, g.cfg.Timeout, what))}
+	w := &firstMessage{ServerStream: ss, guard: g, peer: id, method: method}
 	w.mu.Lock()
 	w.timer = g.cfg.Clock.AfterFunc(min(g.cfg.Patience, g.cfg.Timeout), w.count)
 	w.mu.Unlock()
-	defer w.done()
-	return handler(srv, w)
+	return w
 }
 
 // take counts one more stream waiting for its first message, unless a limit
@@ -213,7 +222,6 @@ type firstMessage struct {
 	guard  *Guard
 	peer   spiffeid.ID
 	method string
-	late   error // the status of a stream whose first message is late
 
 	state atomic.Int32 // read without mu once the first message arrived
 
@@ -273,7 +281,14 @@ func (w *firstMessage) expire() {
 	}
 	metrics.LimitsHit.WithLabelValues("first_message_timeout").Inc()
 	w.guard.cfg.Log.Info("stream ended: no first message in time", "peer", w.peer.String(), "method", w.method, "timeout", w.guard.cfg.Timeout)
-	w.end(w.late)
+	w.end(w.late())
+}
+
+// late is the status of a stream whose first message did not come in time.
+func (w *firstMessage) late() error {
+	what := cmp.Or(w.guard.cfg.First[w.method], "request")
+	return status.Error(codes.DeadlineExceeded,
+		fmt.Sprintf("no %s within %v: the first message of this stream must be its %s", what, w.guard.cfg.Timeout, what))
 }
 
 // end ends the stream with err and stops counting it; w.mu is held.

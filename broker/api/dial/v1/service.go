@@ -90,7 +90,10 @@ func RegisterService(srv grpc.ServiceRegistrar, s *Service) {
 func (s *Service) Active() int64 { return s.active.Load() }
 
 // Dial implements DialService.Dial: the caller's target, its agent's tunnel,
-// and the splice until the tunnel's end.
+// and the splice until the tunnel's end. The work before the splice is done
+// in calls of their own, so that this frame, which stays on the handler's
+// stack for the tunnel's life, stays small (docs/perf-history.md, idle
+// tunnels' stacks).
 func (s *Service) Dial(stream tunnelv1.DialService_DialServer) error {
 	caller, _ := identity.PeerID(stream.Context())
 	// A dial counts against its caller's tunnels from its stream's start,
@@ -100,26 +103,36 @@ func (s *Service) Dial(stream tunnelv1.DialService_DialServer) error {
 		return err
 	}
 	defer release()
-	first, err := s.receiveTarget(stream, caller)
+	t, log, err := s.establish(stream, caller)
 	if err != nil {
 		return err
+	}
+	return s.splice(stream, t, release, log)
+}
+
+// establish receives the caller's target, has its agent connect to it, and
+// tells the caller that the tunnel is established.
+func (s *Service) establish(stream tunnelv1.DialService_DialServer, caller spiffeid.ID) (*tunnel.Tunnel, *slog.Logger, error) {
+	first, err := s.receiveTarget(stream, caller)
+	if err != nil {
+		return nil, nil, err
 	}
 	target := first.GetTarget()
 	log := s.cfg.Log.With("cluster", target.GetCluster(), "namespace", target.GetNamespace(),
 		"service", target.GetService(), "port", target.GetPort(), "caller", caller.String())
 	t, took, err := s.dial(stream.Context(), target, first.GetEarlyData(), log)
 	if err != nil {
-		return err
+		return nil, nil, err
 	}
 	t.Caller, t.Established = caller, time.Now()
 	log = log.With("tunnel", t.ID, "agent", t.Agent.String())
 	established := &tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_Established{Established: &tunnelv1.Established{TunnelId: t.ID}}}
 	if err := stream.Send(established); err != nil {
 		t.End(status.Error(codes.Canceled, "caller went away"))
-		return err
+		return nil, nil, err
 	}
 	log.Debug("tunnel established", "took", took)
-	return s.splice(stream, t, release, log)
+	return t, log, nil
 }
 
 // holdTunnel counts one more tunnel against caller, unless it holds its
@@ -189,6 +202,12 @@ func (s *Service) splice(stream tunnelv1.DialService_DialServer, t *tunnel.Tunne
 		metrics.Tunnels.Dec()
 	}
 	callerStatus, agentStatus := t.Splice(stream, s.cfg.Tunnels, ended)
+	s.ended(t, callerStatus, agentStatus, log)
+	return callerStatus
+}
+
+// ended audits and logs the end of tunnel t.
+func (s *Service) ended(t *tunnel.Tunnel, callerStatus, agentStatus error, log *slog.Logger) {
 	s.audit(t, callerStatus)
 	if agentStatus != nil {
 		log.Info("tunnel ended", "caller_code", status.Code(callerStatus).String(),
@@ -196,5 +215,4 @@ func (s *Service) splice(stream tunnelv1.DialService_DialServer, t *tunnel.Tunne
 	} else {
 		log.Debug("tunnel closed")
 	}
-	return callerStatus
 }
