@@ -230,7 +230,7 @@ func (s *Server) serverOptions(guard *opening.Guard) []grpc.ServerOption {
 	opts := []grpc.ServerOption{
 		// RPC metrics first, so that refused RPCs are counted too.
 		grpc.ChainUnaryInterceptor(metrics.GRPC.UnaryServerInterceptor()),
-		grpc.ChainStreamInterceptor(metrics.GRPC.StreamServerInterceptor()),
+		grpc.ChainStreamInterceptor(metrics.StreamServerInterceptor()),
 	}
 	// A peer whose SVID has expired is refused before the policy is asked,
 	// and one the policy refuses before it counts against the opening
