@@ -28,17 +28,18 @@ const defaultConnectTimeout = 5 * time.Second
 // shows its callers no more of it (docs/protocol.md §5).
 const maxFailureMessage = 256
 
-// serve answers one dial order: connect to the target, then open the Tunnel
-// stream, write the order's early data to the target and pipe; or report why
-// not. The early data goes only after the open, so that a dial whose early
-// data reached a target is one the broker has claimed, or one it is told
-// not to order again.
+// open answers one dial order up to its pipe: connect to the target, then
+// open the Tunnel stream; or report why not, and return nil. What it
+// returns is the rest of the tunnel's life: write the order's early data to
+// the target, pipe, and clean up. The early data goes only after the open,
+// so that a dial whose early data reached a target is one the broker has
+// claimed, or one it is told not to order again.
 //
 // What it reports may reach kcp's end users in admission errors: a short
 // reason in words, without addresses. The details stay in the agent's log,
 // under the tunnel id, which the broker's log and the caller's message name
 // too.
-func (a *Agent) serve(ctx context.Context, client tunnelv1.AgentServiceClient, order *tunnelv1.DialOrder, fail func(*tunnelv1.DialFailure)) {
+func (a *Agent) open(ctx context.Context, client tunnelv1.AgentServiceClient, order *tunnelv1.DialOrder, fail func(*tunnelv1.DialFailure)) (run func()) {
 	t := order.GetTarget()
 	log := a.Log.With("tunnel", fmt.Sprintf("%016x", order.GetDialId()), "cluster", t.GetCluster(), "namespace", t.GetNamespace(),
 		"service", t.GetService(), "port", t.GetPort())
@@ -52,32 +53,36 @@ func (a *Agent) serve(ctx context.Context, client tunnelv1.AgentServiceClient, o
 		dials.WithLabelValues(err.code.String()).Inc()
 		log.Info("dial failed", "code", err.code.String(), "error", err.detail)
 		report(err.code, err.message, false)
-		return
+		return nil
 	}
 	dials.WithLabelValues(codes.OK.String()).Inc()
-	defer conn.Close()
 
 	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
 	stream, tunnelErr := client.Tunnel(ctx, wire.FrameCallOption())
 	if tunnelErr == nil {
 		tunnelErr = stream.Send(&tunnelv1.TunnelRequest{Frame: &tunnelv1.TunnelRequest_Open{Open: &tunnelv1.TunnelOpen{DialId: order.GetDialId()}}})
 	}
 	if tunnelErr != nil {
+		cancel()
+		conn.Close()
 		log.Info("could not open tunnel", "error", tunnelErr)
 		report(codes.Unavailable, "the agent could not open a tunnel to the broker", false)
-		return
+		return nil
 	}
 	log.Debug("tunnel open", "target", conn.RemoteAddr().String())
-	tunnelsOpen.Inc()
-	defer tunnelsOpen.Dec()
-	if err := pipe(conn, stream, early, cancel); err != nil {
-		log.Info("tunnel ended", "error", err)
-		// A stream cancelled right after open (a target that resets at
-		// once) may end before the broker read the open, and the dial
-		// would wait there for its timeout. Fail it; the broker ignores a
-		// failure for a dial it already claimed.
-		report(codes.Unavailable, "the tunnel failed as it opened: "+reason(err), true)
+	return func() {
+		defer conn.Close()
+		defer cancel()
+		tunnelsOpen.Inc()
+		defer tunnelsOpen.Dec()
+		if err := pipe(conn, stream, early, cancel); err != nil {
+			log.Info("tunnel ended", "error", err)
+			// A stream cancelled right after open (a target that resets at
+			// once) may end before the broker read the open, and the dial
+			// would wait there for its timeout. Fail it; the broker ignores
+			// a failure for a dial it already claimed.
+			report(codes.Unavailable, "the tunnel failed as it opened: "+reason(err), true)
+		}
 	}
 }
 

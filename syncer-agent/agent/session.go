@@ -111,7 +111,7 @@ func (r *agentRun) serveOrders(control *controlStream) error {
 	}
 }
 
-// startTunnel serves order in a goroutine of its own, or refuses it once
+// startTunnel serves order in goroutines of its own, or refuses it once
 // the agent drains.
 func (r *agentRun) startTunnel(order *tunnelv1.DialOrder, control *controlStream) {
 	if !r.admit() {
@@ -119,10 +119,22 @@ func (r *agentRun) startTunnel(order *tunnelv1.DialOrder, control *controlStream
 		return
 	}
 	go func() {
-		defer r.tunnels.Done()
 		// Tunnels outlive a lost control stream (their data streams are
 		// their own) but not the run.
-		r.serve(r.ctx, r.client, order, control.fail)
+		run := r.open(r.ctx, r.client, order, control.fail)
+		if run == nil {
+			r.tunnels.Done()
+			return
+		}
+		// The tunnel's life gets a goroutine of its own. Setting it up
+		// (resolving, connecting, opening its stream) grows this one's
+		// stack to 8 KiB, which it would keep while it waits on an idle
+		// tunnel; a new goroutine starts small (docs/perf-history.md, idle
+		// tunnels' stacks).
+		go func() {
+			defer r.tunnels.Done()
+			run()
+		}()
 	}()
 }
 
