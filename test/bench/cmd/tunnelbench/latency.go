@@ -19,10 +19,10 @@ const maxRoundTrips = 1_000_000
 
 // latency measures 64-byte round trips one after another on one connection
 // per path, for cfg.duration, and reports p50, p99 and what the tunnel (and
-// the relay and peer paths, when they run) adds.
+// the relay, peer and CONNECT paths, when they run) adds.
 func (r *runner) latency(ctx context.Context) {
 	figs := map[string]rttFigures{}
-	for _, p := range r.allPaths() {
+	for _, p := range r.withConnect(r.allPaths()) {
 		figs[p.name] = r.latencyOn(ctx, p)
 	}
 	d, t := figs["direct"], figs["tunneled"]
@@ -53,6 +53,13 @@ func (r *runner) latency(ctx context.Context) {
 		r.report.floorRow(peerName, "rtt64_server_cpu_us_per_rt", none, pr.first)
 		r.report.floorRow(peerName, "rtt64_client_cpu_us_per_rt", none, pr.second)
 	}
+	if c, ok := figs[connectName]; ok {
+		r.report.floorRow(connectName, "rtt64_p50_us", d.p50, c.p50)
+		r.report.floorRow(connectName, "rtt64_p99_us", d.p99, c.p99)
+		r.report.floorRow(connectName, "rtt64_cpu_us_per_rt", d.cpuPerRT, c.cpuPerRT)
+		r.report.floorRow(connectName, "rtt64_broker_cpu_us_per_rt", none, c.first)
+		r.report.floorRow(connectName, "rtt64_agent_cpu_us_per_rt", none, c.second)
+	}
 }
 
 // rttFigures are one path's round-trip latencies (µs) and CPU per round
@@ -80,7 +87,7 @@ func (r *runner) latencyOn(ctx context.Context, p path) rttFigures {
 	perRT := func(d time.Duration) float64 { return bench.Micros(d) / float64(len(s)) }
 	f := rttFigures{p50: bench.Micros(s.Quantile(0.5)), p99: bench.Micros(s.Quantile(0.99)), cpuPerRT: perRT(used.total())}
 	switch p.name {
-	case "tunneled":
+	case "tunneled", connectName:
 		f.first, f.second = perRT(used.broker), perRT(used.agent)
 	case "relay":
 		f.first, f.second = perRT(used.relay1), perRT(used.relay2)
@@ -124,7 +131,7 @@ func roundTrips(c net.Conn, d time.Duration) (bench.Samples, error) {
 func (r *runner) roundTripRate(ctx context.Context) {
 	rates := map[string]float64{}
 	cpu := map[string]float64{}
-	for _, p := range r.allPaths() {
+	for _, p := range r.withConnect(r.allPaths()) {
 		rates[p.name], cpu[p.name] = r.roundTripRateOn(ctx, p)
 	}
 	name := "rtt64_" + strconv.Itoa(r.cfg.conns) + "conns"
@@ -137,6 +144,10 @@ func (r *runner) roundTripRate(ctx context.Context) {
 	if r.peer != nil {
 		r.report.floorRow(peerName, name+"_per_s", rates["direct"], rates[peerName])
 		r.report.floorRow(peerName, name+"_cpu_us_per_rt", cpu["direct"], cpu[peerName])
+	}
+	if rate, ok := rates[connectName]; ok {
+		r.report.floorRow(connectName, name+"_per_s", rates["direct"], rate)
+		r.report.floorRow(connectName, name+"_cpu_us_per_rt", cpu["direct"], cpu[connectName])
 	}
 }
 

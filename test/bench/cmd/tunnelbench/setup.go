@@ -246,9 +246,21 @@ func (r *runner) allPaths() []path {
 }
 
 // newConnectionPaths is allPaths and the tunnel with early data, which
-// only phases that open a connection per measurement tell apart.
+// only phases that open a connection per measurement tell apart, and the
+// CONNECT front end (withConnect).
 func (r *runner) newConnectionPaths() []path {
-	return append(r.allPaths(), r.main.tunneledEarly())
+	return r.withConnect(append(r.allPaths(), r.main.tunneledEarly()))
+}
+
+// withConnect is ps and the path through the broker's CONNECT front end on
+// a Unix socket, if it serves one: the phases that compare a message's and
+// a new connection's cost with the peer's, whose caller speaks CONNECT over
+// a Unix socket too, measure it beside the Dial path.
+func (r *runner) withConnect(ps []path) []path {
+	if c, ok := r.main.connect(); ok {
+		return append(ps, c)
+	}
+	return ps
 }
 
 // dialOrFatal dials svc on p with a bound.
