@@ -8,7 +8,7 @@ import (
 )
 
 // dialLatency times cfg.dials dials per path, one after another, alternating
-// the paths so that load on the machine hits all alike; after each dial, one
+// the paths (inTurn) so that load on the machine hits all alike; after each dial, one
 // 64-byte round trip. A tunneled dial is DialService: the Dial RPC until the
 // broker's established, which comes after the agent connected to the
 // target, so the stream is usable; there is no TLS inside. A direct dial is
@@ -40,7 +40,8 @@ func (r *runner) dialLatency(ctx context.Context) {
 	msg, buf := make([]byte, msgSize), make([]byte, msgSize)
 	deadline := time.Now().Add(time.Duration(r.cfg.dials) * 50 * time.Millisecond)
 	for i := 0; i < r.cfg.dials && time.Now().Before(deadline); i++ {
-		for _, p := range paths {
+		for j := range paths {
+			p := paths[inTurn(i, j, len(paths))]
 			start := time.Now()
 			c := r.dialOrFatal(ctx, p, svcDial)
 			dialed := time.Since(start)

@@ -252,6 +252,13 @@ func (r *runner) newConnectionPaths() []path {
 	return r.withConnect(append(r.allPaths(), r.main.tunneledEarly()))
 }
 
+// inTurn is the index of the path that goes j-th in round i of a phase that
+// alternates n paths: each round starts one path further on, so that every
+// path follows every other as often. A dial can leave work behind it that
+// slows the next one (the relay's handshakes, the peer's teardown and
+// logging); in a fixed order it always slowed the same path.
+func inTurn(i, j, n int) int { return (i + j) % n }
+
 // withConnect is ps and the path through the broker's CONNECT front end on
 // a Unix socket, if it serves one: the phases that compare a message's and
 // a new connection's cost with the peer's, whose caller speaks CONNECT over

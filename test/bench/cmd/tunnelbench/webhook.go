@@ -102,7 +102,7 @@ func (r *runner) webhookRate(ctx context.Context) {
 // webhookFirstRequest times what a webhook call on a new connection costs:
 // the dial, the TLS handshake with the webhook (verified as above) and one
 // AdmissionReview POSTed and answered, on every path, cfg.dials times each,
-// alternating the paths so that load hits all alike. Each connection is
+// alternating the paths (inTurn) so that load hits all alike. Each connection is
 // closed after its request. TLS sessions are not resumed (Go's client keeps
 // no session cache unless told to, nor does kcp's).
 func (r *runner) webhookFirstRequest(ctx context.Context, body []byte) {
@@ -115,7 +115,9 @@ func (r *runner) webhookFirstRequest(ctx context.Context, body []byte) {
 	samples := map[string]bench.Samples{}
 	deadline := time.Now().Add(time.Duration(r.cfg.dials) * 50 * time.Millisecond)
 	for i := 0; i < r.cfg.dials && time.Now().Before(deadline); i++ {
-		for j, p := range paths {
+		for k := range paths {
+			j := inTurn(i, k, len(paths))
+			p := paths[j]
 			start := time.Now()
 			if err := r.postOnce(ctx, clients[j], body); err != nil {
 				r.m.Fatalf("%s webhook on a new connection: %v", p.name, err)
