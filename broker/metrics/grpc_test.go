@@ -5,9 +5,9 @@ import (
 	"path"
 	"testing"
 
-	dto "github.com/prometheus/client_model/go"
 	"google.golang.org/grpc"
 
+	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
@@ -42,33 +42,15 @@ func runStream(t *testing.T, method string, n int) {
 	}
 }
 
-// series is the value of family's series for method, 0 if it has none.
+// series is the value of family's series for method (with code OK, for a
+// family that has codes), 0 if it has none.
 func series(t *testing.T, family, method string) float64 {
 	t.Helper()
-	families, err := metrics.Registry.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, f := range families {
-		if f.GetName() != family {
-			continue
-		}
-		for _, m := range f.GetMetric() {
-			if label(m, "grpc_method") == method && label(m, "grpc_code") != "Unknown" {
-				return m.GetCounter().GetValue()
-			}
-		}
-	}
-	return 0
-}
-
-func label(m *dto.Metric, name string) string {
-	for _, l := range m.GetLabel() {
-		if l.GetName() == name {
-			return l.GetValue()
-		}
-	}
-	return ""
+	v, _ := brokertest.Metric(t, family, func(labels map[string]string) bool {
+		code, coded := labels["grpc_code"]
+		return labels["grpc_method"] == method && (!coded || code == "OK")
+	})
+	return v
 }
 
 func TestDataStreamsAreCountedButNotTheirMessages(t *testing.T) {

@@ -2,7 +2,6 @@ package bench
 
 import (
 	"net"
-	"runtime"
 	"testing"
 	"time"
 )
@@ -21,7 +20,7 @@ func BenchmarkIdleTunnel(b *testing.B) {
 		b.Run(p.name, func(b *testing.B) {
 			dial(b, p.dial, "echo").Close() // warm up
 			msg, buf := make([]byte, 64), make([]byte, 64)
-			before := readProcess()
+			before := ReadUsage()
 			conns := make([]net.Conn, 0, b.N)
 			defer func() {
 				for _, c := range conns {
@@ -39,25 +38,11 @@ func BenchmarkIdleTunnel(b *testing.B) {
 				_ = c.SetDeadline(time.Time{})
 			}
 			b.StopTimer()
-			after := readProcess()
+			after := ReadUsage()
 			n := float64(len(conns))
-			b.ReportMetric(float64(after.stack-before.stack)/n, "stack-B/conn")
-			b.ReportMetric(float64(after.heap-before.heap)/n, "heap-B/conn")
-			b.ReportMetric(float64(after.goroutines-before.goroutines)/n, "goroutines/conn")
+			b.ReportMetric(float64(after.Stacks-before.Stacks)/n, "stack-B/conn")
+			b.ReportMetric(float64(after.Heap-before.Heap)/n, "heap-B/conn")
+			b.ReportMetric(float64(after.Goroutines-before.Goroutines)/n, "goroutines/conn")
 		})
 	}
-}
-
-// processReading is what the process holds, after a garbage collection
-// (which also shrinks the stacks that use less than a quarter of theirs).
-type processReading struct {
-	stack, heap uint64
-	goroutines  int
-}
-
-func readProcess() processReading {
-	runtime.GC()
-	var m runtime.MemStats
-	runtime.ReadMemStats(&m)
-	return processReading{stack: m.StackInuse, heap: m.HeapInuse, goroutines: runtime.NumGoroutine()}
 }

@@ -8,6 +8,7 @@ import (
 	"io"
 	"net/http"
 	"os"
+	"runtime"
 	"strconv"
 	"strings"
 	"time"
@@ -189,4 +190,20 @@ func ProcCPU(pid int) (time.Duration, error) {
 		ticks += n
 	}
 	return time.Duration(ticks) * clockTick, nil
+}
+
+// Usage is what this process holds after a garbage collection, which also
+// shrinks the stacks that use less than a quarter of theirs: Go heap and
+// stack bytes in use, and goroutines.
+type Usage struct {
+	Heap, Stacks uint64
+	Goroutines   int
+}
+
+// ReadUsage collects garbage and reads this process's Usage.
+func ReadUsage() Usage {
+	runtime.GC()
+	var m runtime.MemStats
+	runtime.ReadMemStats(&m)
+	return Usage{Heap: m.HeapInuse, Stacks: m.StackInuse, Goroutines: runtime.NumGoroutine()}
 }

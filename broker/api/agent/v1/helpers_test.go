@@ -15,7 +15,6 @@ import (
 
 	dialv1 "github.com/kcp-dev/tunnel-broker/broker/api/dial/v1"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
-	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
@@ -114,25 +113,9 @@ func registerMore(clusters ...string) *tunnelv1.ConnectRequest {
 // agent with the SPIFFE ID of path, and whether the series exists.
 func series(t *testing.T, name, agent, path string) (float64, bool) {
 	t.Helper()
-	families, err := metrics.Registry.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, f := range families {
-		if f.GetName() != name {
-			continue
-		}
-		for _, m := range f.GetMetric() {
-			labels := map[string]string{}
-			for _, l := range m.GetLabel() {
-				labels[l.GetName()] = l.GetValue()
-			}
-			if labels["agent"] == agent && labels["spiffe_id"] == brokertest.ID(path).String() {
-				return m.GetGauge().GetValue(), true
-			}
-		}
-	}
-	return 0, false
+	return brokertest.Metric(t, name, func(labels map[string]string) bool {
+		return labels["agent"] == agent && labels["spiffe_id"] == brokertest.ID(path).String()
+	})
 }
 
 // connectStatus opens a control stream as path, sends msgs and returns the

@@ -25,6 +25,8 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	testgrpc "google.golang.org/grpc/interop/grpc_testing"
+
+	"github.com/kcp-dev/tunnel-broker/test/bench"
 )
 
 const childEnv = "STREAMFLOOR_SERVER"
@@ -71,7 +73,7 @@ func measure(n int) error {
 	go func() { _ = srv.Serve(l) }()
 	defer srv.Stop()
 
-	before := read()
+	before := bench.ReadUsage()
 	child := exec.Command(os.Args[0], "-n", fmt.Sprint(n))
 	child.Env = append(os.Environ(), childEnv+"="+l.Addr().String())
 	child.Stderr = os.Stderr
@@ -88,26 +90,14 @@ func measure(n int) error {
 		return fmt.Errorf("child: %q, %v", ready, err)
 	}
 	time.Sleep(2 * time.Second) // let the last handlers settle
-	after := read()
+	after := bench.ReadUsage()
 	per := func(b, a uint64) float64 { return (float64(a) - float64(b)) / 1024 / float64(n) }
 	// Comment lines, like tunnelbench's description of the run: this is
 	// a floor to read the table against, not a figure of the tunnel.
 	fmt.Printf("# floor: one idle grpc-go server stream (%d open, %s): heap %.1f KiB, stacks %.1f KiB, %.2f goroutines\n",
-		n, runtime.Version(), per(before.heap, after.heap), per(before.stacks, after.stacks),
-		(float64(after.goroutines)-float64(before.goroutines))/float64(n))
+		n, runtime.Version(), per(before.Heap, after.Heap), per(before.Stacks, after.Stacks),
+		(float64(after.Goroutines)-float64(before.Goroutines))/float64(n))
 	return nil
-}
-
-type usage struct {
-	heap, stacks uint64
-	goroutines   int
-}
-
-func read() usage {
-	runtime.GC()
-	var m runtime.MemStats
-	runtime.ReadMemStats(&m)
-	return usage{heap: m.HeapInuse, stacks: m.StackInuse, goroutines: runtime.NumGoroutine()}
 }
 
 // openStreams is the child: it opens n streams, sends one message on each
