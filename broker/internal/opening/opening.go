@@ -180,7 +180,8 @@ func (g *Guard) stream(srv any, ss grpc.ServerStream, info *grpc.StreamServerInf
 	return handler(srv, w)
 }
 
-// watch starts waiting for ss's first message.
+// watch starts waiting for ss's first message. It is never inlined:
+// inlined, its locals would be back in stream's frame.
 //
 //go:noinline
 func (g *Guard) watch(ss grpc.ServerStream, method string) *firstMessage {
