@@ -53,16 +53,30 @@ func (t cpuTimes) total() time.Duration {
 }
 
 // middle is what the middle processes of path used: those between the
-// caller and the target (the broker and agent, the relays, the peer's
-// server and client); none for the direct path.
+// caller and the target; none for the direct path.
 func (t cpuTimes) middle(path string) time.Duration {
+	m := t.middleOf(path)
+	return m.used[0] + m.used[1]
+}
+
+// middleUse is what each of a path's two middle processes used, and their
+// names in rows.
+type middleUse struct {
+	names [2]string
+	used  [2]time.Duration
+}
+
+// middleOf is what the two middle processes of path used, in order: the
+// broker and agent (for every path through the main pair), relays 1 and 2,
+// the peer's server and client; none for the direct path.
+func (t cpuTimes) middleOf(path string) middleUse {
 	switch path {
-	case "tunneled":
-		return t.broker + t.agent
+	case "tunneled", earlyName, connectName:
+		return middleUse{[2]string{"broker", "agent"}, [2]time.Duration{t.broker, t.agent}}
 	case "relay":
-		return t.relay1 + t.relay2
+		return middleUse{[2]string{"relay1", "relay2"}, [2]time.Duration{t.relay1, t.relay2}}
 	case peerName:
-		return t.peerServer + t.peerClient
+		return middleUse{[2]string{"server", "client"}, [2]time.Duration{t.peerServer, t.peerClient}}
 	}
-	return 0
+	return middleUse{}
 }

@@ -21,55 +21,34 @@ const maxRoundTrips = 1_000_000
 // per path, for cfg.duration, and reports p50, p99 and what the tunnel (and
 // the relay, peer and CONNECT paths, when they run) adds.
 func (r *runner) latency(ctx context.Context) {
+	paths := r.withConnect(r.allPaths())
 	figs := map[string]rttFigures{}
-	for _, p := range r.withConnect(r.allPaths()) {
+	for _, p := range paths {
 		figs[p.name] = r.latencyOn(ctx, p)
 	}
-	d, t := figs["direct"], figs["tunneled"]
-	r.report.row("rtt64_p50_us", d.p50, t.p50)
-	r.report.row("rtt64_p99_us", d.p99, t.p99)
-	r.report.row("rtt64_added_p50_us", none, t.p50-d.p50)
-	r.report.row("rtt64_added_p99_us", none, t.p99-d.p99)
-	r.report.row("rtt64_cpu_us_per_rt", d.cpuPerRT, t.cpuPerRT)
-	r.report.row("rtt64_broker_cpu_us_per_rt", none, t.first)
-	r.report.row("rtt64_agent_cpu_us_per_rt", none, t.second)
-	if r.relay != nil {
-		rl := figs["relay"]
-		r.report.relayRow("rtt64_p50_us", d.p50, rl.p50)
-		r.report.relayRow("rtt64_p99_us", d.p99, rl.p99)
-		r.report.relayRow("rtt64_added_p50_us", none, rl.p50-d.p50)
-		r.report.relayRow("rtt64_added_p99_us", none, rl.p99-d.p99)
-		r.report.relayRow("rtt64_cpu_us_per_rt", d.cpuPerRT, rl.cpuPerRT)
-		r.report.relayRow("rtt64_relay1_cpu_us_per_rt", none, rl.first)
-		r.report.relayRow("rtt64_relay2_cpu_us_per_rt", none, rl.second)
-	}
-	if r.peer != nil {
-		pr := figs[peerName]
-		r.report.floorRow(peerName, "rtt64_p50_us", d.p50, pr.p50)
-		r.report.floorRow(peerName, "rtt64_p99_us", d.p99, pr.p99)
-		r.report.floorRow(peerName, "rtt64_added_p50_us", none, pr.p50-d.p50)
-		r.report.floorRow(peerName, "rtt64_added_p99_us", none, pr.p99-d.p99)
-		r.report.floorRow(peerName, "rtt64_cpu_us_per_rt", d.cpuPerRT, pr.cpuPerRT)
-		r.report.floorRow(peerName, "rtt64_server_cpu_us_per_rt", none, pr.first)
-		r.report.floorRow(peerName, "rtt64_client_cpu_us_per_rt", none, pr.second)
-	}
-	if c, ok := figs[connectName]; ok {
-		r.report.floorRow(connectName, "rtt64_p50_us", d.p50, c.p50)
-		r.report.floorRow(connectName, "rtt64_p99_us", d.p99, c.p99)
-		r.report.floorRow(connectName, "rtt64_cpu_us_per_rt", d.cpuPerRT, c.cpuPerRT)
-		r.report.floorRow(connectName, "rtt64_broker_cpu_us_per_rt", none, c.first)
-		r.report.floorRow(connectName, "rtt64_agent_cpu_us_per_rt", none, c.second)
+	d := figs["direct"]
+	for _, p := range paths[1:] {
+		f := figs[p.name]
+		row := func(name string, direct, v float64) { r.report.pathRow(p.name, name, direct, v) }
+		row("rtt64_p50_us", d.p50, f.p50)
+		row("rtt64_p99_us", d.p99, f.p99)
+		row("rtt64_added_p50_us", none, f.p50-d.p50)
+		row("rtt64_added_p99_us", none, f.p99-d.p99)
+		row("rtt64_cpu_us_per_rt", d.cpuPerRT, f.cpuPerRT)
+		row("rtt64_"+f.middle[0]+"_cpu_us_per_rt", none, f.first)
+		row("rtt64_"+f.middle[1]+"_cpu_us_per_rt", none, f.second)
 	}
 }
 
 // rttFigures are one path's round-trip latencies (µs) and CPU per round
 // trip (µs): of every process, and of the path's two middle processes in
-// order (broker and agent, relay1 and relay2, the peer's server and
-// client; 0 for the direct path, which has none).
+// order, named middle (cpuTimes.middleOf; 0 for the direct path, which has
+// none).
 type rttFigures struct {
 	p50, p99      float64
 	cpuPerRT      float64
 	first, second float64
+	middle        [2]string
 }
 
 // latencyOn is latency's measurement on path p.
@@ -86,14 +65,8 @@ func (r *runner) latencyOn(ctx context.Context, p path) rttFigures {
 	}
 	perRT := func(d time.Duration) float64 { return bench.Micros(d) / float64(len(s)) }
 	f := rttFigures{p50: bench.Micros(s.Quantile(0.5)), p99: bench.Micros(s.Quantile(0.99)), cpuPerRT: perRT(used.total())}
-	switch p.name {
-	case "tunneled", connectName:
-		f.first, f.second = perRT(used.broker), perRT(used.agent)
-	case "relay":
-		f.first, f.second = perRT(used.relay1), perRT(used.relay2)
-	case peerName:
-		f.first, f.second = perRT(used.peerServer), perRT(used.peerClient)
-	}
+	m := used.middleOf(p.name)
+	f.first, f.second, f.middle = perRT(m.used[0]), perRT(m.used[1]), m.names
 	r.logf("%s: %d round trips", p.name, len(s))
 	return f
 }
@@ -129,25 +102,16 @@ func roundTrips(c net.Conn, d time.Duration) (bench.Samples, error) {
 // per path, each one after another, for cfg.duration, and reports the total
 // round trips per second.
 func (r *runner) roundTripRate(ctx context.Context) {
+	paths := r.withConnect(r.allPaths())
 	rates := map[string]float64{}
 	cpu := map[string]float64{}
-	for _, p := range r.withConnect(r.allPaths()) {
+	for _, p := range paths {
 		rates[p.name], cpu[p.name] = r.roundTripRateOn(ctx, p)
 	}
 	name := "rtt64_" + strconv.Itoa(r.cfg.conns) + "conns"
-	r.report.row(name+"_per_s", rates["direct"], rates["tunneled"])
-	r.report.row(name+"_cpu_us_per_rt", cpu["direct"], cpu["tunneled"])
-	if r.relay != nil {
-		r.report.relayRow(name+"_per_s", rates["direct"], rates["relay"])
-		r.report.relayRow(name+"_cpu_us_per_rt", cpu["direct"], cpu["relay"])
-	}
-	if r.peer != nil {
-		r.report.floorRow(peerName, name+"_per_s", rates["direct"], rates[peerName])
-		r.report.floorRow(peerName, name+"_cpu_us_per_rt", cpu["direct"], cpu[peerName])
-	}
-	if rate, ok := rates[connectName]; ok {
-		r.report.floorRow(connectName, name+"_per_s", rates["direct"], rate)
-		r.report.floorRow(connectName, name+"_cpu_us_per_rt", cpu["direct"], cpu[connectName])
+	for _, p := range paths[1:] {
+		r.report.pathRow(p.name, name+"_per_s", rates["direct"], rates[p.name])
+		r.report.pathRow(p.name, name+"_cpu_us_per_rt", cpu["direct"], cpu[p.name])
 	}
 }
 

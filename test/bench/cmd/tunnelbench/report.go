@@ -37,6 +37,16 @@ func (rep *report) floorRow(path, name string, direct, value float64) {
 	rep.line(path+"_"+name, path, direct, value)
 }
 
+// pathRow prints figure name of path against the direct path: as row for
+// the tunnel, and as floorRow for the other paths.
+func (rep *report) pathRow(path, name string, direct, value float64) {
+	if path == "tunneled" {
+		rep.row(name, direct, value)
+		return
+	}
+	rep.floorRow(path, name, direct, value)
+}
+
 // hostileRow prints a figure of the hostile phase: the broker under
 // attack, with no direct path to compare with.
 func (rep *report) hostileRow(name string, value float64) {
