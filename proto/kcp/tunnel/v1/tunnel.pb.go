@@ -1297,9 +1297,12 @@ type Registered struct {
 	// The broker replica that accepted it.
 	BrokerId string `protobuf:"bytes,1,opt,name=broker_id,json=brokerId,proto3" json:"broker_id,omitempty"`
 	// When the broker accepted it.
-	Since         *timestamppb.Timestamp `protobuf:"bytes,2,opt,name=since,proto3" json:"since,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Since *timestamppb.Timestamp `protobuf:"bytes,2,opt,name=since,proto3" json:"since,omitempty"`
+	// The broker accepts data connections (docs/protocol.md §3.5): the agent
+	// MAY carry a tunnel on one instead of on a Tunnel stream.
+	DataConnections bool `protobuf:"varint,3,opt,name=data_connections,json=dataConnections,proto3" json:"data_connections,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *Registered) Reset() {
@@ -1346,6 +1349,70 @@ func (x *Registered) GetSince() *timestamppb.Timestamp {
 	return nil
 }
 
+func (x *Registered) GetDataConnections() bool {
+	if x != nil {
+		return x.DataConnections
+	}
+	return false
+}
+
+// OpenResult is the broker's answer to the open that starts a tunnel on a
+// data connection (docs/protocol.md §3.5), its first bytes on it.
+type OpenResult struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// A google.rpc.Code. OK: the tunnel's bytes follow. Anything else: the
+	// broker refused the open, and closes the connection.
+	Code int32 `protobuf:"varint,1,opt,name=code,proto3" json:"code,omitempty"`
+	// Why, for a refusal.
+	Message       string `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *OpenResult) Reset() {
+	*x = OpenResult{}
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *OpenResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*OpenResult) ProtoMessage() {}
+
+func (x *OpenResult) ProtoReflect() protoreflect.Message {
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use OpenResult.ProtoReflect.Descriptor instead.
+func (*OpenResult) Descriptor() ([]byte, []int) {
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *OpenResult) GetCode() int32 {
+	if x != nil {
+		return x.Code
+	}
+	return 0
+}
+
+func (x *OpenResult) GetMessage() string {
+	if x != nil {
+		return x.Message
+	}
+	return ""
+}
+
 // DialOrder asks the agent to connect to a target.
 type DialOrder struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1364,7 +1431,7 @@ type DialOrder struct {
 
 func (x *DialOrder) Reset() {
 	*x = DialOrder{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[17]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1376,7 +1443,7 @@ func (x *DialOrder) String() string {
 func (*DialOrder) ProtoMessage() {}
 
 func (x *DialOrder) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[17]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1389,7 +1456,7 @@ func (x *DialOrder) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DialOrder.ProtoReflect.Descriptor instead.
 func (*DialOrder) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{17}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *DialOrder) GetDialId() uint64 {
@@ -1441,7 +1508,7 @@ type DialFailure struct {
 
 func (x *DialFailure) Reset() {
 	*x = DialFailure{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[18]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1453,7 +1520,7 @@ func (x *DialFailure) String() string {
 func (*DialFailure) ProtoMessage() {}
 
 func (x *DialFailure) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[18]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1466,7 +1533,7 @@ func (x *DialFailure) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DialFailure.ProtoReflect.Descriptor instead.
 func (*DialFailure) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{18}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *DialFailure) GetDialId() uint64 {
@@ -1510,7 +1577,7 @@ type TunnelRequest struct {
 
 func (x *TunnelRequest) Reset() {
 	*x = TunnelRequest{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[19]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1522,7 +1589,7 @@ func (x *TunnelRequest) String() string {
 func (*TunnelRequest) ProtoMessage() {}
 
 func (x *TunnelRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[19]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1535,7 +1602,7 @@ func (x *TunnelRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelRequest.ProtoReflect.Descriptor instead.
 func (*TunnelRequest) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{19}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *TunnelRequest) GetFrame() isTunnelRequest_Frame {
@@ -1594,7 +1661,7 @@ type TunnelResponse struct {
 
 func (x *TunnelResponse) Reset() {
 	*x = TunnelResponse{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[20]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1606,7 +1673,7 @@ func (x *TunnelResponse) String() string {
 func (*TunnelResponse) ProtoMessage() {}
 
 func (x *TunnelResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[20]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1619,7 +1686,7 @@ func (x *TunnelResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelResponse.ProtoReflect.Descriptor instead.
 func (*TunnelResponse) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{20}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *TunnelResponse) GetFrame() isTunnelResponse_Frame {
@@ -1675,7 +1742,7 @@ type TunnelOpen struct {
 
 func (x *TunnelOpen) Reset() {
 	*x = TunnelOpen{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[21]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1687,7 +1754,7 @@ func (x *TunnelOpen) String() string {
 func (*TunnelOpen) ProtoMessage() {}
 
 func (x *TunnelOpen) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[21]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1700,7 +1767,7 @@ func (x *TunnelOpen) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelOpen.ProtoReflect.Descriptor instead.
 func (*TunnelOpen) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{21}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *TunnelOpen) GetDialId() uint64 {
@@ -1805,11 +1872,16 @@ const file_kcp_tunnel_v1_tunnel_proto_rawDesc = "" +
 	"\n" +
 	"agent_name\x18\x02 \x01(\tR\tagentName\x12\x12\n" +
 	"\x04more\x18\x03 \x01(\bR\x04more\x12,\n" +
-	"\x12accepts_early_data\x18\x04 \x01(\bR\x10acceptsEarlyData\"[\n" +
+	"\x12accepts_early_data\x18\x04 \x01(\bR\x10acceptsEarlyData\"\x86\x01\n" +
 	"\n" +
 	"Registered\x12\x1b\n" +
 	"\tbroker_id\x18\x01 \x01(\tR\bbrokerId\x120\n" +
-	"\x05since\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x05since\"\x91\x01\n" +
+	"\x05since\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x05since\x12)\n" +
+	"\x10data_connections\x18\x03 \x01(\bR\x0fdataConnections\":\n" +
+	"\n" +
+	"OpenResult\x12\x12\n" +
+	"\x04code\x18\x01 \x01(\x05R\x04code\x12\x18\n" +
+	"\amessage\x18\x02 \x01(\tR\amessage\"\x91\x01\n" +
 	"\tDialOrder\x12\x17\n" +
 	"\adial_id\x18\x01 \x01(\x04R\x06dialId\x12-\n" +
 	"\x06target\x18\x02 \x01(\v2\x15.kcp.tunnel.v1.TargetR\x06target\x12\x1d\n" +
@@ -1856,7 +1928,7 @@ func file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP() []byte {
 	return file_kcp_tunnel_v1_tunnel_proto_rawDescData
 }
 
-var file_kcp_tunnel_v1_tunnel_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
+var file_kcp_tunnel_v1_tunnel_proto_msgTypes = make([]protoimpl.MessageInfo, 23)
 var file_kcp_tunnel_v1_tunnel_proto_goTypes = []any{
 	(*ListAgentsRequest)(nil),     // 0: kcp.tunnel.v1.ListAgentsRequest
 	(*ListAgentsResponse)(nil),    // 1: kcp.tunnel.v1.ListAgentsResponse
@@ -1875,49 +1947,50 @@ var file_kcp_tunnel_v1_tunnel_proto_goTypes = []any{
 	(*Drain)(nil),                 // 14: kcp.tunnel.v1.Drain
 	(*Register)(nil),              // 15: kcp.tunnel.v1.Register
 	(*Registered)(nil),            // 16: kcp.tunnel.v1.Registered
-	(*DialOrder)(nil),             // 17: kcp.tunnel.v1.DialOrder
-	(*DialFailure)(nil),           // 18: kcp.tunnel.v1.DialFailure
-	(*TunnelRequest)(nil),         // 19: kcp.tunnel.v1.TunnelRequest
-	(*TunnelResponse)(nil),        // 20: kcp.tunnel.v1.TunnelResponse
-	(*TunnelOpen)(nil),            // 21: kcp.tunnel.v1.TunnelOpen
-	(*timestamppb.Timestamp)(nil), // 22: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 23: google.protobuf.Duration
+	(*OpenResult)(nil),            // 17: kcp.tunnel.v1.OpenResult
+	(*DialOrder)(nil),             // 18: kcp.tunnel.v1.DialOrder
+	(*DialFailure)(nil),           // 19: kcp.tunnel.v1.DialFailure
+	(*TunnelRequest)(nil),         // 20: kcp.tunnel.v1.TunnelRequest
+	(*TunnelResponse)(nil),        // 21: kcp.tunnel.v1.TunnelResponse
+	(*TunnelOpen)(nil),            // 22: kcp.tunnel.v1.TunnelOpen
+	(*timestamppb.Timestamp)(nil), // 23: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 24: google.protobuf.Duration
 }
 var file_kcp_tunnel_v1_tunnel_proto_depIdxs = []int32{
 	2,  // 0: kcp.tunnel.v1.ListAgentsResponse.agents:type_name -> kcp.tunnel.v1.AgentInfo
-	22, // 1: kcp.tunnel.v1.AgentInfo.connected_since:type_name -> google.protobuf.Timestamp
-	22, // 2: kcp.tunnel.v1.AgentInfo.last_probe:type_name -> google.protobuf.Timestamp
-	23, // 3: kcp.tunnel.v1.AgentInfo.last_probe_rtt:type_name -> google.protobuf.Duration
+	23, // 1: kcp.tunnel.v1.AgentInfo.connected_since:type_name -> google.protobuf.Timestamp
+	23, // 2: kcp.tunnel.v1.AgentInfo.last_probe:type_name -> google.protobuf.Timestamp
+	24, // 3: kcp.tunnel.v1.AgentInfo.last_probe_rtt:type_name -> google.protobuf.Duration
 	5,  // 4: kcp.tunnel.v1.ListTunnelsResponse.tunnels:type_name -> kcp.tunnel.v1.TunnelInfo
 	6,  // 5: kcp.tunnel.v1.TunnelInfo.target:type_name -> kcp.tunnel.v1.Target
-	22, // 6: kcp.tunnel.v1.TunnelInfo.established:type_name -> google.protobuf.Timestamp
-	23, // 7: kcp.tunnel.v1.TunnelInfo.age:type_name -> google.protobuf.Duration
-	23, // 8: kcp.tunnel.v1.TunnelInfo.idle:type_name -> google.protobuf.Duration
+	23, // 6: kcp.tunnel.v1.TunnelInfo.established:type_name -> google.protobuf.Timestamp
+	24, // 7: kcp.tunnel.v1.TunnelInfo.age:type_name -> google.protobuf.Duration
+	24, // 8: kcp.tunnel.v1.TunnelInfo.idle:type_name -> google.protobuf.Duration
 	6,  // 9: kcp.tunnel.v1.DialRequest.target:type_name -> kcp.tunnel.v1.Target
 	9,  // 10: kcp.tunnel.v1.DialResponse.established:type_name -> kcp.tunnel.v1.Established
 	10, // 11: kcp.tunnel.v1.DialResponse.close_write:type_name -> kcp.tunnel.v1.CloseWrite
 	15, // 12: kcp.tunnel.v1.ConnectRequest.register:type_name -> kcp.tunnel.v1.Register
-	18, // 13: kcp.tunnel.v1.ConnectRequest.dial_failure:type_name -> kcp.tunnel.v1.DialFailure
+	19, // 13: kcp.tunnel.v1.ConnectRequest.dial_failure:type_name -> kcp.tunnel.v1.DialFailure
 	14, // 14: kcp.tunnel.v1.ConnectRequest.drain:type_name -> kcp.tunnel.v1.Drain
 	13, // 15: kcp.tunnel.v1.ConnectRequest.probe:type_name -> kcp.tunnel.v1.Probe
 	16, // 16: kcp.tunnel.v1.ConnectResponse.registered:type_name -> kcp.tunnel.v1.Registered
-	17, // 17: kcp.tunnel.v1.ConnectResponse.dial_order:type_name -> kcp.tunnel.v1.DialOrder
+	18, // 17: kcp.tunnel.v1.ConnectResponse.dial_order:type_name -> kcp.tunnel.v1.DialOrder
 	14, // 18: kcp.tunnel.v1.ConnectResponse.drain:type_name -> kcp.tunnel.v1.Drain
 	13, // 19: kcp.tunnel.v1.ConnectResponse.probe:type_name -> kcp.tunnel.v1.Probe
-	22, // 20: kcp.tunnel.v1.Registered.since:type_name -> google.protobuf.Timestamp
+	23, // 20: kcp.tunnel.v1.Registered.since:type_name -> google.protobuf.Timestamp
 	6,  // 21: kcp.tunnel.v1.DialOrder.target:type_name -> kcp.tunnel.v1.Target
-	21, // 22: kcp.tunnel.v1.TunnelRequest.open:type_name -> kcp.tunnel.v1.TunnelOpen
+	22, // 22: kcp.tunnel.v1.TunnelRequest.open:type_name -> kcp.tunnel.v1.TunnelOpen
 	10, // 23: kcp.tunnel.v1.TunnelResponse.close_write:type_name -> kcp.tunnel.v1.CloseWrite
 	7,  // 24: kcp.tunnel.v1.DialService.Dial:input_type -> kcp.tunnel.v1.DialRequest
 	0,  // 25: kcp.tunnel.v1.AdminService.ListAgents:input_type -> kcp.tunnel.v1.ListAgentsRequest
 	3,  // 26: kcp.tunnel.v1.AdminService.ListTunnels:input_type -> kcp.tunnel.v1.ListTunnelsRequest
 	11, // 27: kcp.tunnel.v1.AgentService.Connect:input_type -> kcp.tunnel.v1.ConnectRequest
-	19, // 28: kcp.tunnel.v1.AgentService.Tunnel:input_type -> kcp.tunnel.v1.TunnelRequest
+	20, // 28: kcp.tunnel.v1.AgentService.Tunnel:input_type -> kcp.tunnel.v1.TunnelRequest
 	8,  // 29: kcp.tunnel.v1.DialService.Dial:output_type -> kcp.tunnel.v1.DialResponse
 	1,  // 30: kcp.tunnel.v1.AdminService.ListAgents:output_type -> kcp.tunnel.v1.ListAgentsResponse
 	4,  // 31: kcp.tunnel.v1.AdminService.ListTunnels:output_type -> kcp.tunnel.v1.ListTunnelsResponse
 	12, // 32: kcp.tunnel.v1.AgentService.Connect:output_type -> kcp.tunnel.v1.ConnectResponse
-	20, // 33: kcp.tunnel.v1.AgentService.Tunnel:output_type -> kcp.tunnel.v1.TunnelResponse
+	21, // 33: kcp.tunnel.v1.AgentService.Tunnel:output_type -> kcp.tunnel.v1.TunnelResponse
 	29, // [29:34] is the sub-list for method output_type
 	24, // [24:29] is the sub-list for method input_type
 	24, // [24:24] is the sub-list for extension type_name
@@ -1951,11 +2024,11 @@ func file_kcp_tunnel_v1_tunnel_proto_init() {
 		(*ConnectResponse_Drain)(nil),
 		(*ConnectResponse_Probe)(nil),
 	}
-	file_kcp_tunnel_v1_tunnel_proto_msgTypes[19].OneofWrappers = []any{
+	file_kcp_tunnel_v1_tunnel_proto_msgTypes[20].OneofWrappers = []any{
 		(*TunnelRequest_Open)(nil),
 		(*TunnelRequest_Data)(nil),
 	}
-	file_kcp_tunnel_v1_tunnel_proto_msgTypes[20].OneofWrappers = []any{
+	file_kcp_tunnel_v1_tunnel_proto_msgTypes[21].OneofWrappers = []any{
 		(*TunnelResponse_Data)(nil),
 		(*TunnelResponse_CloseWrite)(nil),
 	}
@@ -1965,7 +2038,7 @@ func file_kcp_tunnel_v1_tunnel_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kcp_tunnel_v1_tunnel_proto_rawDesc), len(file_kcp_tunnel_v1_tunnel_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   22,
+			NumMessages:   23,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

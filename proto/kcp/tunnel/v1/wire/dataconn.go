@@ -1,0 +1,125 @@
+package wire
+
+import (
+	"errors"
+	"fmt"
+	"io"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protodelim"
+	"google.golang.org/protobuf/proto"
+
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+)
+
+// DataProtocol is the ALPN protocol of a data connection
+// (docs/protocol.md §3.5): a TLS connection to the broker's gRPC port that
+// carries one tunnel's bytes as they are, without gRPC. The broker offers
+// it beside gRPC's "h2" on the same port and with the same mTLS.
+const DataProtocol = "kcp-tunnel-data/1"
+
+// The bounds of a data connection's two messages, in bytes, without their
+// length prefix. An open is a dial id (at most 13 bytes); a result's
+// message is cut to fit.
+const (
+	maxOpen       = 32
+	maxOpenResult = 512
+)
+
+// WriteOpen starts a tunnel on a data connection: the length-delimited
+// TunnelRequest{open{dial_id}}. The tunnel's bytes MAY follow at once.
+func WriteOpen(w io.Writer, dialID uint64) error {
+	_, err := protodelim.MarshalTo(w, &tunnelv1.TunnelRequest{Frame: &tunnelv1.TunnelRequest_Open{Open: &tunnelv1.TunnelOpen{DialId: dialID}}})
+	return err
+}
+
+// ReadOpen reads an open, and not a byte past it: what follows is the
+// tunnel's. Anything but an open is an InvalidArgument status; a
+// connection that ends first, the read's error: io.EOF if it ended before
+// the open's first byte, io.ErrUnexpectedEOF inside it.
+func ReadOpen(r io.Reader) (dialID uint64, err error) {
+	var req tunnelv1.TunnelRequest
+	if err := read(r, &req, maxOpen); err != nil {
+		return 0, err
+	}
+	if req.GetOpen() == nil {
+		return 0, status.Error(codes.InvalidArgument, "protocol error: a data connection must start with open")
+	}
+	return req.GetOpen().GetDialId(), nil
+}
+
+// WriteOpenResult answers an open with err's status: nil is OK, and the
+// tunnel's bytes follow.
+func WriteOpenResult(w io.Writer, err error) error {
+	st := status.Convert(err)
+	msg := st.Message()
+	if len(msg) > maxOpenResult-16 {
+		msg = msg[:maxOpenResult-16]
+	}
+	_, werr := protodelim.MarshalTo(w, &tunnelv1.OpenResult{Code: int32(st.Code()), Message: msg})
+	return werr
+}
+
+// ReadOpenResult reads the broker's answer to an open, and not a byte past
+// it: nil for OK, else the refusal as a status error. A connection that
+// ends first, or an answer that is not one, is an error of its own.
+func ReadOpenResult(r io.Reader) error {
+	var res tunnelv1.OpenResult
+	if err := read(r, &res, maxOpenResult); err != nil {
+		return fmt.Errorf("reading the broker's answer to open: %w", err)
+	}
+	if res.GetCode() == int32(codes.OK) {
+		return nil
+	}
+	return status.Error(codes.Code(res.GetCode()), res.GetMessage())
+}
+
+// read reads one length-delimited message of at most limit bytes. The
+// length is read a byte at a time, so nothing after the message is read:
+// crypto/tls keeps the rest of a record for the next Read. The
+// connection's errors are returned as they are; a message that is too
+// large or does not decode is an InvalidArgument status.
+func read(r io.Reader, m proto.Message, limit int64) error {
+	br := &byteReader{r: r}
+	err := protodelim.UnmarshalOptions{MaxSize: limit}.UnmarshalFrom(br, m)
+	var tooBig *protodelim.SizeTooLargeError
+	switch {
+	case err == nil:
+		return nil
+	case br.err != nil:
+		return br.err
+	case errors.As(err, &tooBig):
+		return status.Errorf(codes.InvalidArgument, "protocol error: a %d-byte message where at most %d may be", tooBig.Size, limit)
+	}
+	return status.Errorf(codes.InvalidArgument, "protocol error: %v", err)
+}
+
+// byteReader gives protodelim the byte reads it needs for the length, and
+// keeps the connection's first error.
+type byteReader struct {
+	r    io.Reader
+	read int
+	err  error
+}
+
+func (b *byteReader) ReadByte() (byte, error) {
+	var p [1]byte
+	if _, err := io.ReadFull(b, p[:]); err != nil {
+		return 0, err
+	}
+	return p[0], nil
+}
+
+func (b *byteReader) Read(p []byte) (int, error) {
+	n, err := b.r.Read(p)
+	b.read += n
+	if err != nil && b.err == nil {
+		b.err = err
+		if err == io.EOF && b.read > 0 {
+			// The connection ended inside the message.
+			b.err = io.ErrUnexpectedEOF
+		}
+	}
+	return n, err
+}
