@@ -3,9 +3,11 @@ package identity
 import (
 	"context"
 	"crypto/tls"
+	"errors"
 	"fmt"
 	"net"
 	"runtime/debug"
+	"slices"
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/bundle/x509bundle"
@@ -47,6 +49,14 @@ func CloseExpiredPeers(grace time.Duration) Option {
 	return func(c *spiffeCreds) { c.expiredGrace = &grace }
 }
 
+// Protocols are the ALPN protocols offered besides gRPC's "h2", in the
+// order of preference, before it: a server offers them on the same port
+// (the server hands a connection that picks one to its own handler), and a
+// client's handshake that should pick one asks for it.
+func Protocols(protos ...string) Option {
+	return func(c *spiffeCreds) { c.protocols = protos }
+}
+
 // ServerCredentials is SPIFFE mTLS that admits any peer whose X.509-SVID
 // verifies against the source's bundles and that authorize accepts. Which
 // peer may do what is decided per RPC from PeerID.
@@ -69,7 +79,9 @@ func ClientCredentials(src SVIDSource, authorize tlsconfig.Authorizer, opts ...O
 // AuthInfo of this package's own: the peer's verified SPIFFE ID, never nil,
 // and when its SVID expires.
 type spiffeCreds struct {
+	cfg          *tls.Config // with "h2" after protocols
 	tls          credentials.TransportCredentials
+	protocols    []string // ALPN, before "h2"
 	refusals     *Refusals
 	slots        *handshakeSlots // server only; nil: no bound
 	expiredGrace *time.Duration  // server only; nil: expiry does not close connections
@@ -78,10 +90,16 @@ type spiffeCreds struct {
 func newCreds(cfg *tls.Config, bundles x509bundle.Source, authorize tlsconfig.Authorizer, opts []Option) *spiffeCreds {
 	cfg.VerifyPeerCertificate = nil
 	cfg.VerifyConnection = verifyPeer(bundles, authorize)
-	c := &spiffeCreds{tls: credentials.NewTLS(cfg)}
+	c := &spiffeCreds{}
 	for _, o := range opts {
 		o(c)
 	}
+	cfg.NextProtos = c.protocols
+	// NewTLS adds "h2" after them, in a copy of cfg that its handshakes,
+	// and ours (tlsServer, tlsClient), use.
+	c.tls = credentials.NewTLS(cfg)
+	c.cfg = cfg.Clone()
+	c.cfg.NextProtos = append(slices.Clone(c.protocols), "h2")
 	return c
 }
 
@@ -95,7 +113,7 @@ func (c *spiffeCreds) ServerHandshake(raw net.Conn) (net.Conn, credentials.AuthI
 			return nil, nil, err
 		}
 	}
-	conn, info, err := c.handshake(func() (net.Conn, credentials.AuthInfo, error) { return c.tls.ServerHandshake(raw) })
+	conn, info, err := c.handshake(func() (net.Conn, credentials.AuthInfo, error) { return c.tlsServer(raw) })
 	if s != nil {
 		c.slots.release(s)
 		if err != nil && s.evicted.Load() {
@@ -114,7 +132,7 @@ func (c *spiffeCreds) ServerHandshake(raw net.Conn) (net.Conn, credentials.AuthI
 }
 
 func (c *spiffeCreds) ClientHandshake(ctx context.Context, authority string, raw net.Conn) (net.Conn, credentials.AuthInfo, error) {
-	conn, info, err := c.handshake(func() (net.Conn, credentials.AuthInfo, error) { return c.tls.ClientHandshake(ctx, authority, raw) })
+	conn, info, err := c.handshake(func() (net.Conn, credentials.AuthInfo, error) { return c.tlsClient(ctx, authority, raw) })
 	if err != nil {
 		// gRPC cancels handshakes when the connection is no longer wanted:
 		// that refuses nothing.
@@ -126,7 +144,50 @@ func (c *spiffeCreds) ClientHandshake(ctx context.Context, authority string, raw
 	return conn, info, nil
 }
 
-// handshake runs gRPC's TLS handshake and reads the verified peer. Nothing
+// tlsServer is the server's TLS handshake as gRPC's credentials.NewTLS
+// makes it, but it returns the *tls.Conn itself, not gRPC's wrapper of it:
+// a data connection half-closes with the TLS connection's CloseWrite (a
+// close_notify), which the wrapper hides. gRPC reads nothing else from its
+// wrapper than what net.Conn has.
+func (c *spiffeCreds) tlsServer(raw net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	conn := tls.Server(raw, c.cfg)
+	if err := conn.Handshake(); err != nil {
+		conn.Close()
+		return nil, nil, err
+	}
+	return tlsResult(conn)
+}
+
+// tlsClient is the client's, likewise. The authority's host goes in the
+// SNI, as gRPC sends it, for proxies that route by it; the peer is verified
+// by its SPIFFE ID (verifyPeer), never by that name.
+func (c *spiffeCreds) tlsClient(ctx context.Context, authority string, raw net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	cfg := c.cfg.Clone()
+	cfg.ServerName = authority
+	if host, _, err := net.SplitHostPort(authority); err == nil {
+		cfg.ServerName = host
+	}
+	conn := tls.Client(raw, cfg)
+	if err := conn.HandshakeContext(ctx); err != nil {
+		conn.Close()
+		return nil, nil, err
+	}
+	return tlsResult(conn)
+}
+
+// tlsResult is a finished handshake's connection and AuthInfo. As gRPC
+// does, it refuses a peer that negotiated no application protocol: ALPN
+// is required for HTTP/2 over TLS.
+func tlsResult(conn *tls.Conn) (net.Conn, credentials.AuthInfo, error) {
+	cs := conn.ConnectionState()
+	if cs.NegotiatedProtocol == "" {
+		conn.Close()
+		return nil, nil, errors.New("credentials: cannot check peer: missing selected ALPN property")
+	}
+	return conn, credentials.TLSInfo{State: cs, CommonAuthInfo: credentials.CommonAuthInfo{SecurityLevel: credentials.PrivacyAndIntegrity}}, nil
+}
+
+// handshake runs a TLS handshake and reads the verified peer. Nothing
 // a peer sends may crash the process: a panic in the handshake (a bug in
 // a dependency) fails only this handshake.
 func (c *spiffeCreds) handshake(run func() (net.Conn, credentials.AuthInfo, error)) (conn net.Conn, info AuthInfo, err error) {

@@ -143,7 +143,7 @@ func checkAdmitted(t *testing.T, conn net.Conn, info credentials.AuthInfo, err e
 		t.Fatalf("admitted %q: %v", ai.ID, err)
 	}
 	if ai.SPIFFEID == nil || ai.SPIFFEID.String() != ai.ID.String() {
-		t.Fatalf("admitted %q, but gRPC's TLSInfo says %v", ai.ID, ai.SPIFFEID)
+		t.Fatalf("admitted %q, but the TLSInfo gRPC reads says %v", ai.ID, ai.SPIFFEID)
 	}
 	if ai.Expires.IsZero() {
 		t.Fatal("admitted without an expiry")

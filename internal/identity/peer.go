@@ -48,6 +48,9 @@ func newAuthInfo(info credentials.AuthInfo) (AuthInfo, error) {
 	if err != nil {
 		return AuthInfo{}, refused(ReasonInvalidID, err)
 	}
+	// The handshake is ours (tlsServer, tlsClient): gRPC's TLSInfo gets
+	// the SPIFFE ID verified here, for whatever in gRPC reads it.
+	tlsInfo.SPIFFEID = id.URL()
 	return AuthInfo{TLSInfo: tlsInfo, ID: id, Expires: chainExpiry(tlsInfo.State)}, nil
 }
 

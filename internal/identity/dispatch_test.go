@@ -1,0 +1,99 @@
+package identity
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net"
+	"testing"
+
+	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
+	"github.com/kcp-dev/tunnel-broker/internal/devca"
+)
+
+const testProtocol = "test-data/1"
+
+// dispatched is what a Dispatch handler was given.
+type dispatched struct {
+	conn net.Conn
+	peer AuthInfo
+}
+
+func TestDispatchHandsItsProtocolsConnectionsOverAndGRPCKeepsTheRest(t *testing.T) {
+	ca := newCA(t, "ca")
+	server := newSource(t, ca, devca.Leaf{SPIFFEID: "/broker"})
+	client := newSource(t, ca, devca.Leaf{SPIFFEID: "/agent"})
+	got := make(chan dispatched, 1)
+	creds := Dispatch(ServerCredentials(server, tlsconfig.AuthorizeAny(), Protocols(testProtocol)), testProtocol,
+		func(conn net.Conn, peer AuthInfo) { got <- dispatched{conn, peer} })
+	srv := grpc.NewServer(grpc.Creds(creds))
+	healthpb.RegisterHealthServer(srv, health.NewServer())
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go srv.Serve(lis)
+	defer srv.Stop()
+
+	// gRPC, on the same port, still works.
+	cc, err := grpc.NewClient("passthrough:///"+lis.Addr().String(),
+		grpc.WithTransportCredentials(ClientCredentials(client, tlsconfig.AuthorizeAny())))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cc.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), waitLong)
+	defer cancel()
+	if _, err := healthpb.NewHealthClient(cc).Check(ctx, &healthpb.HealthCheckRequest{}); err != nil {
+		t.Fatalf("gRPC beside the dispatched protocol: %v", err)
+	}
+
+	// A client that asks for the protocol reaches the handler, verified.
+	raw, err := net.Dial("tcp", lis.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	dataCreds := ClientCredentials(client, tlsconfig.AuthorizeAny(), Protocols(testProtocol))
+	conn, info, err := dataCreds.ClientHandshake(ctx, lis.Addr().String(), raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if p := info.(AuthInfo).State.NegotiatedProtocol; p != testProtocol {
+		t.Fatalf("negotiated %q, want %q", p, testProtocol)
+	}
+	d := <-got
+	defer d.conn.Close()
+	if d.peer.ID.Path() != "/agent" {
+		t.Fatalf("the handler was given peer %q", d.peer.ID)
+	}
+
+	// Both ends are TLS connections that half-close with a close_notify.
+	if _, err := conn.Write([]byte("up")); err != nil {
+		t.Fatal(err)
+	}
+	if err := conn.(interface{ CloseWrite() error }).CloseWrite(); err != nil {
+		t.Fatalf("the client's CloseWrite: %v", err)
+	}
+	up, err := io.ReadAll(d.conn)
+	if err != nil || string(up) != "up" {
+		t.Fatalf("the handler read %q, %v; want up and EOF", up, err)
+	}
+	if _, err := d.conn.Write([]byte("down")); err != nil {
+		t.Fatalf("writing after the peer's half-close: %v", err)
+	}
+	if err := d.conn.(interface{ CloseWrite() error }).CloseWrite(); err != nil {
+		t.Fatalf("the server's CloseWrite: %v", err)
+	}
+	down, err := io.ReadAll(conn)
+	if err != nil || string(down) != "down" {
+		t.Fatalf("the client read %q, %v; want down and EOF", down, err)
+	}
+	if _, err := d.conn.Read(make([]byte, 1)); !errors.Is(err, io.EOF) {
+		t.Fatalf("the handler's read after EOF: %v", err)
+	}
+}
