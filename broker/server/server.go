@@ -137,6 +137,11 @@ type Config struct {
 	// MaxConnectionAge is how long a connection takes new RPCs
 	// (DefaultMaxConnectionAge).
 	MaxConnectionAge time.Duration
+	// NoDataConnections keeps agents on Tunnel streams: the port offers no
+	// data connections (docs/protocol.md §3.5). MaxSparesPerPeer and
+	// MaxSpares bound the spare ones (package agent's defaults).
+	NoDataConnections           bool
+	MaxSparesPerPeer, MaxSpares int64
 	// Clock times what time decides in the services: the idle limit,
 	// probes, first messages, registrations' SVID expiry; nil: the real
 	// clock.
@@ -169,6 +174,7 @@ type Server struct {
 	grpc     *grpc.Server
 	health   *health.Server
 	dial     *dialv1.Service
+	agent    *agentv1.Service
 	egress   []*egressv1.Server
 	draining context.Context // ends when the replica stops taking dials
 	drain    context.CancelFunc
@@ -199,6 +205,9 @@ func New(cfg Config) *Server {
 		Clock: cfg.Clock,
 		Log:   cfg.Log,
 	})
+	// The agent service before the server: the server's credentials hand
+	// it the data connections.
+	s.agent = s.agentService()
 	s.grpc = grpc.NewServer(s.serverOptions(guard)...)
 	s.registerServices()
 	guard.Methods(s.grpc)
@@ -212,12 +221,22 @@ func (s *Server) credentials() credentials.TransportCredentials {
 	// The handshake admits any SVID that chains to a trusted bundle; the
 	// policy then decides per RPC, so a refused peer gets PermissionDenied,
 	// not a bare TLS alert.
-	creds := identity.ServerCredentials(cfg.Identity, tlsconfig.AuthorizeAny(),
+	opts := []identity.Option{
 		identity.ReportRefusals(&identity.Refusals{Log: cfg.Log, Count: metrics.CountRefusedHandshake}),
 		identity.MaxConcurrentHandshakes(cfg.MaxHandshakes),
-		identity.CloseExpiredPeers(cfg.ExpiredPeerGrace))
+		identity.CloseExpiredPeers(cfg.ExpiredPeerGrace),
+	}
+	if !cfg.NoDataConnections {
+		opts = append(opts, identity.Protocols(wire.DataProtocol))
+	}
+	creds := identity.ServerCredentials(cfg.Identity, tlsconfig.AuthorizeAny(), opts...)
 	// One write syscall per gRPC flush, not one per 16 KiB TLS record.
 	creds = wire.CoalesceWrites(creds)
+	if !cfg.NoDataConnections {
+		// Data connections are not gRPC's: they go to the agent service,
+		// with coalesced writes but without the HTTP/2 frames' guard.
+		creds = identity.Dispatch(creds, wire.DataProtocol, s.agent.ServeData)
+	}
 	// A peer that sends its data in tiny or padded DATA frames would make
 	// gRPC hold some 40 times what it sends; its connection is closed.
 	return fragments.Refuse(creds, fragments.Report{Log: cfg.Log, Count: metrics.ClosedFragmented.Inc})
@@ -274,19 +293,27 @@ func (s *Server) registerServices() {
 		Log:                 cfg.Log.With("component", "dial"),
 	})
 	dialv1.RegisterService(s.grpc, s.dial)
-	agentv1.RegisterService(s.grpc, agentv1.New(agentv1.Config{
+	agentv1.RegisterService(s.grpc, s.agent)
+	adminv1.RegisterService(s.grpc, adminv1.New(adminv1.Config{Registry: s.Registry, Tunnels: s.Tunnels, BrokerID: cfg.ID}))
+	healthpb.RegisterHealthServer(s.grpc, s.health)
+	reflection.Register(s.grpc)
+	metrics.GRPC.InitializeMetrics(s.grpc)
+}
+
+// agentService is the replica's agent service, with its data connections.
+func (s *Server) agentService() *agentv1.Service {
+	cfg := s.cfg
+	return agentv1.New(agentv1.Config{
 		Registry: s.Registry, Policy: cfg.Policy, BrokerID: cfg.ID,
 		Draining: s.draining, Stopping: s.stopping, Grace: cfg.Grace,
 		ProbeEvery: cfg.ProbeEvery, RegistrationTimeout: cfg.DialTimeout,
 		MaxRegistrations: cfg.MaxRegistrationsPerAgent, MaxClusters: cfg.MaxClustersPerRegistration,
 		MaxReregistrationsPerSecond: cfg.MaxReregistrationsPerSecond,
-		Clock:                       cfg.Clock,
-		Log:                         cfg.Log.With("component", "agent"),
-	}))
-	adminv1.RegisterService(s.grpc, adminv1.New(adminv1.Config{Registry: s.Registry, Tunnels: s.Tunnels, BrokerID: cfg.ID}))
-	healthpb.RegisterHealthServer(s.grpc, s.health)
-	reflection.Register(s.grpc)
-	metrics.GRPC.InitializeMetrics(s.grpc)
+		DataConnections:             !cfg.NoDataConnections,
+		MaxSparesPerPeer:            cfg.MaxSparesPerPeer, MaxSpares: cfg.MaxSpares,
+		Clock: cfg.Clock,
+		Log:   cfg.Log.With("component", "agent"),
+	})
 }
 
 // Egress is a CONNECT front end of this replica (package egress): plain

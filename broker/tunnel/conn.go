@@ -8,6 +8,7 @@ import (
 	"sync"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
@@ -27,36 +28,49 @@ func (t *Tunnel) SpliceConn(conn net.Conn, cfg Config, ended func()) (callerStat
 	return t.Splice(c, cfg, ended)
 }
 
-// maxConnRead is the most a read from the connection carries in one data
-// frame: what kcpplugin and the agent send at most.
-const maxConnRead = 32<<10 - 16
-
-// connStream is a connection dressed as the caller's server stream: it
-// receives data frames read from the connection and writes the payload of
-// the frames it is sent. Its context carries a transport stream whose
+// connStream is a connection dressed as a server stream, for either leg:
+// it receives data frames read from the connection and writes the payload
+// of the frames it is sent. Its context carries a transport stream whose
 // WriteStatus closes the connection, so package abortable's End frees a
 // blocked read, as it frees a blocked gRPC Recv.
 type connStream struct {
 	conn   net.Conn
 	ctx    context.Context
 	cancel context.CancelFunc
-	buf    []byte
-	once   sync.Once
+	// buf holds 2 KiB while reads are small, so that an idle tunnel
+	// holds no more, and at most a data frame's worth (wire.MaxFrame,
+	// what kcpplugin and the agent send at most) while they are large.
+	buf  wire.ReadBuffer
+	once sync.Once
 }
 
 func newConnStream(conn net.Conn) *connStream {
-	c := &connStream{conn: conn, buf: make([]byte, maxConnRead)}
+	c := &connStream{conn: conn}
 	ctx, cancel := context.WithCancel(context.Background())
 	c.ctx, c.cancel = grpc.NewContextWithServerTransportStream(ctx, connTransport{c}), cancel
 	return c
 }
 
-// end closes the connection and ends the stream's context, once.
-func (c *connStream) end(*status.Status) {
+// end closes the connection and ends the stream's context, once. A
+// failure (st not OK) resets a TCP connection under TLS, so that its peer
+// reads an error rather than the close_notify of a clean half-close.
+func (c *connStream) end(st *status.Status) {
 	c.once.Do(func() {
+		if st.Code() != codes.OK {
+			abort(c.conn)
+		}
 		c.conn.Close()
 		c.cancel()
 	})
+}
+
+// abort makes the close of conn a reset, where it is TCP under TLS.
+func abort(conn net.Conn) {
+	if under, ok := conn.(interface{ NetConn() net.Conn }); ok {
+		if tcp, ok := under.NetConn().(*net.TCPConn); ok {
+			_ = tcp.SetLinger(0)
+		}
+	}
 }
 
 func (c *connStream) Context() context.Context     { return c.ctx }
@@ -64,7 +78,7 @@ func (c *connStream) SetHeader(metadata.MD) error  { return nil }
 func (c *connStream) SendHeader(metadata.MD) error { return nil }
 func (c *connStream) SetTrailer(metadata.MD)       {}
 
-// RecvMsg reads what the connection has, up to maxConnRead bytes, into a
+// RecvMsg reads what the connection has, up to wire.MaxFrame bytes, into a
 // data frame; the end of the connection's reading side is io.EOF, as a
 // client's CloseSend is on a stream.
 func (c *connStream) RecvMsg(m any) error {
@@ -72,29 +86,39 @@ func (c *connStream) RecvMsg(m any) error {
 	if !ok {
 		return errors.New("a connection's leg receives only frames")
 	}
-	n, err := c.conn.Read(c.buf)
-	if n > 0 {
-		*f = wire.NewDataFrame(c.buf[:n])
+	data, err := c.buf.Read(c.conn)
+	if len(data) > 0 {
+		*f = wire.NewDataFrame(data)
 		return nil
 	}
 	if err == nil {
 		err = io.ErrNoProgress
 	}
+	// The leg has ended: its reader holds no pooled buffer any more.
+	c.buf.Release()
 	return err
 }
 
 // SendMsg writes a data frame's payload to the connection, and answers
-// the close_write that follows the agent's half-close with the
-// connection's CloseWrite.
+// the close_write of the other leg's half-close with the connection's
+// CloseWrite. A message with data (the caller's early data, sent to an
+// agent's leg) is written as a frame is.
 func (c *connStream) SendMsg(m any) error {
 	switch msg := m.(type) {
 	case *wire.Frame:
 		defer msg.Free()
 		_, err := msg.WriteTo(c.conn)
 		return err
-	case *tunnelv1.DialResponse:
+	case interface {
+		GetData() []byte
+		GetCloseWrite() *tunnelv1.CloseWrite
+	}:
+		if data := msg.GetData(); len(data) > 0 {
+			_, err := c.conn.Write(data)
+			return err
+		}
 		if msg.GetCloseWrite() == nil {
-			return errors.New("a connection's leg sends only data and close_write")
+			break
 		}
 		if cw, ok := c.conn.(interface{ CloseWrite() error }); ok {
 			return cw.CloseWrite()

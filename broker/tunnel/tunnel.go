@@ -2,7 +2,9 @@
 // moment its agent claims the dial to the tunnel's end.
 //
 // A tunnel is two gRPC streams, each served by its own RPC handler: the
-// caller's Dial stream and the agent's Tunnel stream. The agent's handler
+// caller's Dial stream and the agent's Tunnel stream. Either may instead be
+// a connection dressed as a stream (conn.go): the CONNECT front end's
+// client for the caller, a data connection for the agent. The agent's handler
 // claims the dial with Open and waits. The dial's handler gets the tunnel
 // from Dial, tells its caller, and calls Splice, which copies each direction
 // in one of the two handlers: the dial's handler copies up, from the caller
@@ -22,6 +24,7 @@ package tunnel
 import (
 	"context"
 	"errors"
+	"net"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -34,6 +37,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // Tunnel is one tunneled connection, from its agent's claim to its end.
@@ -51,7 +55,7 @@ type Tunnel struct {
 	Established time.Time
 
 	claim  *registry.Claim
-	agent  tunnelv1.AgentService_TunnelServer
+	agent  grpc.ServerStream // a Tunnel stream, or a data connection (OpenConn)
 	caller grpc.ServerStream // set by Splice: a Dial stream, or a connection (SpliceConn)
 	// earlyData is the caller's early data that its agent's order did not
 	// carry: the splice sends it to the agent first.
@@ -110,12 +114,38 @@ func Open(r *registry.Registry, dialID uint64, agentID spiffeid.ID, stream tunne
 	if err != nil {
 		return err
 	}
+	return open(claim, stream)
+}
+
+// OpenConn is Open for an agent's data connection (docs/protocol.md §3.5),
+// once the agent has named its dial there: the claim's result is the
+// broker's answer, the connection's first bytes, and the connection is the
+// agent's leg until the tunnel ends. It closes the connection: with a
+// close_notify after a clean end or a refusal, with a reset after a
+// failure.
+func OpenConn(r *registry.Registry, dialID uint64, agentID spiffeid.ID, conn net.Conn) error {
+	claim, err := r.Claim(dialID, agentID)
+	// An answer that cannot be written fails the tunnel at its first
+	// read or write, as a stream that breaks would.
+	_ = wire.WriteOpenResult(conn, err)
+	if err != nil {
+		conn.Close()
+		return err
+	}
+	c := newConnStream(conn)
+	defer c.end(nil)
+	return open(claim, c)
+}
+
+// open hands the claimed dial's tunnel, whose agent's leg is agent, to the
+// dial, and serves that leg until the tunnel ends.
+func open(claim *registry.Claim, agent grpc.ServerStream) error {
 	t := &Tunnel{
 		ID:       claim.TunnelID,
 		Agent:    claim.Agent,
 		Target:   claim.Target,
 		claim:    claim,
-		agent:    stream,
+		agent:    agent,
 		splicing: make(chan struct{}),
 		ended:    make(chan struct{}),
 	}

@@ -105,7 +105,9 @@ func StartWithCredentials(t *testing.T, pol policy.File, wrap func(credentials.T
 	s.Stopping, s.stop = context.WithCancel(context.Background())
 	t.Cleanup(s.drain)
 	t.Cleanup(s.stop)
-	creds := identity.ServerCredentials(source(t, ca, BrokerPath), tlsconfig.AuthorizeAny())
+	// Data connections are offered as the broker offers them; a test
+	// serves them by wrapping the credentials with identity.Dispatch.
+	creds := identity.ServerCredentials(source(t, ca, BrokerPath), tlsconfig.AuthorizeAny(), identity.Protocols(wire.DataProtocol))
 	if wrap != nil {
 		creds = wrap(creds)
 	}
@@ -177,6 +179,25 @@ func source(t *testing.T, ca *devca.CA, path string) *devca.Source {
 		t.Fatal(err)
 	}
 	return src
+}
+
+// DataConn opens a data connection (docs/protocol.md §3.5) to the broker as
+// the identity path, expecting the broker's identity; the test t closes it
+// when it ends.
+func (s *Server) DataConn(t *testing.T, path string) *tls.Conn {
+	t.Helper()
+	cfg := s.ClientTLS(t, path)
+	cfg.NextProtos = []string{wire.DataProtocol}
+	conn, err := tls.Dial("tcp", s.Addr, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := conn.ConnectionState().NegotiatedProtocol; got != wire.DataProtocol {
+		conn.Close()
+		t.Fatalf("the broker negotiated %q, want %q", got, wire.DataProtocol)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return conn
 }
 
 // StreamContext bounds a client stream: a test that waits on a stream for

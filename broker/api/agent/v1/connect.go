@@ -45,8 +45,9 @@ func (s *Service) Connect(stream tunnelv1.AgentService_ConnectServer) error {
 	s.cfg.Registry.Register(a)
 	defer s.cfg.Registry.Unregister(a)
 	registered := &tunnelv1.ConnectResponse{Message: &tunnelv1.ConnectResponse_Registered{Registered: &tunnelv1.Registered{
-		BrokerId: s.cfg.BrokerID,
-		Since:    timestamppb.New(a.Since),
+		BrokerId:        s.cfg.BrokerID,
+		Since:           timestamppb.New(a.Since),
+		DataConnections: s.cfg.DataConnections,
 	}}}
 	if err := stream.Send(registered); err != nil {
 		return err

@@ -1,6 +1,6 @@
 // Package agent serves kcp.tunnel.v1.AgentService: agents register the
 // logical clusters they serve on a control stream (connect.go), and open one
-// Tunnel stream per dial the broker orders.
+// Tunnel stream or data connection (dataconn.go) per dial the broker orders.
 package agent
 
 import (
@@ -75,6 +75,12 @@ type Config struct {
 	// control stream, the latest list winning; zero:
 	// DefaultMaxReregistrationsPerSecond.
 	MaxReregistrationsPerSecond float64
+	// DataConnections tells agents that the server hands this service the
+	// data connections of its port (ServeData, docs/protocol.md §3.5).
+	DataConnections bool
+	// MaxSparesPerPeer and MaxSpares bound the spare data connections of
+	// one SPIFFE ID and of all together (dataconn.go); zero: the defaults.
+	MaxSparesPerPeer, MaxSpares int64
 	// Clock times the probes, the first registration and the end of each
 	// registration at its SVID's expiry; nil: the real clock.
 	Clock clock.WithTickerAndDelayedExecution
@@ -87,6 +93,7 @@ type Service struct {
 
 	cfg           Config
 	registrations quota.Quota // control streams, per agent SPIFFE ID
+	spares        quota.Quota // data connections waiting for their open
 }
 
 // New is an agent service with cfg, its defaults resolved.
@@ -108,6 +115,7 @@ func New(cfg Config) *Service {
 	return &Service{
 		cfg:           cfg,
 		registrations: quota.Quota{PerID: cmp.Or(cfg.MaxRegistrations, DefaultMaxRegistrations)},
+		spares:        quota.Quota{PerID: cmp.Or(cfg.MaxSparesPerPeer, DefaultMaxSparesPerPeer), Total: cmp.Or(cfg.MaxSpares, DefaultMaxSpares)},
 	}
 }
 

@@ -1,0 +1,218 @@
+package agent
+
+import (
+	"crypto/tls"
+	"errors"
+	"io"
+	"testing"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
+)
+
+// openData opens a data connection as path for dialID and returns it with
+// the broker's answer.
+func (b *broker) openData(t *testing.T, path string, dialID uint64) (*tls.Conn, error) {
+	t.Helper()
+	conn := b.DataConn(t, path)
+	if err := wire.WriteOpen(conn, dialID); err != nil {
+		t.Fatal(err)
+	}
+	return conn, wire.ReadOpenResult(conn)
+}
+
+// readFull reads exactly len(want) bytes from r and compares them.
+func readFull(t *testing.T, r io.Reader, want string) {
+	t.Helper()
+	got := make([]byte, len(want))
+	if _, err := io.ReadFull(r, got); err != nil || string(got) != want {
+		t.Fatalf("read %q, %v; want %q", got, err, want)
+	}
+}
+
+func TestRegisteredSaysTheBrokerTakesDataConnections(t *testing.T) {
+	b := startBroker(t, config{})
+	ctx, _ := brokertest.StreamContext(t)
+	control, err := tunnelv1.NewAgentServiceClient(b.Conn(t, agentA)).Connect(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := control.Send(register("root")); err != nil {
+		t.Fatal(err)
+	}
+	msg, err := control.Recv()
+	if err != nil || !msg.GetRegistered().GetDataConnections() {
+		t.Fatalf("registration answered %v, %v; want registered with data_connections", msg, err)
+	}
+}
+
+func TestADataConnectionCarriesItsDialsTunnelBothWays(t *testing.T) {
+	b := startBroker(t, config{})
+	a := b.ConnectAgent(t, agentA, "a", "root")
+	target := brokertest.Target("root")
+	caller, _ := b.StartDial(t, kcpPath, target)
+	order := a.Order(t, target)
+	conn, err := b.openData(t, agentA, order.GetDialId())
+	if err != nil {
+		t.Fatalf("the broker refused the open: %v", err)
+	}
+	if msg, err := caller.Recv(); err != nil || msg.GetEstablished() == nil {
+		t.Fatalf("caller got %v, %v; want established", msg, err)
+	}
+
+	// Up: the caller's frames arrive as bytes, and its half-close as a
+	// close_notify.
+	if err := caller.Send(brokertest.DataUp([]byte("hello "))); err != nil {
+		t.Fatal(err)
+	}
+	if err := caller.Send(brokertest.DataUp([]byte("agent"))); err != nil {
+		t.Fatal(err)
+	}
+	readFull(t, conn, "hello agent")
+	if err := caller.CloseSend(); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := conn.Read(make([]byte, 1)); n != 0 || !errors.Is(err, io.EOF) {
+		t.Fatalf("after the caller's half-close the agent read %d, %v; want EOF", n, err)
+	}
+
+	// Down: bytes become the caller's frames, and the agent's half-close
+	// its close_write; then the Dial ends OK.
+	if _, err := conn.Write([]byte("hello kcp")); err != nil {
+		t.Fatal(err)
+	}
+	var got []byte
+	for len(got) < len("hello kcp") {
+		msg, err := caller.Recv()
+		if err != nil {
+			t.Fatalf("caller: %v after %q", err, got)
+		}
+		got = append(got, msg.GetData()...)
+	}
+	if string(got) != "hello kcp" {
+		t.Fatalf("caller read %q", got)
+	}
+	if err := conn.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	if msg, err := caller.Recv(); err != nil || msg.GetCloseWrite() == nil {
+		t.Fatalf("caller got %v, %v; want close_write", msg, err)
+	}
+	if _, err := caller.Recv(); !errors.Is(err, io.EOF) {
+		t.Fatalf("the Dial ended with %v, want OK", err)
+	}
+}
+
+func TestAnAgentsBytesRightAfterItsOpenReachTheCaller(t *testing.T) {
+	b := startBroker(t, config{})
+	a := b.ConnectAgent(t, agentA, "a", "root")
+	target := brokertest.Target("root")
+	caller, _ := b.StartDial(t, kcpPath, target)
+	order := a.Order(t, target)
+	conn := b.DataConn(t, agentA)
+	// The open and the target's first bytes in one write, as a server
+	// that speaks first would have them.
+	if err := wire.WriteOpen(conn, order.GetDialId()); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.Write([]byte("220 ready")); err != nil {
+		t.Fatal(err)
+	}
+	if err := wire.ReadOpenResult(conn); err != nil {
+		t.Fatal(err)
+	}
+	if msg, err := caller.Recv(); err != nil || msg.GetEstablished() == nil {
+		t.Fatalf("caller got %v, %v; want established", msg, err)
+	}
+	if msg, err := caller.Recv(); err != nil || string(msg.GetData()) != "220 ready" {
+		t.Fatalf("caller got %v, %v; want the agent's first bytes", msg, err)
+	}
+}
+
+func TestADataConnectionForADialNotPendingIsNotFound(t *testing.T) {
+	b := startBroker(t, config{})
+	b.ConnectAgent(t, agentA, "a", "root")
+	_, err := b.openData(t, agentA, 12345)
+	if status.Code(err) != codes.NotFound {
+		t.Fatalf("open of an unknown dial: %v, want NotFound", err)
+	}
+}
+
+func TestADataConnectionCannotClaimAnotherAgentsDial(t *testing.T) {
+	b := startBroker(t, config{})
+	a := b.ConnectAgent(t, agentA, "a", "root")
+	target := brokertest.Target("root")
+	caller, _ := b.StartDial(t, kcpPath, target)
+	order := a.Order(t, target)
+	if _, err := b.openData(t, agentB, order.GetDialId()); status.Code(err) != codes.NotFound {
+		t.Fatalf("agent B opening agent A's dial: %v, want NotFound", err)
+	}
+	// The dial is still agent A's.
+	if _, err := b.openData(t, agentA, order.GetDialId()); err != nil {
+		t.Fatalf("agent A's own open after B's: %v", err)
+	}
+	if msg, err := caller.Recv(); err != nil || msg.GetEstablished() == nil {
+		t.Fatalf("caller got %v, %v; want established", msg, err)
+	}
+}
+
+func TestOnlyAgentsMayOpenDataConnections(t *testing.T) {
+	b := startBroker(t, config{})
+	conn := b.DataConn(t, kcpPath)
+	err := wire.ReadOpenResult(conn)
+	if status.Code(err) != codes.PermissionDenied {
+		t.Fatalf("a caller's data connection: %v, want PermissionDenied", err)
+	}
+}
+
+func TestADataConnectionThatDoesNotOpenIsInvalidArgument(t *testing.T) {
+	b := startBroker(t, config{})
+	conn := b.DataConn(t, agentA)
+	// A data frame where the open belongs.
+	if _, err := conn.Write([]byte{3, 0x12, 1, 'x'}); err != nil {
+		t.Fatal(err)
+	}
+	if err := wire.ReadOpenResult(conn); status.Code(err) != codes.InvalidArgument {
+		t.Fatalf("data before the open: %v, want InvalidArgument", err)
+	}
+}
+
+func TestSparesOverTheirBoundAreResourceExhaustedAndFreedWhenUsed(t *testing.T) {
+	b := startBroker(t, config{maxSparesPerPeer: 2})
+	first := b.DataConn(t, agentA)
+	b.DataConn(t, agentA)
+	third := b.DataConn(t, agentA)
+	if err := wire.ReadOpenResult(third); status.Code(err) != codes.ResourceExhausted {
+		t.Fatalf("a third spare: %v, want ResourceExhausted", err)
+	}
+	// Another peer's spares are its own.
+	b.DataConn(t, agentB)
+	testutil.Eventually(t, "agent B's spare is not counted", func() bool { return b.agents.spares.Held(brokertest.ID(agentB)) == 1 })
+	// A spare that names its dial (here, one not pending) is no longer
+	// one: a new spare fits again.
+	if err := wire.WriteOpen(first, 1); err != nil {
+		t.Fatal(err)
+	}
+	if err := wire.ReadOpenResult(first); status.Code(err) != codes.NotFound {
+		t.Fatalf("open of an unknown dial: %v", err)
+	}
+	testutil.Eventually(t, "the used spare is not counted", func() bool { return b.agents.spares.Held(brokertest.ID(agentA)) == 1 })
+	b.DataConn(t, agentA)
+	testutil.Eventually(t, "the new spare is counted", func() bool { return b.agents.spares.Held(brokertest.ID(agentA)) == 2 })
+}
+
+func TestSparesCloseWhenTheBrokerDrains(t *testing.T) {
+	b := startBroker(t, config{})
+	spare := b.DataConn(t, agentA)
+	testutil.Eventually(t, "the spare is not counted", func() bool { return b.agents.spares.Held(brokertest.ID(agentA)) == 1 })
+	b.Drain()
+	if err := wire.ReadOpenResult(spare); err == nil {
+		t.Fatal("a spare read an answer after the drain")
+	}
+	testutil.Eventually(t, "the spare is still counted after the drain", func() bool { return b.agents.spares.TotalHeld() == 0 })
+}
