@@ -64,13 +64,18 @@ func (c *connStream) end(st *status.Status) {
 	})
 }
 
-// abort makes the close of conn a reset, where it is TCP under TLS.
+// abort resets conn where it is TCP under TLS: it closes the socket with
+// no linger, before the TLS connection could send a close_notify.
 func abort(conn net.Conn) {
-	if under, ok := conn.(interface{ NetConn() net.Conn }); ok {
-		if tcp, ok := under.NetConn().(*net.TCPConn); ok {
-			_ = tcp.SetLinger(0)
-		}
+	under, ok := conn.(interface{ NetConn() net.Conn })
+	if !ok {
+		return
 	}
+	sock := under.NetConn()
+	if tcp, ok := sock.(interface{ SetLinger(int) error }); ok {
+		_ = tcp.SetLinger(0)
+	}
+	sock.Close()
 }
 
 func (c *connStream) Context() context.Context     { return c.ctx }

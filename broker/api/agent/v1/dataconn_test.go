@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"context"
 	"crypto/tls"
 	"errors"
 	"io"
@@ -215,4 +216,45 @@ func TestSparesCloseWhenTheBrokerDrains(t *testing.T) {
 		t.Fatal("a spare read an answer after the drain")
 	}
 	testutil.Eventually(t, "the spare is still counted after the drain", func() bool { return b.agents.spares.TotalHeld() == 0 })
+}
+
+// establishData is a tunnel whose agent leg is a data connection.
+func (b *broker) establishData(t *testing.T) (tunnelv1.DialService_DialClient, context.CancelFunc, *tls.Conn) {
+	t.Helper()
+	a := b.ConnectAgent(t, agentA, "a", "root")
+	target := brokertest.Target("root")
+	caller, cancel := b.StartDial(t, kcpPath, target)
+	order := a.Order(t, target)
+	conn, err := b.openData(t, agentA, order.GetDialId())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if msg, err := caller.Recv(); err != nil || msg.GetEstablished() == nil {
+		t.Fatalf("caller got %v, %v; want established", msg, err)
+	}
+	return caller, cancel, conn
+}
+
+func TestADataConnectionClosedWithoutCloseNotifyIsAFailureNotAHalfClose(t *testing.T) {
+	b := startBroker(t, config{})
+	caller, _, conn := b.establishData(t)
+	// The agent's socket closes under its TLS: no close_notify.
+	conn.NetConn().Close()
+	msg, err := caller.Recv()
+	if msg.GetCloseWrite() != nil {
+		t.Fatal("the caller was told the agent half-closed")
+	}
+	if status.Code(err) != codes.Unavailable {
+		t.Fatalf("the Dial ended with %v, %v; want Unavailable", msg, err)
+	}
+}
+
+func TestATunnelThatFailsResetsItsDataConnection(t *testing.T) {
+	b := startBroker(t, config{})
+	_, cancel, conn := b.establishData(t)
+	cancel()
+	n, err := conn.Read(make([]byte, 1))
+	if n != 0 || err == nil || errors.Is(err, io.EOF) {
+		t.Fatalf("after the caller went away the agent read %d, %v; want a reset, not EOF", n, err)
+	}
 }
