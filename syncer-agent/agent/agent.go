@@ -1,6 +1,7 @@
 // Package agent is the syncer agent's side of the tunnel: it keeps a control
 // stream to each broker replica, and for each dial order connects to the
-// target its Resolver names and pipes bytes over a Tunnel stream of its own.
+// target its Resolver names and pipes bytes over a Tunnel stream of its own,
+// or over a data connection of its own to a broker that accepts them.
 package agent
 
 import (
@@ -32,15 +33,25 @@ type Agent struct {
 	Broker string
 	// Credentials are the agent's SPIFFE mTLS credentials.
 	Credentials credentials.TransportCredentials
+	// DataCredentials are the credentials of data connections
+	// (docs/protocol.md §3.5): the same mTLS, offering wire.DataProtocol
+	// by ALPN, with coalesced writes. Nil: tunnels go on Tunnel streams
+	// only.
+	DataCredentials credentials.TransportCredentials
+	// SpareDataConnections is how many spare data connections each
+	// session keeps open to a broker that accepts them, so that a dial is
+	// carried on one without waiting for a handshake; 0 means none, and
+	// every tunnel goes on a Tunnel stream.
+	SpareDataConnections int
 	// Name is shown in the broker's logs and listings.
 	Name     string
 	Resolver lookup.Resolver
 	// Grace is how long tunnels in flight may run once Run's ctx ends.
 	Grace time.Duration
 	Log   *slog.Logger
-	// Clock times the waits between reconnections, the grace period and
-	// the wait for the broker to end a registration; nil means the real
-	// clock.
+	// Clock times the waits between reconnections, the grace period, the
+	// wait for the broker to end a registration and the pace of spare data
+	// connections; nil means the real clock.
 	Clock clock.Clock
 
 	// Registered, if set, is called each time the broker accepts the agent.

@@ -7,9 +7,11 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -20,6 +22,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/status"
 	clocktesting "k8s.io/utils/clock/testing"
 
@@ -34,7 +37,9 @@ import (
 // This file holds the fake broker replica the agents under test register
 // with, and small helpers. The fake is a real gRPC server on loopback with
 // SPIFFE mTLS from a throwaway CA; it hands each Connect and Tunnel stream
-// to the test, which plays the broker's side of the protocol.
+// to the test, which plays the broker's side of the protocol. Its port also
+// takes data connections (ALPN wire.DataProtocol), whose opens it hands to
+// the test too.
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
@@ -90,6 +95,13 @@ func (p *pki) agentCredentials() credentials.TransportCredentials {
 	return identity.ClientCredentials(p.agent, tlsconfig.AuthorizeID(spiffeid.RequireFromString("spiffe://"+trustDomain+"/broker")))
 }
 
+// agentDataCredentials are the agent binary's for data connections: the
+// same, asking for the data protocol, with coalesced writes.
+func (p *pki) agentDataCredentials() credentials.TransportCredentials {
+	return wire.CoalesceWrites(identity.ClientCredentials(p.agent, tlsconfig.AuthorizeID(spiffeid.RequireFromString("spiffe://"+trustDomain+"/broker")),
+		identity.Protocols(wire.DataProtocol)))
+}
+
 // fakeBroker is one broker replica.
 type fakeBroker struct {
 	tunnelv1.UnimplementedAgentServiceServer
@@ -107,6 +119,25 @@ type fakeBroker struct {
 	// the registration.
 	keepsClosedStreams bool
 	readers            sync.WaitGroup
+
+	// dataConnections, if set, makes Registered say that the broker
+	// accepts data connections; its port offers them in any case.
+	dataConnections bool
+	// refuseSpares is how many of the next data connections are refused
+	// at once, ResourceExhausted, as a broker over its bound does.
+	refuseSpares atomic.Int32
+	// dataLegs receives each data connection whose open arrived.
+	dataLegs chan *dataLeg
+	// spares counts the data connections waiting for their open now;
+	// dataAccepted all those the broker took, sparesClosed those that
+	// ended before an open.
+	spares, dataAccepted, sparesClosed atomic.Int32
+	dataMu                             sync.Mutex
+	dataStopped                        bool
+	dataDone                           chan struct{} // closed by stopData
+	dataConns                          []net.Conn
+	idleSpares                         map[net.Conn]bool // waiting for their open
+	dataServers                        sync.WaitGroup
 }
 
 // startBroker serves a fake broker on a loopback port until the test ends.
@@ -122,8 +153,17 @@ func startBroker(t *testing.T, p *pki) *fakeBroker {
 		sessions: make(chan *session, 16),
 		tunnels:  make(chan *tunnel, 16),
 		refusals: make(chan error, 4),
+		dataLegs: make(chan *dataLeg, 16),
+		dataDone: make(chan struct{}),
 	}
-	srv := grpc.NewServer(grpc.Creds(identity.ServerCredentials(p.broker, tlsconfig.AuthorizeMemberOf(spiffeid.RequireTrustDomainFromString(trustDomain)))))
+	// As the broker does: the data protocol beside h2 on the gRPC port,
+	// its connections handed to serveData.
+	creds := identity.ServerCredentials(p.broker, tlsconfig.AuthorizeMemberOf(spiffeid.RequireTrustDomainFromString(trustDomain)),
+		identity.Protocols(wire.DataProtocol))
+	srv := grpc.NewServer(grpc.Creds(wire.CoalesceWrites(identity.Dispatch(creds, wire.DataProtocol, b.serveData))),
+		// The agent's pings, as the broker permits them: a test that runs
+		// long is not cut off with too_many_pings.
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}))
 	tunnelv1.RegisterAgentServiceServer(srv, b)
 	served := make(chan struct{})
 	go func() {
@@ -133,6 +173,7 @@ func startBroker(t *testing.T, p *pki) *fakeBroker {
 	t.Cleanup(func() {
 		srv.Stop()
 		<-served
+		b.stopData()
 		b.readers.Wait()
 	})
 	return b
@@ -166,7 +207,7 @@ func (b *fakeBroker) Connect(stream tunnelv1.AgentService_ConnectServer) error {
 	default:
 	}
 	if err := stream.Send(&tunnelv1.ConnectResponse{Message: &tunnelv1.ConnectResponse_Registered{
-		Registered: &tunnelv1.Registered{BrokerId: b.id}}}); err != nil {
+		Registered: &tunnelv1.Registered{BrokerId: b.id, DataConnections: b.dataConnections}}}); err != nil {
 		return err
 	}
 	s := &session{peer: peer, register: first.GetRegister(), stream: stream,
@@ -409,6 +450,148 @@ func (b *fakeBroker) noTunnel(t *testing.T) {
 		t.Errorf("agent opened a Tunnel for dial %d, want none", tu.open.GetDialId())
 	default:
 	}
+}
+
+// dataLeg is the broker's side of one data connection, after its open.
+// dispatchedConn is what identity.Dispatch hands a broker.
+type dispatchedConn interface {
+	net.Conn
+	CloseWrite() error
+	NetConn() net.Conn
+}
+
+type dataLeg struct {
+	// conn is what identity.Dispatch hands the broker: TLS, with the
+	// socket under it.
+	conn   dispatchedConn
+	peer   spiffeid.ID
+	dialID uint64
+}
+
+// serveData serves one data connection: it waits for the open, then hands
+// the connection to the test.
+func (b *fakeBroker) serveData(conn net.Conn, info identity.AuthInfo) {
+	b.dataMu.Lock()
+	if b.dataStopped {
+		b.dataMu.Unlock()
+		conn.Close()
+		return
+	}
+	b.dataConns = append(b.dataConns, conn)
+	b.dataServers.Add(1)
+	b.dataMu.Unlock()
+	defer b.dataServers.Done()
+	b.dataAccepted.Add(1)
+	if b.refuseSpares.Add(-1) >= 0 {
+		_ = wire.WriteOpenResult(conn, status.Error(codes.ResourceExhausted, "too many spare data connections"))
+		b.sparesClosed.Add(1)
+		conn.Close()
+		return
+	}
+	b.setIdle(conn, true)
+	id, err := wire.ReadOpen(conn)
+	b.setIdle(conn, false)
+	if err != nil {
+		b.sparesClosed.Add(1)
+		conn.Close()
+		return
+	}
+	select {
+	case b.dataLegs <- &dataLeg{conn: conn.(dispatchedConn), peer: info.ID, dialID: id}:
+	case <-b.dataDone:
+	}
+}
+
+// setIdle marks conn as a spare waiting for its open, or no more.
+func (b *fakeBroker) setIdle(conn net.Conn, idle bool) {
+	b.dataMu.Lock()
+	defer b.dataMu.Unlock()
+	if b.idleSpares == nil {
+		b.idleSpares = map[net.Conn]bool{}
+	}
+	if idle {
+		b.idleSpares[conn] = true
+		b.spares.Add(1)
+	} else if b.idleSpares[conn] {
+		delete(b.idleSpares, conn)
+		b.spares.Add(-1)
+	}
+}
+
+// refuseASpare refuses one of the spares waiting for their open, as a
+// broker that stops does, and closes it.
+func (b *fakeBroker) refuseASpare(t *testing.T) {
+	t.Helper()
+	b.dataMu.Lock()
+	defer b.dataMu.Unlock()
+	for conn := range b.idleSpares {
+		delete(b.idleSpares, conn)
+		b.spares.Add(-1)
+		if err := wire.WriteOpenResult(conn, status.Error(codes.Unavailable, "the broker is stopping")); err != nil {
+			t.Fatal(err)
+		}
+		conn.Close()
+		return
+	}
+	t.Fatal("no spare to refuse")
+}
+
+// stopData closes the data connections, and waits for their servers.
+func (b *fakeBroker) stopData() {
+	b.dataMu.Lock()
+	b.dataStopped = true
+	close(b.dataDone)
+	for _, c := range b.dataConns {
+		c.Close()
+	}
+	b.dataMu.Unlock()
+	b.dataServers.Wait()
+}
+
+// nextDataLeg waits for the agent's next open on a data connection.
+func (b *fakeBroker) nextDataLeg(t *testing.T) *dataLeg {
+	t.Helper()
+	l := testutil.Wait(t, "an open on a data connection", b.dataLegs)
+	if err := l.conn.SetDeadline(time.Now().Add(waitLong)); err != nil {
+		t.Fatal(err)
+	}
+	return l
+}
+
+// answer answers the open: nil is OK.
+func (l *dataLeg) answer(t *testing.T, err error) {
+	t.Helper()
+	if err := wire.WriteOpenResult(l.conn, err); err != nil {
+		t.Fatalf("answering the open: %v", err)
+	}
+}
+
+// reset ends the data connection without a close_notify.
+func (l *dataLeg) reset() { l.conn.NetConn().Close() }
+
+// waitForSpares waits until the agent holds n spare data connections to b.
+func (b *fakeBroker) waitForSpares(t *testing.T, n int32) {
+	t.Helper()
+	testutil.Eventually(t, fmt.Sprintf("%d spare data connections", n), func() bool { return b.spares.Load() == n })
+}
+
+// waitForFullPool waits until the agent holds its two spares, and has put
+// both in its pool: the broker sees a spare as its handshake ends, a moment
+// before the agent has it, and the agent's filler then waits for one to be
+// taken or lost.
+func (b *fakeBroker) waitForFullPool(t *testing.T) {
+	t.Helper()
+	b.waitForSpares(t, 2)
+	testutil.Eventually(t, "the agent's pool to be full", func() bool {
+		buf := make([]byte, 1<<20)
+		buf = buf[:runtime.Stack(buf, true)]
+		for g := range strings.SplitSeq(string(buf), "\n\n") {
+			if strings.Contains(g, "[select") && strings.Contains(g, "(*spares).waitForRoom") {
+				return true
+			}
+		}
+		return false
+	})
 }
 
 // newAgent makes an agent of broker b that resolves with r. Its grace is

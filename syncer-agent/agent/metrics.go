@@ -26,10 +26,20 @@ var (
 		Namespace: ns, Name: "tunnels",
 		Help: "Tunnels open through this agent.",
 	})
+	tunnelsOpened = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: ns, Name: "tunnels_opened_total",
+		Help: "Tunnels whose open was sent to the broker, by the leg that carries them: stream (a Tunnel stream) or data_connection (docs/protocol.md §3.5).",
+	}, []string{"leg"})
 	handshakesRefused = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: ns, Name: "handshakes_refused_total",
 		Help: "TLS handshakes with broker replicas that failed, by reason (invalid_id, untrusted, unauthorized, timeout, ...).",
 	}, []string{"reason"})
+)
+
+// The legs of tunnelsOpened.
+const (
+	legStream         = "stream"
+	legDataConnection = "data_connection"
 )
 
 // CountRefusedHandshake counts one failed TLS handshake with a broker.
@@ -39,7 +49,10 @@ func CountRefusedHandshake(reason identity.Reason) {
 
 // RegisterMetrics adds the agent's metrics to r.
 func RegisterMetrics(r prometheus.Registerer) {
-	r.MustRegister(reconnects, registeredBrokers, dials, tunnelsOpen, handshakesRefused)
+	r.MustRegister(reconnects, registeredBrokers, dials, tunnelsOpen, tunnelsOpened, handshakesRefused)
+	for _, leg := range []string{legStream, legDataConnection} {
+		tunnelsOpened.WithLabelValues(leg)
+	}
 	for _, reason := range identity.Reasons {
 		handshakesRefused.WithLabelValues(string(reason))
 	}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"os"
 	"slices"
@@ -29,59 +30,85 @@ const defaultConnectTimeout = 5 * time.Second
 const maxFailureMessage = 256
 
 // open answers one dial order up to its pipe: connect to the target, then
-// open the Tunnel stream; or report why not, and return nil. What it
-// returns is the rest of the tunnel's life: write the order's early data to
-// the target, pipe, and clean up. The early data goes only after the open,
-// so that a dial whose early data reached a target is one the broker has
-// claimed, or one it is told not to order again.
+// open the tunnel's leg to the broker, on a spare data connection of the
+// session if it has one, else on a Tunnel stream; or report why not, and
+// return nil. What it returns is the rest of the tunnel's life: write the
+// order's early data to the target, pipe, and clean up. The early data goes
+// only after the open, so that a dial whose early data reached a target is
+// one the broker has claimed, or one it is told not to order again.
 //
 // What it reports may reach kcp's end users in admission errors: a short
 // reason in words, without addresses. The details stay in the agent's log,
 // under the tunnel id, which the broker's log and the caller's message name
 // too.
-func (a *Agent) open(ctx context.Context, client tunnelv1.AgentServiceClient, order *tunnelv1.DialOrder, fail func(*tunnelv1.DialFailure)) (run func()) {
+func (a *Agent) open(ctx context.Context, client tunnelv1.AgentServiceClient, spares *spares, order *tunnelv1.DialOrder, fail func(*tunnelv1.DialFailure)) (run func()) {
 	t := order.GetTarget()
-	log := a.Log.With("tunnel", fmt.Sprintf("%016x", order.GetDialId()), "cluster", t.GetCluster(), "namespace", t.GetNamespace(),
-		"service", t.GetService(), "port", t.GetPort())
-	early := order.GetEarlyData()
-	report := func(code codes.Code, message string, earlySent bool) {
-		fail(&tunnelv1.DialFailure{DialId: order.GetDialId(), Code: int32(code), Message: redact.Text(message, maxFailureMessage),
-			EarlyDataSent: earlySent && len(early) > 0})
+	d := &dialed{
+		id: order.GetDialId(),
+		log: a.Log.With("tunnel", fmt.Sprintf("%016x", order.GetDialId()), "cluster", t.GetCluster(), "namespace", t.GetNamespace(),
+			"service", t.GetService(), "port", t.GetPort()),
+		early: order.GetEarlyData(),
+	}
+	d.report = func(code codes.Code, message string, earlySent bool) {
+		fail(&tunnelv1.DialFailure{DialId: d.id, Code: int32(code), Message: redact.Text(message, maxFailureMessage),
+			EarlyDataSent: earlySent && len(d.early) > 0})
 	}
 	conn, err := a.connect(ctx, order)
 	if err != nil {
 		dials.WithLabelValues(err.code.String()).Inc()
-		log.Info("dial failed", "code", err.code.String(), "error", err.detail)
-		report(err.code, err.message, false)
+		d.log.Info("dial failed", "code", err.code.String(), "error", err.detail)
+		d.report(err.code, err.message, false)
 		return nil
 	}
 	dials.WithLabelValues(codes.OK.String()).Inc()
-
-	ctx, cancel := context.WithCancel(ctx)
-	stream, tunnelErr := client.Tunnel(ctx, wire.FrameCallOption())
-	if tunnelErr == nil {
-		tunnelErr = stream.Send(&tunnelv1.TunnelRequest{Frame: &tunnelv1.TunnelRequest_Open{Open: &tunnelv1.TunnelOpen{DialId: order.GetDialId()}}})
+	d.target = conn
+	if s := spares.take(); s != nil {
+		return openData(ctx, s, d)
 	}
-	if tunnelErr != nil {
+	return openStream(ctx, client, d)
+}
+
+// dialed is a dial whose target accepted: what either leg needs to carry
+// it.
+type dialed struct {
+	id     uint64
+	target *net.TCPConn
+	early  []byte
+	log    *slog.Logger
+	// report fails the dial; earlySent says that the early data, if any,
+	// may have reached the target.
+	report func(code codes.Code, message string, earlySent bool)
+}
+
+// openStream carries a dial on a Tunnel stream of its own: it opens the
+// stream and returns the rest of the tunnel's life, as open does.
+func openStream(ctx context.Context, client tunnelv1.AgentServiceClient, d *dialed) (run func()) {
+	ctx, cancel := context.WithCancel(ctx)
+	stream, err := client.Tunnel(ctx, wire.FrameCallOption())
+	if err == nil {
+		err = stream.Send(&tunnelv1.TunnelRequest{Frame: &tunnelv1.TunnelRequest_Open{Open: &tunnelv1.TunnelOpen{DialId: d.id}}})
+	}
+	if err != nil {
 		cancel()
-		conn.Close()
-		log.Info("could not open tunnel", "error", tunnelErr)
-		report(codes.Unavailable, "the agent could not open a tunnel to the broker", false)
+		d.target.Close()
+		d.log.Info("could not open tunnel", "leg", "stream", "error", err)
+		d.report(codes.Unavailable, "the agent could not open a tunnel to the broker", false)
 		return nil
 	}
-	log.Debug("tunnel open", "target", conn.RemoteAddr().String())
+	d.log.Debug("tunnel open", "leg", "stream", "target", d.target.RemoteAddr().String())
 	return func() {
-		defer conn.Close()
+		defer d.target.Close()
 		defer cancel()
 		tunnelsOpen.Inc()
 		defer tunnelsOpen.Dec()
-		if err := pipe(conn, stream, early, cancel); err != nil {
-			log.Info("tunnel ended", "error", err)
+		tunnelsOpened.WithLabelValues(legStream).Inc()
+		if err := pipe(d.target, stream, d.early, cancel); err != nil {
+			d.log.Info("tunnel ended", "error", err)
 			// A stream cancelled right after open (a target that resets at
 			// once) may end before the broker read the open, and the dial
 			// would wait there for its timeout. Fail it; the broker ignores
 			// a failure for a dial it already claimed.
-			report(codes.Unavailable, "the tunnel failed as it opened: "+reason(err), true)
+			d.report(codes.Unavailable, "the tunnel failed as it opened: "+reason(err), true)
 		}
 	}
 }

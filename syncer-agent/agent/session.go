@@ -42,6 +42,8 @@ func (r *agentRun) session() (registered bool, err error) {
 	}
 	cancelUnlessRegistered()
 	defer r.markRegistered(confirmed.GetBrokerId())()
+	spares := r.startSpares(ctx, stream, confirmed)
+	defer spares.stop()
 
 	control := r.newControlStream(stream)
 	go r.announce(ctx, control)
@@ -49,7 +51,7 @@ func (r *agentRun) session() (registered bool, err error) {
 	defer close(sessionOver)
 	stopUnregister := context.AfterFunc(r.ctx, func() { r.unregister(control, cancel, sessionOver) })
 	defer stopUnregister()
-	return true, r.serveOrders(control)
+	return true, r.serveOrders(control, spares)
 }
 
 // register states the agent's clusters and waits for the broker to confirm
@@ -88,8 +90,9 @@ func (a *Agent) markRegistered(brokerID string) (unmark func()) {
 }
 
 // serveOrders answers the broker's messages until the control stream ends:
-// a tunnel for each dial order, an echo for each probe.
-func (r *agentRun) serveOrders(control *controlStream) error {
+// a tunnel for each dial order, on one of the session's spares if it has
+// one, and an echo for each probe.
+func (r *agentRun) serveOrders(control *controlStream, spares *spares) error {
 	for {
 		msg, err := control.stream.Recv()
 		if errors.Is(err, io.EOF) {
@@ -100,7 +103,7 @@ func (r *agentRun) serveOrders(control *controlStream) error {
 		}
 		switch m := msg.GetMessage().(type) {
 		case *tunnelv1.ConnectResponse_DialOrder:
-			r.startTunnel(m.DialOrder, control)
+			r.startTunnel(m.DialOrder, control, spares)
 		case *tunnelv1.ConnectResponse_Probe:
 			control.send(&tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_Probe{Probe: m.Probe}})
 		case *tunnelv1.ConnectResponse_Drain:
@@ -113,21 +116,21 @@ func (r *agentRun) serveOrders(control *controlStream) error {
 
 // startTunnel serves order in goroutines of its own, or refuses it once
 // the agent drains.
-func (r *agentRun) startTunnel(order *tunnelv1.DialOrder, control *controlStream) {
+func (r *agentRun) startTunnel(order *tunnelv1.DialOrder, control *controlStream, spares *spares) {
 	if !r.admit() {
 		control.fail(&tunnelv1.DialFailure{DialId: order.GetDialId(), Code: int32(codes.Unavailable), Message: "the agent is shutting down"})
 		return
 	}
 	go func() {
-		// Tunnels outlive a lost control stream (their data streams are
-		// their own) but not the run.
-		run := r.open(r.ctx, r.client, order, control.fail)
+		// Tunnels outlive a lost control stream (their data streams and
+		// data connections are their own) but not the run.
+		run := r.open(r.ctx, r.client, spares, order, control.fail)
 		if run == nil {
 			r.tunnels.Done()
 			return
 		}
 		// The tunnel's life gets a goroutine of its own. Setting it up
-		// (resolving, connecting, opening its stream) grows this one's
+		// (resolving, connecting, opening its leg) grows this one's
 		// stack to 8 KiB, which it would keep while it waits on an idle
 		// tunnel; a new goroutine starts small (docs/perf-history.md, idle
 		// tunnels' stacks).

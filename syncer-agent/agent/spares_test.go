@@ -1,0 +1,203 @@
+package agent
+
+import (
+	"io"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
+
+	"github.com/kcp-dev/tunnel-broker/internal/identity"
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
+)
+
+func TestATakenSpareIsReplaced(t *testing.T) {
+	b, _, leg, _ := establishedOnData(t, dialOrder(1))
+	leg.answer(t, nil)
+
+	b.waitForSpares(t, 2)
+	if n := b.dataAccepted.Load(); n != 3 {
+		t.Errorf("the broker took %d data connections, want 3: two spares and the one replacing the spare used", n)
+	}
+}
+
+func TestSparesAreOpenedAtMostTenASecond(t *testing.T) {
+	p := newPKI(t)
+	b := startBroker(t, p)
+	tg := listenTarget(t)
+	a := dataAgent(t, p, b, staticResolver(t, tg.addr()))
+	clk := fakeClock(a)
+	run(t, a)
+	s := b.nextSession(t)
+	b.waitForFullPool(t)
+
+	var legs []*dataLeg
+	for id := range uint64(2) {
+		s.order(t, dialOrder(id+1))
+		tg.accept(t)
+		legs = append(legs, b.nextDataLeg(t))
+	}
+	// The fake clock never ends the grace period: end the tunnels.
+	defer func() {
+		for _, l := range legs {
+			l.reset()
+		}
+	}()
+	// The two spares came at once; their replacements, a tenth of a
+	// second apart.
+	for want := range int32(2) {
+		waitUntilWaiting(t, clk, "the pace of spares")
+		if n := b.dataAccepted.Load(); n != 2+want {
+			t.Fatalf("the broker took %d data connections before the pace allowed one more, want %d", n, 2+want)
+		}
+		clk.Step(100 * time.Millisecond)
+		b.waitForSpares(t, want+1)
+	}
+}
+
+func TestSparesAreClosedWhenTheSessionEnds(t *testing.T) {
+	p := newPKI(t)
+	b := startBroker(t, p)
+	a := dataAgent(t, p, b, staticResolver(t, "127.0.0.1:1"))
+	fakeClock(a) // which the test never moves: the agent does not register again
+	run(t, a)
+	s := b.nextSession(t)
+	b.waitForFullPool(t)
+
+	s.finish(nil)
+	s.ended(t)
+	testutil.Eventually(t, "the spares to be closed", func() bool { return b.sparesClosed.Load() == 2 })
+	if n := b.spares.Load(); n != 0 {
+		t.Errorf("%d spares still open after the session ended", n)
+	}
+	if n := b.dataAccepted.Load(); n != 2 {
+		t.Errorf("the broker took %d data connections, want the 2 spares", n)
+	}
+}
+
+func TestSparesAreClosedWhenTheAgentDrains(t *testing.T) {
+	p := newPKI(t)
+	b := startBroker(t, p)
+	tg := listenTarget(t)
+	a := dataAgent(t, p, b, staticResolver(t, tg.addr()))
+	a.Grace = time.Minute
+	clk := fakeClock(a) // which the test never moves: the grace period never runs out
+	stop := run(t, a)
+	s := b.nextSession(t)
+	b.waitForFullPool(t)
+	s.order(t, dialOrder(1))
+	conn := tg.accept(t)
+	leg := b.nextDataLeg(t)
+	leg.answer(t, nil)
+	waitUntilWaiting(t, clk, "the pace of spares") // the spare used is not replaced
+
+	// The agent takes no new dials once it drains: its spare goes at once,
+	// while the tunnel in flight runs on.
+	stopped := stopAsync(stop)
+	wantDrainOfAMinute(t, s)
+	testutil.Eventually(t, "the spare to be closed", func() bool { return b.sparesClosed.Load() == 1 })
+	if _, err := leg.conn.Write([]byte("in flight")); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, len("in flight"))
+	if _, err := io.ReadFull(conn, got); err != nil || string(got) != "in flight" {
+		t.Fatalf("target read %q, %v", got, err)
+	}
+
+	// Once the tunnel ends cleanly, Run returns.
+	if err := leg.conn.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadAll(conn); err != nil {
+		t.Fatal(err)
+	}
+	if err := conn.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadAll(leg.conn); err != nil {
+		t.Fatalf("broker read to the close_notify: %v", err)
+	}
+	testutil.Wait(t, "Run to return after its last tunnel ended", stopped)
+}
+
+func TestALostSpareIsReplaced(t *testing.T) {
+	t.Run("refused at once", func(t *testing.T) {
+		p := newPKI(t)
+		b := startBroker(t, p)
+		// As a broker over its bound of spares: the first is refused at once.
+		b.refuseSpares.Store(1)
+		a := dataAgent(t, p, b, staticResolver(t, "127.0.0.1:1"))
+		logged := captureLog(t, a)
+		run(t, a)
+		b.nextSession(t)
+
+		b.waitForSpares(t, 2)
+		if n := b.dataAccepted.Load(); n != 3 {
+			t.Errorf("the broker took %d data connections, want 3: the one refused, its replacement and the other", n)
+		}
+		if line := logged.line(t, "spare data connection lost"); !strings.Contains(line, "ResourceExhausted") {
+			t.Errorf("the agent logged %q, want the broker's refusal in it", line)
+		}
+	})
+	t.Run("closed while it waits", func(t *testing.T) {
+		p := newPKI(t)
+		b := startBroker(t, p)
+		a := dataAgent(t, p, b, staticResolver(t, "127.0.0.1:1"))
+		logged := captureLog(t, a)
+		run(t, a)
+		b.nextSession(t)
+		b.waitForFullPool(t)
+
+		b.refuseASpare(t)
+		testutil.Eventually(t, "the lost spare to be replaced", func() bool { return b.dataAccepted.Load() == 3 })
+		b.waitForSpares(t, 2)
+		if line := logged.line(t, "spare data connection lost"); !strings.Contains(line, "the broker is stopping") {
+			t.Errorf("the agent logged %q, want the broker's refusal in it", line)
+		}
+	})
+}
+
+func TestAFailedHandshakeIsLoggedAndRetriedWithBackoff(t *testing.T) {
+	p := newPKI(t)
+	b := startBroker(t, p)
+	a := dataAgent(t, p, b, staticResolver(t, "127.0.0.1:1"))
+	// An agent that takes the broker for another: every handshake fails.
+	a.DataCredentials = wire.CoalesceWrites(identity.ClientCredentials(p.agent,
+		tlsconfig.AuthorizeID(spiffeid.RequireFromString("spiffe://"+trustDomain+"/other")), identity.Protocols(wire.DataProtocol)))
+	logged := captureLog(t, a)
+	clk := fakeClock(a)
+	run(t, a)
+	b.nextSession(t)
+
+	const failed = "could not open a spare data connection"
+	for want := 1; want <= 3; want++ {
+		testutil.Eventually(t, "the failure to be logged", func() bool { return logged.count(failed) >= want })
+		waitUntilWaiting(t, clk, "the backoff")
+		if n := logged.count(failed); n != want {
+			t.Fatalf("%d failed handshakes logged, want %d before the backoff passed", n, want)
+		}
+		clk.Step(maxRetry)
+	}
+	if line := logged.line(t, failed); !strings.Contains(line, "spiffe://"+trustDomain+"/broker") {
+		t.Errorf("the agent logged %q, want the cause (the broker's ID) in it", line)
+	}
+	if n := b.dataAccepted.Load(); n != 0 {
+		t.Errorf("the broker took %d data connections", n)
+	}
+}
+
+// count is how many lines logged hold what.
+func (c *capturedLog) count(what string) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	n := 0
+	for _, l := range c.lines {
+		if strings.Contains(l, what) {
+			n++
+		}
+	}
+	return n
+}
