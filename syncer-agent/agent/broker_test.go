@@ -126,6 +126,9 @@ type fakeBroker struct {
 	// refuseSpares is how many of the next data connections are refused
 	// at once, ResourceExhausted, as a broker over its bound does.
 	refuseSpares atomic.Int32
+	// otherReplica, if set, is the broker_id the data connections'
+	// accept names instead of id: a load balancer led them elsewhere.
+	otherReplica string
 	// dataLegs receives each data connection whose open arrived.
 	dataLegs chan *dataLeg
 	// spares counts the data connections waiting for their open now;
@@ -488,6 +491,11 @@ func (b *fakeBroker) serveData(conn net.Conn, info identity.AuthInfo) {
 		conn.Close()
 		return
 	}
+	if err := wire.WriteAccepted(conn, b.acceptAs()); err != nil {
+		b.sparesClosed.Add(1)
+		conn.Close()
+		return
+	}
 	b.setIdle(conn, true)
 	id, err := wire.ReadOpen(conn)
 	b.setIdle(conn, false)
@@ -500,6 +508,14 @@ func (b *fakeBroker) serveData(conn net.Conn, info identity.AuthInfo) {
 	case b.dataLegs <- &dataLeg{conn: conn.(dispatchedConn), peer: info.ID, dialID: id}:
 	case <-b.dataDone:
 	}
+}
+
+// acceptAs is the replica a data connection's accept names.
+func (b *fakeBroker) acceptAs() string {
+	if b.otherReplica != "" {
+		return b.otherReplica
+	}
+	return b.id
 }
 
 // setIdle marks conn as a spare waiting for its open, or no more.
@@ -760,15 +776,29 @@ func (c *capturedLog) Write(p []byte) (int, error) {
 // is none.
 func (c *capturedLog) line(t *testing.T, what string) string {
 	t.Helper()
+	l, ok := c.find(what)
+	if !ok {
+		t.Fatalf("nothing logged holds %q", what)
+	}
+	return l
+}
+
+// waitLine is line once it is logged.
+func (c *capturedLog) waitLine(t *testing.T, what string) string {
+	t.Helper()
+	testutil.Eventually(t, "a log line with "+what, func() bool { _, ok := c.find(what); return ok })
+	return c.line(t, what)
+}
+
+func (c *capturedLog) find(what string) (string, bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	for _, l := range c.lines {
 		if strings.Contains(l, what) {
-			return l
+			return l, true
 		}
 	}
-	t.Fatalf("nothing logged holds %q", what)
-	return ""
+	return "", false
 }
 
 // refusedAddr is a loopback address where nothing listens: its port is

@@ -265,3 +265,28 @@ func TestADataConnectionTunnelOutlivesItsSession(t *testing.T) {
 		t.Fatalf("broker read %q, %v", back, err)
 	}
 }
+
+// TestSparesThatReachAnotherReplicaAreDroppedForTunnelStreams: behind a
+// load balancer a data connection may reach another replica than the
+// control stream's, which could claim none of its dials.
+func TestSparesThatReachAnotherReplicaAreDroppedForTunnelStreams(t *testing.T) {
+	p := newPKI(t)
+	b := startBroker(t, p)
+	b.otherReplica = "another-replica"
+	tg := listenTarget(t)
+	a := dataAgent(t, p, b, staticResolver(t, tg.addr()))
+	logged := captureLog(t, a)
+	stop := run(t, a)
+	defer stop()
+	s := b.nextSession(t)
+	logged.waitLine(t, "another-replica")
+
+	s.order(t, dialOrder(1))
+	tg.accept(t)
+	if tu := b.nextTunnel(t); tu.open.GetDialId() != 1 {
+		t.Errorf("Tunnel opened for dial %d, want 1", tu.open.GetDialId())
+	}
+	if n := b.dataAccepted.Load(); n != 1 {
+		t.Errorf("the agent opened %d data connections, want the one that named another replica", n)
+	}
+}

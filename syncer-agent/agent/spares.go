@@ -30,8 +30,9 @@ const sparesPerSecond = 10
 const dataHandshakeTimeout = 10 * time.Second
 
 // errNotAccepted is a broker that set data_connections but whose handshake
-// did not pick the data protocol: its address leads elsewhere than its
-// control stream's, or to an older replica.
+// did not pick the data protocol, or whose data connections reach another
+// replica: its address leads elsewhere than its control stream's (a load
+// balancer), or to an older replica.
 var errNotAccepted = errors.New("the broker's TLS handshake did not pick " + wire.DataProtocol)
 
 // Where a spare is in its life: idle in the pool, taken by a tunnel, or
@@ -80,7 +81,10 @@ type spares struct {
 	// belongs to the replica that ordered it, and a name may resolve to
 	// several.
 	addr, authority string
-	want            int
+	// brokerID is the replica of the session, which every spare must
+	// reach: a dial id belongs to it.
+	brokerID string
+	want     int
 	log             *slog.Logger
 	ctx             context.Context
 	cancel          context.CancelFunc
@@ -112,7 +116,7 @@ func (r *agentRun) startSpares(ctx context.Context, stream tunnelv1.AgentService
 		authority = host
 	}
 	ctx, cancel := context.WithCancel(ctx)
-	p := &spares{run: r, addr: addr, authority: authority, want: r.SpareDataConnections,
+	p := &spares{run: r, addr: addr, authority: authority, brokerID: confirmed.GetBrokerId(), want: r.SpareDataConnections,
 		log: r.Log.With("broker", r.Broker), ctx: ctx, cancel: cancel,
 		wake: make(chan struct{}, 1), done: make(chan struct{})}
 	go p.fill()
@@ -186,7 +190,7 @@ func (p *spares) fill() {
 			return
 		}
 		if errors.Is(err, errNotAccepted) {
-			p.log.Info("the broker does not accept data connections after all: its tunnels go on Tunnel streams", "address", p.addr)
+			p.log.Info("the broker does not accept data connections after all: its tunnels go on Tunnel streams", "address", p.addr, "error", err)
 			return
 		}
 		if failed = err != nil; failed {
@@ -287,6 +291,22 @@ func (p *spares) dial() (*spare, error) {
 		return nil, fmt.Errorf("a %T cannot half-close: the data credentials must be wrapped with wire.CoalesceWrites", conn)
 	}
 	dc := wire.CloseNotified(conn, raw).(dataConn)
+	// The broker names its replica first. A spare that reached another
+	// replica than the control stream's (through a load balancer) could
+	// claim none of the session's dials.
+	if deadline, ok := ctx.Deadline(); ok {
+		_ = raw.SetReadDeadline(deadline)
+	}
+	id, err := wire.ReadAccepted(dc)
+	_ = raw.SetReadDeadline(time.Time{})
+	if err != nil {
+		conn.Close()
+		return nil, err
+	}
+	if id != p.brokerID {
+		conn.Close()
+		return nil, fmt.Errorf("%w: the data connection reached replica %q, the control stream %q", errNotAccepted, id, p.brokerID)
+	}
 	return &spare{conn: dc, raw: raw, tunnel: make(chan *dataTunnel, 1)}, nil
 }
 

@@ -138,7 +138,7 @@ func TestALostSpareIsReplaced(t *testing.T) {
 		if n := b.dataAccepted.Load(); n != 3 {
 			t.Errorf("the broker took %d data connections, want 3: the one refused, its replacement and the other", n)
 		}
-		if line := logged.line(t, "spare data connection lost"); !strings.Contains(line, "ResourceExhausted") {
+		if line := logged.line(t, "could not open a spare data connection"); !strings.Contains(line, "ResourceExhausted") {
 			t.Errorf("the agent logged %q, want the broker's refusal in it", line)
 		}
 	})

@@ -28,9 +28,10 @@ const (
 )
 
 // ServeData serves one data connection (docs/protocol.md §3.5), already
-// verified by the TLS handshake: a spare until its agent names a dial,
-// then that dial's tunnel until the tunnel ends. It closes the connection.
-// A refusal is the connection's first and last message.
+// verified by the TLS handshake: it accepts it as a spare, naming the
+// replica, and waits for its agent to name a dial, then carries that
+// dial's tunnel until the tunnel ends. It closes the connection. A
+// refusal is the connection's last message.
 func (s *Service) ServeData(conn net.Conn, peer identity.AuthInfo) {
 	id := peer.ID
 	if !s.cfg.Policy.IsAgent(id) {
@@ -44,6 +45,13 @@ func (s *Service) ServeData(conn net.Conn, peer identity.AuthInfo) {
 		limit := map[quota.Over]string{quota.OverPerID: "spare_data_connections_per_peer", quota.OverTotal: "spare_data_connections"}[over]
 		metrics.LimitsHit.WithLabelValues(limit).Inc()
 		refuse(conn, status.Errorf(codes.ResourceExhausted, "too many spare data connections (%s)", limit))
+		return
+	}
+	// The replica's name tells an agent behind a load balancer that this
+	// spare reached another replica than its control stream.
+	if err := wire.WriteAccepted(conn, s.cfg.BrokerID); err != nil {
+		release()
+		conn.Close()
 		return
 	}
 	dialID, err := s.awaitOpen(conn)

@@ -16,11 +16,21 @@ import (
 	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
+// spare opens a data connection as path and reads the broker's accept.
+func (b *broker) spare(t *testing.T, path string) *tls.Conn {
+	t.Helper()
+	conn := b.DataConn(t, path)
+	if id, err := wire.ReadAccepted(conn); err != nil || id != brokerID {
+		t.Fatalf("the broker answered a spare with %q, %v; want its id %q", id, err, brokerID)
+	}
+	return conn
+}
+
 // openData opens a data connection as path for dialID and returns it with
 // the broker's answer.
 func (b *broker) openData(t *testing.T, path string, dialID uint64) (*tls.Conn, error) {
 	t.Helper()
-	conn := b.DataConn(t, path)
+	conn := b.spare(t, path)
 	if err := wire.WriteOpen(conn, dialID); err != nil {
 		t.Fatal(err)
 	}
@@ -115,7 +125,7 @@ func TestAnAgentsBytesRightAfterItsOpenReachTheCaller(t *testing.T) {
 	target := brokertest.Target("root")
 	caller, _ := b.StartDial(t, kcpPath, target)
 	order := a.Order(t, target)
-	conn := b.DataConn(t, agentA)
+	conn := b.spare(t, agentA)
 	// The open and the target's first bytes in one write, as a server
 	// that speaks first would have them.
 	if err := wire.WriteOpen(conn, order.GetDialId()); err != nil {
@@ -165,7 +175,7 @@ func TestADataConnectionCannotClaimAnotherAgentsDial(t *testing.T) {
 func TestOnlyAgentsMayOpenDataConnections(t *testing.T) {
 	b := startBroker(t, config{})
 	conn := b.DataConn(t, kcpPath)
-	err := wire.ReadOpenResult(conn)
+	_, err := wire.ReadAccepted(conn)
 	if status.Code(err) != codes.PermissionDenied {
 		t.Fatalf("a caller's data connection: %v, want PermissionDenied", err)
 	}
@@ -173,7 +183,7 @@ func TestOnlyAgentsMayOpenDataConnections(t *testing.T) {
 
 func TestADataConnectionThatDoesNotOpenIsInvalidArgument(t *testing.T) {
 	b := startBroker(t, config{})
-	conn := b.DataConn(t, agentA)
+	conn := b.spare(t, agentA)
 	// A data frame where the open belongs.
 	if _, err := conn.Write([]byte{3, 0x12, 1, 'x'}); err != nil {
 		t.Fatal(err)
@@ -185,14 +195,14 @@ func TestADataConnectionThatDoesNotOpenIsInvalidArgument(t *testing.T) {
 
 func TestSparesOverTheirBoundAreResourceExhaustedAndFreedWhenUsed(t *testing.T) {
 	b := startBroker(t, config{maxSparesPerPeer: 2})
-	first := b.DataConn(t, agentA)
-	b.DataConn(t, agentA)
+	first := b.spare(t, agentA)
+	b.spare(t, agentA)
 	third := b.DataConn(t, agentA)
-	if err := wire.ReadOpenResult(third); status.Code(err) != codes.ResourceExhausted {
+	if _, err := wire.ReadAccepted(third); status.Code(err) != codes.ResourceExhausted {
 		t.Fatalf("a third spare: %v, want ResourceExhausted", err)
 	}
 	// Another peer's spares are its own.
-	b.DataConn(t, agentB)
+	b.spare(t, agentB)
 	testutil.Eventually(t, "agent B's spare is not counted", func() bool { return b.agents.spares.Held(brokertest.ID(agentB)) == 1 })
 	// A spare that names its dial (here, one not pending) is no longer
 	// one: a new spare fits again.
@@ -203,13 +213,13 @@ func TestSparesOverTheirBoundAreResourceExhaustedAndFreedWhenUsed(t *testing.T) 
 		t.Fatalf("open of an unknown dial: %v", err)
 	}
 	testutil.Eventually(t, "the used spare is not counted", func() bool { return b.agents.spares.Held(brokertest.ID(agentA)) == 1 })
-	b.DataConn(t, agentA)
+	b.spare(t, agentA)
 	testutil.Eventually(t, "the new spare is counted", func() bool { return b.agents.spares.Held(brokertest.ID(agentA)) == 2 })
 }
 
 func TestSparesCloseWhenTheBrokerDrains(t *testing.T) {
 	b := startBroker(t, config{})
-	spare := b.DataConn(t, agentA)
+	spare := b.spare(t, agentA)
 	testutil.Eventually(t, "the spare is not counted", func() bool { return b.agents.spares.Held(brokertest.ID(agentA)) == 1 })
 	b.Drain()
 	if err := wire.ReadOpenResult(spare); err == nil {

@@ -1356,15 +1356,20 @@ func (x *Registered) GetDataConnections() bool {
 	return false
 }
 
-// OpenResult is the broker's answer to the open that starts a tunnel on a
-// data connection (docs/protocol.md §3.5), its first bytes on it.
+// OpenResult is what the broker says on a data connection (docs/protocol.md
+// §3.5): once as it takes the connection as a spare, with its broker_id,
+// and once to the open that starts a tunnel on it.
 type OpenResult struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// A google.rpc.Code. OK: the tunnel's bytes follow. Anything else: the
-	// broker refused the open, and closes the connection.
+	// A google.rpc.Code. OK: the spare is taken, or the tunnel's bytes
+	// follow the answer to the open. Anything else: the broker refused the
+	// connection or the open, and closes the connection.
 	Code int32 `protobuf:"varint,1,opt,name=code,proto3" json:"code,omitempty"`
 	// Why, for a refusal.
-	Message       string `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
+	Message string `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
+	// The replica, in the first answer: the agent keeps a spare only on
+	// the replica of its control stream, whose dials it names.
+	BrokerId      string `protobuf:"bytes,3,opt,name=broker_id,json=brokerId,proto3" json:"broker_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1409,6 +1414,13 @@ func (x *OpenResult) GetCode() int32 {
 func (x *OpenResult) GetMessage() string {
 	if x != nil {
 		return x.Message
+	}
+	return ""
+}
+
+func (x *OpenResult) GetBrokerId() string {
+	if x != nil {
+		return x.BrokerId
 	}
 	return ""
 }
@@ -1877,11 +1889,12 @@ const file_kcp_tunnel_v1_tunnel_proto_rawDesc = "" +
 	"Registered\x12\x1b\n" +
 	"\tbroker_id\x18\x01 \x01(\tR\bbrokerId\x120\n" +
 	"\x05since\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x05since\x12)\n" +
-	"\x10data_connections\x18\x03 \x01(\bR\x0fdataConnections\":\n" +
+	"\x10data_connections\x18\x03 \x01(\bR\x0fdataConnections\"W\n" +
 	"\n" +
 	"OpenResult\x12\x12\n" +
 	"\x04code\x18\x01 \x01(\x05R\x04code\x12\x18\n" +
-	"\amessage\x18\x02 \x01(\tR\amessage\"\x91\x01\n" +
+	"\amessage\x18\x02 \x01(\tR\amessage\x12\x1b\n" +
+	"\tbroker_id\x18\x03 \x01(\tR\bbrokerId\"\x91\x01\n" +
 	"\tDialOrder\x12\x17\n" +
 	"\adial_id\x18\x01 \x01(\x04R\x06dialId\x12-\n" +
 	"\x06target\x18\x02 \x01(\v2\x15.kcp.tunnel.v1.TargetR\x06target\x12\x1d\n" +

@@ -61,6 +61,26 @@ func WriteOpenResult(w io.Writer, err error) error {
 	return werr
 }
 
+// WriteAccepted tells the agent of a new data connection that the broker
+// replica brokerID took it as a spare.
+func WriteAccepted(w io.Writer, brokerID string) error {
+	_, err := protodelim.MarshalTo(w, &tunnelv1.OpenResult{BrokerId: brokerID})
+	return err
+}
+
+// ReadAccepted reads the broker's first answer on a new data connection:
+// the replica that took it as a spare, or its refusal as a status error.
+func ReadAccepted(r io.Reader) (brokerID string, err error) {
+	var res tunnelv1.OpenResult
+	if err := read(r, &res, maxOpenResult); err != nil {
+		return "", fmt.Errorf("reading the broker's answer to a data connection: %w", err)
+	}
+	if res.GetCode() != int32(codes.OK) {
+		return "", status.Error(codes.Code(res.GetCode()), res.GetMessage())
+	}
+	return res.GetBrokerId(), nil
+}
+
 // ReadOpenResult reads the broker's answer to an open, and not a byte past
 // it: nil for OK, else the refusal as a status error. A connection that
 // ends first, or an answer that is not one, is an error of its own.

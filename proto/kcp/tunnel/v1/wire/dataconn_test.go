@@ -108,3 +108,19 @@ func TestAConnectionThatEndsSaysWhere(t *testing.T) {
 		t.Errorf("no answer: %v, want io.EOF", err)
 	}
 }
+
+func TestTheAcceptNamesTheReplicaAndARefusalItsStatus(t *testing.T) {
+	var conn bytes.Buffer
+	if err := WriteAccepted(&conn, "broker-1"); err != nil {
+		t.Fatal(err)
+	}
+	if err := WriteOpenResult(&conn, status.Error(codes.ResourceExhausted, "too many spares")); err != nil {
+		t.Fatal(err)
+	}
+	if id, err := ReadAccepted(&conn); err != nil || id != "broker-1" {
+		t.Fatalf("ReadAccepted = %q, %v", id, err)
+	}
+	if _, err := ReadAccepted(&conn); status.Code(err) != codes.ResourceExhausted {
+		t.Fatalf("a refused spare read as %v", err)
+	}
+}
