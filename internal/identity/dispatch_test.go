@@ -72,28 +72,34 @@ func TestDispatchHandsItsProtocolsConnectionsOverAndGRPCKeepsTheRest(t *testing.
 		t.Fatalf("the handler was given peer %q", d.peer.ID)
 	}
 
-	// Both ends are TLS connections that half-close with a close_notify.
+	halfCloseBothWays(t, conn, d.conn)
+}
+
+// halfCloseBothWays checks that client and server are TLS connections that
+// half-close with a close_notify, each way in turn.
+func halfCloseBothWays(t *testing.T, conn, server net.Conn) {
+	t.Helper()
 	if _, err := conn.Write([]byte("up")); err != nil {
 		t.Fatal(err)
 	}
 	if err := conn.(interface{ CloseWrite() error }).CloseWrite(); err != nil {
 		t.Fatalf("the client's CloseWrite: %v", err)
 	}
-	up, err := io.ReadAll(d.conn)
+	up, err := io.ReadAll(server)
 	if err != nil || string(up) != "up" {
 		t.Fatalf("the handler read %q, %v; want up and EOF", up, err)
 	}
-	if _, err := d.conn.Write([]byte("down")); err != nil {
+	if _, err := server.Write([]byte("down")); err != nil {
 		t.Fatalf("writing after the peer's half-close: %v", err)
 	}
-	if err := d.conn.(interface{ CloseWrite() error }).CloseWrite(); err != nil {
+	if err := server.(interface{ CloseWrite() error }).CloseWrite(); err != nil {
 		t.Fatalf("the server's CloseWrite: %v", err)
 	}
 	down, err := io.ReadAll(conn)
 	if err != nil || string(down) != "down" {
 		t.Fatalf("the client read %q, %v; want down and EOF", down, err)
 	}
-	if _, err := d.conn.Read(make([]byte, 1)); !errors.Is(err, io.EOF) {
+	if _, err := server.Read(make([]byte, 1)); !errors.Is(err, io.EOF) {
 		t.Fatalf("the handler's read after EOF: %v", err)
 	}
 }

@@ -64,17 +64,7 @@ func TestRegisteredSaysTheBrokerTakesDataConnections(t *testing.T) {
 
 func TestADataConnectionCarriesItsDialsTunnelBothWays(t *testing.T) {
 	b := startBroker(t, config{})
-	a := b.ConnectAgent(t, agentA, "a", "root")
-	target := brokertest.Target("root")
-	caller, _ := b.StartDial(t, kcpPath, target)
-	order := a.Order(t, target)
-	conn, err := b.openData(t, agentA, order.GetDialId())
-	if err != nil {
-		t.Fatalf("the broker refused the open: %v", err)
-	}
-	if msg, err := caller.Recv(); err != nil || msg.GetEstablished() == nil {
-		t.Fatalf("caller got %v, %v; want established", msg, err)
-	}
+	caller, _, conn := b.establishData(t)
 
 	// Up: the caller's frames arrive as bytes, and its half-close as a
 	// close_notify.
