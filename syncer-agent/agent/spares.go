@@ -85,12 +85,12 @@ type spares struct {
 	// reach: a dial id belongs to it.
 	brokerID string
 	want     int
-	log             *slog.Logger
-	ctx             context.Context
-	cancel          context.CancelFunc
-	wake            chan struct{} // a spare was taken or lost
-	done            chan struct{} // fill has returned
-	watchers        sync.WaitGroup
+	log      *slog.Logger
+	ctx      context.Context
+	cancel   context.CancelFunc
+	wake     chan struct{} // a spare was taken or lost
+	done     chan struct{} // fill has returned
+	watchers sync.WaitGroup
 
 	mu     sync.Mutex
 	idle   []*spare
