@@ -44,6 +44,13 @@ var (
 		Help: "Tunnels open through this replica.",
 	})
 
+	// SpareDataConnections is the agents' data connections that wait for
+	// a dial (docs/protocol.md §3.5).
+	SpareDataConnections = prometheus.NewGauge(prometheus.GaugeOpts{
+		Namespace: ns, Name: "spare_data_connections",
+		Help: "Data connections of agents that wait for a dial.",
+	})
+
 	// Bytes counts tunneled bytes; up is caller to target.
 	Bytes = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: ns, Name: "tunnel_bytes_total",
@@ -122,7 +129,7 @@ func CountRefusedHandshake(reason identity.Reason) {
 func init() {
 	Registry.MustRegister(GRPC, Denied, Dials, DialSeconds, Tunnels, Bytes, LimitsHit,
 		Registrations, ProbeRTT, ProbeSuccess, Reachable, HandshakesRefused, ConnectionsClosed,
-		EgressRequests, EgressTunnels)
+		EgressRequests, EgressTunnels, SpareDataConnections)
 	for _, r := range identity.Reasons {
 		HandshakesRefused.WithLabelValues(string(r))
 	}

@@ -2,6 +2,7 @@ package identity
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"sync"
@@ -117,6 +118,15 @@ type expiringConn struct {
 func (c *expiringConn) Close() error {
 	c.expiry.stop()
 	return c.Conn.Close()
+}
+
+// CloseWrite is the TLS connection's (a close_notify): a data connection's
+// half-close (Dispatch).
+func (c *expiringConn) CloseWrite() error {
+	if cw, ok := c.Conn.(interface{ CloseWrite() error }); ok {
+		return cw.CloseWrite()
+	}
+	return errors.ErrUnsupported
 }
 
 // ExpiryInterceptors refuse every RPC from a peer whose SVID has expired,

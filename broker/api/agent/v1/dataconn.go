@@ -5,6 +5,7 @@ import (
 	"errors"
 	"io"
 	"net"
+	"sync"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -40,13 +41,18 @@ func (s *Service) ServeData(conn net.Conn, peer identity.AuthInfo) {
 		refuse(conn, status.Errorf(codes.PermissionDenied, "%s may not open data connections", id))
 		return
 	}
-	release, over := s.spares.Take(id)
+	releaseQuota, over := s.spares.Take(id)
 	if over != quota.Under {
 		limit := map[quota.Over]string{quota.OverPerID: "spare_data_connections_per_peer", quota.OverTotal: "spare_data_connections"}[over]
 		metrics.LimitsHit.WithLabelValues(limit).Inc()
 		refuse(conn, status.Errorf(codes.ResourceExhausted, "too many spare data connections (%s)", limit))
 		return
 	}
+	metrics.SpareDataConnections.Inc()
+	release := sync.OnceFunc(func() {
+		releaseQuota()
+		metrics.SpareDataConnections.Dec()
+	})
 	// The replica's name tells an agent behind a load balancer that this
 	// spare reached another replica than its control stream.
 	if err := wire.WriteAccepted(conn, s.cfg.BrokerID); err != nil {
