@@ -159,6 +159,14 @@ func beginRPC(ctx context.Context) (end func(), err error) {
 	if !ok {
 		return func() {}, nil
 	}
+	return info.Begin()
+}
+
+// Begin counts a use of the connection in, as an RPC is counted: what is
+// not an RPC but must have the RPCs' grace after the peer's SVID expires,
+// a tunnel on a data connection (Dispatch). It fails as an RPC would if
+// the SVID has expired; end counts the use out.
+func (info AuthInfo) Begin() (end func(), err error) {
 	if info.expiry == nil {
 		if !time.Now().Before(info.Expires) {
 			return nil, ExpiredError(info)
@@ -168,7 +176,7 @@ func beginRPC(ctx context.Context) (end func(), err error) {
 	if !info.expiry.startRPC() {
 		return nil, ExpiredError(info)
 	}
-	return info.expiry.endRPC, nil
+	return sync.OnceFunc(info.expiry.endRPC), nil
 }
 
 // ExpiredError is the status of an RPC refused because the peer's SVID has

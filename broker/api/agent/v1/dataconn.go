@@ -73,6 +73,14 @@ func (s *Service) ServeData(conn net.Conn, peer identity.AuthInfo) {
 		}
 		return
 	}
+	// A tunnel has the grace of an RPC in flight when its peer's SVID
+	// expires; a spare has none.
+	end, err := peer.Begin()
+	if err != nil {
+		refuse(conn, err)
+		return
+	}
+	defer end()
 	if err := tunnel.OpenConn(s.cfg.Registry, dialID, id, conn); status.Code(err) == codes.NotFound {
 		s.cfg.Log.Info("data connection opened for a dial that is not pending", "peer", id.String(), "dial", dialID, "error", err)
 	}
