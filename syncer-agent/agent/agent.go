@@ -43,6 +43,11 @@ type Agent struct {
 	// carried on one without waiting for a handshake; 0 means none, and
 	// every tunnel goes on a Tunnel stream.
 	SpareDataConnections int
+	// StalledWriteTimeout ends a tunnel on a data connection whose target
+	// takes no byte for so long (zero: DefaultStalledWriteTimeout). Once
+	// the broker ends such a tunnel nothing reads the data connection, so
+	// nothing else would free the write.
+	StalledWriteTimeout time.Duration
 	// Name is shown in the broker's logs and listings.
 	Name     string
 	Resolver lookup.Resolver

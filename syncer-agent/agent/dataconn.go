@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"sync"
+	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -17,7 +18,7 @@ import (
 // openData carries a dial on the spare data connection s
 // (docs/protocol.md §3.5): it sends the open and returns the rest of the
 // tunnel's life, as open does, or reports why not and returns nil.
-func openData(ctx context.Context, s *spare, d *dialed) (run func()) {
+func openData(ctx context.Context, s *spare, d *dialed, stall time.Duration) (run func()) {
 	if err := wire.WriteOpen(s.conn, d.id); err != nil {
 		// The spare's goroutine waits for a tunnel: there is none.
 		s.tunnel <- nil
@@ -35,7 +36,7 @@ func openData(ctx context.Context, s *spare, d *dialed) (run func()) {
 		tunnelsOpen.Inc()
 		defer tunnelsOpen.Dec()
 		tunnelsOpened.WithLabelValues(legDataConnection).Inc()
-		t := &dataTunnel{spare: s, target: d.target, downDone: make(chan struct{})}
+		t := &dataTunnel{spare: s, target: d.target, stall: stall, downDone: make(chan struct{})}
 		err := t.run(ctx, d.early)
 		if err == nil {
 			return
@@ -78,6 +79,7 @@ func (n noAnswer) Unwrap() error { return n.err }
 type dataTunnel struct {
 	spare  *spare
 	target *net.TCPConn
+	stall  time.Duration // the longest a write to the target may take
 	// downDone closes when the copier from the broker has returned;
 	// answered, which it sets, says that the broker accepted the open.
 	downDone chan struct{}
@@ -117,7 +119,7 @@ func (t *dataTunnel) down(answer error) {
 	switch {
 	case answer == nil:
 		t.answered = true
-		err = copyHalf(t.target, t.spare.conn, "the broker", "target")
+		err = copyHalf(stallBounded{t.target, t.stall}, t.spare.conn, "the broker", "target")
 	case isStatus(answer):
 		err = refusal{answer}
 	default:
@@ -150,6 +152,27 @@ func (t *dataTunnel) abort(cause error) {
 		_ = t.target.SetLinger(0)
 		_ = t.target.Close()
 	}
+}
+
+// DefaultStalledWriteTimeout is the broker's default --idle-timeout: by
+// then a tunnel whose target takes nothing has carried nothing, and the
+// broker has ended it.
+const DefaultStalledWriteTimeout = 10 * time.Minute
+
+// stallBounded is a target whose every Write must make progress within
+// stall. A target that stops reading blocks the copier from the broker in
+// its Write, and once the broker ends the tunnel nothing reads the data
+// connection's reset: without a bound the tunnel's goroutines and sockets
+// would stay until the target read again. One deadline per write costs a
+// timer update, not a goroutine.
+type stallBounded struct {
+	*net.TCPConn
+	stall time.Duration
+}
+
+func (s stallBounded) Write(p []byte) (int, error) {
+	_ = s.SetWriteDeadline(time.Now().Add(s.stall))
+	return s.TCPConn.Write(p)
 }
 
 // halfCloser is a connection whose sending direction closes alone: TCP's

@@ -8,6 +8,7 @@ import (
 	"slices"
 	"syscall"
 	"testing"
+	"time"
 
 	promtestutil "github.com/prometheus/client_golang/prometheus/testutil"
 	"google.golang.org/grpc/codes"
@@ -289,4 +290,43 @@ func TestSparesThatReachAnotherReplicaAreDroppedForTunnelStreams(t *testing.T) {
 	if n := b.dataAccepted.Load(); n != 1 {
 		t.Errorf("the agent opened %d data connections, want the one that named another replica", n)
 	}
+}
+
+// TestATunnelWhoseTargetStopsReadingEndsAtTheStalledWritesBound: the
+// copier from the broker is blocked writing to the target, where, once the
+// broker ends the tunnel, nothing would read the data connection's reset.
+func TestATunnelWhoseTargetStopsReadingEndsAtTheStalledWritesBound(t *testing.T) {
+	before := promtestutil.ToFloat64(tunnelsOpen)
+	p := newPKI(t)
+	b := startBroker(t, p)
+	tg := listenTarget(t)
+	a := dataAgent(t, p, b, staticResolver(t, tg.addr()))
+	a.StalledWriteTimeout = 200 * time.Millisecond
+	run(t, a)
+	s := b.nextSession(t)
+	b.waitForFullPool(t)
+	s.order(t, dialOrder(1))
+	target := tg.accept(t) // and never read
+	leg := b.nextDataLeg(t)
+	leg.answer(t, nil)
+	testutil.Eventually(t, "the tunnel to open", func() bool { return promtestutil.ToFloat64(tunnelsOpen) == before+1 })
+
+	// The broker sends until the target's buffers and the agent's are
+	// full.
+	wrote := make(chan struct{})
+	go func() {
+		defer close(wrote)
+		chunk := make([]byte, 64<<10)
+		for {
+			if _, err := leg.conn.Write(chunk); err != nil {
+				return
+			}
+		}
+	}()
+	testutil.Eventually(t, "the tunnel to end once its target's write stalled", func() bool {
+		return promtestutil.ToFloat64(tunnelsOpen) == before
+	})
+	leg.reset()
+	<-wrote
+	target.Close()
 }

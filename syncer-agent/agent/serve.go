@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -63,7 +64,7 @@ func (a *Agent) open(ctx context.Context, client tunnelv1.AgentServiceClient, sp
 	dials.WithLabelValues(codes.OK.String()).Inc()
 	d.target = conn
 	if s := spares.take(); s != nil {
-		return openData(ctx, s, d)
+		return openData(ctx, s, d, cmp.Or(a.StalledWriteTimeout, DefaultStalledWriteTimeout))
 	}
 	return openStream(ctx, client, d)
 }
