@@ -111,10 +111,7 @@ func TestADataConnectionCarriesItsDialsTunnelBothWays(t *testing.T) {
 
 func TestAnAgentsBytesRightAfterItsOpenReachTheCaller(t *testing.T) {
 	b := startBroker(t, config{})
-	a := b.ConnectAgent(t, agentA, "a", "root")
-	target := brokertest.Target("root")
-	caller, _ := b.StartDial(t, kcpPath, target)
-	order := a.Order(t, target)
+	caller, _, order := b.pendingDial(t)
 	conn := b.spare(t, agentA)
 	// The open and the target's first bytes in one write, as a server
 	// that speaks first would have them.
@@ -146,10 +143,7 @@ func TestADataConnectionForADialNotPendingIsNotFound(t *testing.T) {
 
 func TestADataConnectionCannotClaimAnotherAgentsDial(t *testing.T) {
 	b := startBroker(t, config{})
-	a := b.ConnectAgent(t, agentA, "a", "root")
-	target := brokertest.Target("root")
-	caller, _ := b.StartDial(t, kcpPath, target)
-	order := a.Order(t, target)
+	caller, _, order := b.pendingDial(t)
 	if _, err := b.openData(t, agentB, order.GetDialId()); status.Code(err) != codes.NotFound {
 		t.Fatalf("agent B opening agent A's dial: %v, want NotFound", err)
 	}
@@ -218,13 +212,20 @@ func TestSparesCloseWhenTheBrokerDrains(t *testing.T) {
 	testutil.Eventually(t, "the spare is still counted after the drain", func() bool { return b.agents.spares.TotalHeld() == 0 })
 }
 
-// establishData is a tunnel whose agent leg is a data connection.
-func (b *broker) establishData(t *testing.T) (tunnelv1.DialService_DialClient, context.CancelFunc, *tls.Conn) {
+// pendingDial registers agent A for root and dials root as kcp: the
+// caller's stream, waiting, and the order agent A got for it.
+func (b *broker) pendingDial(t *testing.T) (tunnelv1.DialService_DialClient, context.CancelFunc, *tunnelv1.DialOrder) {
 	t.Helper()
 	a := b.ConnectAgent(t, agentA, "a", "root")
 	target := brokertest.Target("root")
 	caller, cancel := b.StartDial(t, kcpPath, target)
-	order := a.Order(t, target)
+	return caller, cancel, a.Order(t, target)
+}
+
+// establishData is a tunnel whose agent leg is a data connection.
+func (b *broker) establishData(t *testing.T) (tunnelv1.DialService_DialClient, context.CancelFunc, *tls.Conn) {
+	t.Helper()
+	caller, cancel, order := b.pendingDial(t)
 	conn, err := b.openData(t, agentA, order.GetDialId())
 	if err != nil {
 		t.Fatal(err)
