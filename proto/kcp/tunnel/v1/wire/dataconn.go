@@ -71,28 +71,29 @@ func WriteAccepted(w io.Writer, brokerID string) error {
 // ReadAccepted reads the broker's first answer on a new data connection:
 // the replica that took it as a spare, or its refusal as a status error.
 func ReadAccepted(r io.Reader) (brokerID string, err error) {
-	var res tunnelv1.OpenResult
-	if err := read(r, &res, maxOpenResult); err != nil {
-		return "", fmt.Errorf("reading the broker's answer to a data connection: %w", err)
-	}
-	if res.GetCode() != int32(codes.OK) {
-		return "", status.Error(codes.Code(res.GetCode()), res.GetMessage())
-	}
-	return res.GetBrokerId(), nil
+	res, err := readResult(r, "a data connection")
+	return res.GetBrokerId(), err
 }
 
 // ReadOpenResult reads the broker's answer to an open, and not a byte past
 // it: nil for OK, else the refusal as a status error. A connection that
 // ends first, or an answer that is not one, is an error of its own.
 func ReadOpenResult(r io.Reader) error {
+	_, err := readResult(r, "open")
+	return err
+}
+
+// readResult reads one OpenResult, the answer to what: a refusal is its
+// status error, and nil is returned with it.
+func readResult(r io.Reader, what string) (*tunnelv1.OpenResult, error) {
 	var res tunnelv1.OpenResult
 	if err := read(r, &res, maxOpenResult); err != nil {
-		return fmt.Errorf("reading the broker's answer to open: %w", err)
+		return nil, fmt.Errorf("reading the broker's answer to %s: %w", what, err)
 	}
-	if res.GetCode() == int32(codes.OK) {
-		return nil
+	if res.GetCode() != int32(codes.OK) {
+		return nil, status.Error(codes.Code(res.GetCode()), res.GetMessage())
 	}
-	return status.Error(codes.Code(res.GetCode()), res.GetMessage())
+	return &res, nil
 }
 
 // read reads one length-delimited message of at most limit bytes. The
