@@ -94,12 +94,11 @@ func newCreds(cfg *tls.Config, bundles x509bundle.Source, authorize tlsconfig.Au
 	for _, o := range opts {
 		o(c)
 	}
-	cfg.NextProtos = c.protocols
-	// NewTLS adds "h2" after them, in a copy of cfg that its handshakes,
-	// and ours (tlsServer, tlsClient), use.
+	// "h2" last, as NewTLS would add it; our handshakes (tlsServer,
+	// tlsClient) use cfg, NewTLS's only its Info.
+	cfg.NextProtos = append(slices.Clone(c.protocols), "h2")
+	c.cfg = cfg
 	c.tls = credentials.NewTLS(cfg)
-	c.cfg = cfg.Clone()
-	c.cfg.NextProtos = append(slices.Clone(c.protocols), "h2")
 	return c
 }
 
