@@ -235,7 +235,7 @@ func (s *Server) credentials() credentials.TransportCredentials {
 	if !cfg.NoDataConnections {
 		// Data connections are not gRPC's: they go to the agent service,
 		// with coalesced writes but without the HTTP/2 frames' guard.
-		creds = identity.Dispatch(creds, wire.DataProtocol, s.agent.ServeData)
+		creds = identity.Dispatch(creds, map[string]func(net.Conn, identity.AuthInfo){wire.DataProtocol: s.agent.ServeData})
 	}
 	// A peer that sends its data in tiny or padded DATA frames would make
 	// gRPC hold some 40 times what it sends; its connection is closed.

@@ -8,22 +8,22 @@ import (
 	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
-// Dispatch hands the server's connections whose handshake picked the ALPN
-// protocol proto (offered with Protocols) to serve, in a goroutine of its
-// own, and gives gRPC the others. serve owns the connection, verified as
+// Dispatch hands the server's connections whose handshake picked an ALPN
+// protocol of serve (offered with Protocols) to that protocol's function,
+// in a goroutine of its own, and gives gRPC the others. It owns the
+// connection, verified as
 // gRPC's are: its AuthInfo names the peer. Its Read returns io.EOF only
 // for a TLS close_notify, and wire.ErrNoCloseNotify for a socket that
 // ended without one (wire.CloseNotified). gRPC clears its handshake
-// deadline on the connection as the handshake returns, so serve bounds its
-// reads by other means than deadlines set at once.
-func Dispatch(creds credentials.TransportCredentials, proto string, serve func(net.Conn, AuthInfo)) credentials.TransportCredentials {
-	return &dispatcher{TransportCredentials: creds, proto: proto, serve: serve}
+// deadline on the connection as the handshake returns, so the function bounds
+// its reads by other means than deadlines set at once.
+func Dispatch(creds credentials.TransportCredentials, serve map[string]func(net.Conn, AuthInfo)) credentials.TransportCredentials {
+	return &dispatcher{TransportCredentials: creds, serve: serve}
 }
 
 type dispatcher struct {
 	credentials.TransportCredentials
-	proto string
-	serve func(net.Conn, AuthInfo)
+	serve map[string]func(net.Conn, AuthInfo)
 }
 
 func (d *dispatcher) ServerHandshake(raw net.Conn) (net.Conn, credentials.AuthInfo, error) {
@@ -34,8 +34,9 @@ func (d *dispatcher) ServerHandshake(raw net.Conn) (net.Conn, credentials.AuthIn
 	if err != nil {
 		return nil, nil, err
 	}
-	if ai, ok := info.(AuthInfo); ok && ai.State.NegotiatedProtocol == d.proto {
-		go d.serve(wire.CloseNotified(conn, sock), ai)
+	ai, ok := info.(AuthInfo)
+	if serve := d.serve[ai.State.NegotiatedProtocol]; ok && serve != nil {
+		go serve(wire.CloseNotified(conn, sock), ai)
 		// gRPC leaves a dispatched connection open, and only this exact
 		// error means that: wrappers above must return it unchanged.
 		return nil, nil, credentials.ErrConnDispatched
@@ -44,5 +45,5 @@ func (d *dispatcher) ServerHandshake(raw net.Conn) (net.Conn, credentials.AuthIn
 }
 
 func (d *dispatcher) Clone() credentials.TransportCredentials {
-	return &dispatcher{TransportCredentials: d.TransportCredentials.Clone(), proto: d.proto, serve: d.serve}
+	return &dispatcher{TransportCredentials: d.TransportCredentials.Clone(), serve: d.serve}
 }

@@ -28,8 +28,8 @@ func TestDispatchHandsItsProtocolsConnectionsOverAndGRPCKeepsTheRest(t *testing.
 	server := newSource(t, ca, devca.Leaf{SPIFFEID: "/broker"})
 	client := newSource(t, ca, devca.Leaf{SPIFFEID: "/agent"})
 	got := make(chan dispatched, 1)
-	creds := Dispatch(ServerCredentials(server, tlsconfig.AuthorizeAny(), Protocols(testProtocol)), testProtocol,
-		func(conn net.Conn, peer AuthInfo) { got <- dispatched{conn, peer} })
+	creds := Dispatch(ServerCredentials(server, tlsconfig.AuthorizeAny(), Protocols(testProtocol)),
+		map[string]func(net.Conn, AuthInfo){testProtocol: func(conn net.Conn, peer AuthInfo) { got <- dispatched{conn, peer} }})
 	srv := grpc.NewServer(grpc.Creds(creds))
 	healthpb.RegisterHealthServer(srv, health.NewServer())
 	lis, err := net.Listen("tcp", "127.0.0.1:0")

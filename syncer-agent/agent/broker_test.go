@@ -163,7 +163,7 @@ func startBroker(t *testing.T, p *pki) *fakeBroker {
 	// its connections handed to serveData.
 	creds := identity.ServerCredentials(p.broker, tlsconfig.AuthorizeMemberOf(spiffeid.RequireTrustDomainFromString(trustDomain)),
 		identity.Protocols(wire.DataProtocol))
-	srv := grpc.NewServer(grpc.Creds(wire.CoalesceWrites(identity.Dispatch(creds, wire.DataProtocol, b.serveData))),
+	srv := grpc.NewServer(grpc.Creds(wire.CoalesceWrites(identity.Dispatch(creds, map[string]func(net.Conn, identity.AuthInfo){wire.DataProtocol: b.serveData}))),
 		// The agent's pings, as the broker permits them: a test that runs
 		// long is not cut off with too_many_pings.
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}))

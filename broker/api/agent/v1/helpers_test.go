@@ -90,7 +90,7 @@ func startBroker(t *testing.T, cfg config) *broker {
 	// The broker's data connections go to the service under test, as the
 	// broker's server hands them over.
 	dispatch := func(creds credentials.TransportCredentials) credentials.TransportCredentials {
-		return identity.Dispatch(creds, wire.DataProtocol, func(conn net.Conn, peer identity.AuthInfo) { b.agents.ServeData(conn, peer) })
+		return identity.Dispatch(creds, map[string]func(net.Conn, identity.AuthInfo){wire.DataProtocol: func(conn net.Conn, peer identity.AuthInfo) { b.agents.ServeData(conn, peer) }})
 	}
 	b.Server = brokertest.StartWithCredentials(t, testPolicy, dispatch, nil, func(s *brokertest.Server, srv *grpc.Server) {
 		b.agents = New(Config{

@@ -1357,19 +1357,23 @@ func (x *Registered) GetDataConnections() bool {
 }
 
 // OpenResult is what the broker says on a data connection (docs/protocol.md
-// §3.5): once as it takes the connection as a spare, with its broker_id,
-// and once to the open that starts a tunnel on it.
+// §3.5) or a dial connection (§3.6): once as it takes the connection as a
+// spare, with its broker_id, and once to the open or the dial that starts
+// a tunnel on it.
 type OpenResult struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// A google.rpc.Code. OK: the spare is taken, or the tunnel's bytes
-	// follow the answer to the open. Anything else: the broker refused the
-	// connection or the open, and closes the connection.
+	// follow the answer to the open or the dial. Anything else: the broker
+	// refused the connection, the open or the dial, and closes the
+	// connection.
 	Code int32 `protobuf:"varint,1,opt,name=code,proto3" json:"code,omitempty"`
 	// Why, for a refusal.
 	Message string `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
 	// The replica, in the first answer: the agent keeps a spare only on
 	// the replica of its control stream, whose dials it names.
-	BrokerId      string `protobuf:"bytes,3,opt,name=broker_id,json=brokerId,proto3" json:"broker_id,omitempty"`
+	BrokerId string `protobuf:"bytes,3,opt,name=broker_id,json=brokerId,proto3" json:"broker_id,omitempty"`
+	// The tunnel, in the OK answer to a dial, as Established names it.
+	TunnelId      string `protobuf:"bytes,4,opt,name=tunnel_id,json=tunnelId,proto3" json:"tunnel_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1421,6 +1425,13 @@ func (x *OpenResult) GetMessage() string {
 func (x *OpenResult) GetBrokerId() string {
 	if x != nil {
 		return x.BrokerId
+	}
+	return ""
+}
+
+func (x *OpenResult) GetTunnelId() string {
+	if x != nil {
+		return x.TunnelId
 	}
 	return ""
 }
@@ -1889,12 +1900,13 @@ const file_kcp_tunnel_v1_tunnel_proto_rawDesc = "" +
 	"Registered\x12\x1b\n" +
 	"\tbroker_id\x18\x01 \x01(\tR\bbrokerId\x120\n" +
 	"\x05since\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x05since\x12)\n" +
-	"\x10data_connections\x18\x03 \x01(\bR\x0fdataConnections\"W\n" +
+	"\x10data_connections\x18\x03 \x01(\bR\x0fdataConnections\"t\n" +
 	"\n" +
 	"OpenResult\x12\x12\n" +
 	"\x04code\x18\x01 \x01(\x05R\x04code\x12\x18\n" +
 	"\amessage\x18\x02 \x01(\tR\amessage\x12\x1b\n" +
-	"\tbroker_id\x18\x03 \x01(\tR\bbrokerId\"\x91\x01\n" +
+	"\tbroker_id\x18\x03 \x01(\tR\bbrokerId\x12\x1b\n" +
+	"\ttunnel_id\x18\x04 \x01(\tR\btunnelId\"\x91\x01\n" +
 	"\tDialOrder\x12\x17\n" +
 	"\adial_id\x18\x01 \x01(\x04R\x06dialId\x12-\n" +
 	"\x06target\x18\x02 \x01(\v2\x15.kcp.tunnel.v1.TargetR\x06target\x12\x1d\n" +

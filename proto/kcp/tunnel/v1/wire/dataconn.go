@@ -1,6 +1,7 @@
 package wire
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -8,6 +9,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protodelim"
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
@@ -30,8 +32,7 @@ const (
 // WriteOpen starts a tunnel on a data connection: the length-delimited
 // TunnelRequest{open{dial_id}}. The tunnel's bytes MAY follow at once.
 func WriteOpen(w io.Writer, dialID uint64) error {
-	_, err := protodelim.MarshalTo(w, &tunnelv1.TunnelRequest{Frame: &tunnelv1.TunnelRequest_Open{Open: &tunnelv1.TunnelOpen{DialId: dialID}}})
-	return err
+	return writeDelimited(w, &tunnelv1.TunnelRequest{Frame: &tunnelv1.TunnelRequest_Open{Open: &tunnelv1.TunnelOpen{DialId: dialID}}})
 }
 
 // ReadOpen reads an open, and not a byte past it: what follows is the
@@ -52,20 +53,38 @@ func ReadOpen(r io.Reader) (dialID uint64, err error) {
 // WriteOpenResult answers an open with err's status: nil is OK, and the
 // tunnel's bytes follow.
 func WriteOpenResult(w io.Writer, err error) error {
+	return writeResult(w, &tunnelv1.OpenResult{}, err)
+}
+
+// writeResult writes res with err's status: its code, and its message cut
+// to fit the bound a reader applies.
+func writeResult(w io.Writer, res *tunnelv1.OpenResult, err error) error {
 	st := status.Convert(err)
 	msg := st.Message()
-	if len(msg) > maxOpenResult-16 {
-		msg = msg[:maxOpenResult-16]
+	if room := maxOpenResult - 16 - len(res.GetTunnelId()); len(msg) > room {
+		msg = msg[:room]
 	}
-	_, werr := protodelim.MarshalTo(w, &tunnelv1.OpenResult{Code: int32(st.Code()), Message: msg})
-	return werr
+	res.Code, res.Message = int32(st.Code()), msg
+	return writeDelimited(w, res)
+}
+
+// writeDelimited writes m length-delimited with one Write: one TLS record,
+// where protodelim.MarshalTo would make two.
+func writeDelimited(w io.Writer, m proto.Message) error {
+	size := proto.Size(m)
+	buf := protowire.AppendVarint(make([]byte, 0, size+binary.MaxVarintLen64), uint64(size))
+	buf, err := proto.MarshalOptions{UseCachedSize: true}.MarshalAppend(buf, m)
+	if err != nil {
+		return err
+	}
+	_, err = w.Write(buf)
+	return err
 }
 
 // WriteAccepted tells the agent of a new data connection that the broker
 // replica brokerID took it as a spare.
 func WriteAccepted(w io.Writer, brokerID string) error {
-	_, err := protodelim.MarshalTo(w, &tunnelv1.OpenResult{BrokerId: brokerID})
-	return err
+	return writeDelimited(w, &tunnelv1.OpenResult{BrokerId: brokerID})
 }
 
 // ReadAccepted reads the broker's first answer on a new data connection:
