@@ -147,9 +147,11 @@ func parseFlags() (*options, error) {
 	flag.Int64Var(&c.MaxRegistrationsPerAgent, "max-registrations-per-agent", agentv1.DefaultMaxRegistrations, "control streams (registrations) one agent SPIFFE ID may hold (0: no limit)")
 	flag.Float64Var(&c.MaxReregistrationsPerSecond, "max-reregistrations-per-second", agentv1.DefaultMaxReregistrationsPerSecond, "changed cluster lists one control stream may put in force a second; a later list replaces one that waits (negative: no pace)")
 	flag.IntVar(&c.MaxClustersPerRegistration, "max-clusters-per-registration", agentv1.DefaultMaxClusters, "logical clusters one registration may serve (0: no limit)")
-	dataConns := flag.Bool("data-connections", true, "let agents carry tunnels on data connections (TLS, ALPN "+wire.DataProtocol+", on the --listen port) instead of Tunnel streams")
+	dataConns := flag.Bool("data-connections", true, "let agents carry tunnels on data connections (TLS, ALPN "+wire.DataProtocol+", on the --listen port) instead of Tunnel streams, and callers on dial connections (ALPN "+wire.DialProtocol+") instead of Dial streams")
 	flag.Int64Var(&c.MaxSparesPerPeer, "max-spare-data-connections-per-peer", agentv1.DefaultMaxSparesPerPeer, "data connections one agent SPIFFE ID may hold open before naming a dial (0: no limit)")
 	flag.Int64Var(&c.MaxSpares, "max-spare-data-connections", agentv1.DefaultMaxSpares, "data connections all agents together may hold open before naming a dial (0: no limit)")
+	flag.Int64Var(&c.MaxSpareDialsPerPeer, "max-spare-dial-connections-per-peer", dialv1.DefaultMaxSparesPerPeer, "dial connections one caller SPIFFE ID may hold open before sending its dial (0: no limit)")
+	flag.Int64Var(&c.MaxSpareDials, "max-spare-dial-connections", dialv1.DefaultMaxSpares, "dial connections all callers together may hold open before sending their dial (0: no limit)")
 	window := flag.Int("window-size", server.DefaultWindowSize, "HTTP/2 flow-control window per stream, in bytes (negative: gRPC's dynamic windows)")
 	flag.DurationVar(&c.ProbeEvery, "probe-interval", agentv1.DefaultProbeEvery, "how often each agent is probed over its control stream")
 	flag.DurationVar(&c.HandshakeTimeout, "handshake-timeout", server.DefaultHandshakeTimeout, "how long a new connection may take to finish its TLS and HTTP/2 handshakes")
@@ -173,7 +175,8 @@ func parseFlags() (*options, error) {
 	c.NoDataConnections = !*dataConns
 	// A limit flag's 0 means no limit, and Config's the default.
 	noLimitIfZero(&c.Limits.MaxPendingPerCluster, &c.Limits.MaxTunnelsPerAgent, &c.MaxTunnelsPerCaller,
-		&c.MaxOpeningStreamsPerPeer, &c.MaxOpeningStreams, &c.MaxRegistrationsPerAgent, &c.MaxSparesPerPeer, &c.MaxSpares)
+		&c.MaxOpeningStreamsPerPeer, &c.MaxOpeningStreams, &c.MaxRegistrationsPerAgent, &c.MaxSparesPerPeer, &c.MaxSpares,
+		&c.MaxSpareDialsPerPeer, &c.MaxSpareDials)
 	noLimitIfZero(&c.MaxClustersPerRegistration, &c.MaxHandshakes)
 	return o, nil
 }

@@ -26,9 +26,11 @@ type ServiceDialer interface {
 	DialService(ctx context.Context, cluster, namespace, name string, port int32) (net.Conn, error)
 }
 
-// Dialer opens tunnels with the broker's Dial RPC.
+// Dialer opens tunnels with the broker's Dial RPC, or on dial connections
+// (WithDialConnections).
 type Dialer struct {
 	client tunnelv1.DialServiceClient
+	spares *spares // nil without dial connections
 	// Timeout bounds each dial, from the call to a usable connection.
 	Timeout time.Duration
 	// EarlyData makes DialService return the connection at once, before the
@@ -44,10 +46,23 @@ type Dialer struct {
 
 var _ ServiceDialer = (*Dialer)(nil)
 
-// NewDialer returns a ServiceDialer that uses the broker's Dial RPC over conn.
-// The caller builds conn with its own transport credentials (SPIFFE mTLS).
-func NewDialer(conn grpc.ClientConnInterface) *Dialer {
-	return &Dialer{client: tunnelv1.NewDialServiceClient(conn), Timeout: DefaultDialTimeout}
+// NewDialer returns a ServiceDialer that uses the broker's Dial RPC over conn,
+// with opts. The caller builds conn with its own transport credentials
+// (SPIFFE mTLS). Close it when done.
+func NewDialer(conn grpc.ClientConnInterface, opts ...Option) *Dialer {
+	d := &Dialer{client: tunnelv1.NewDialServiceClient(conn), Timeout: DefaultDialTimeout}
+	for _, opt := range opts {
+		opt(d)
+	}
+	return d
+}
+
+// Close closes the dial connections the Dialer keeps ahead of its dials.
+// Its tunnels are their conns' to close, and the gRPC connection its
+// owner's.
+func (d *Dialer) Close() error {
+	d.spares.close()
+	return nil
 }
 
 // DialService opens a tunnel to port of Service namespace/name in cluster.
@@ -69,6 +84,16 @@ func (d *Dialer) DialService(ctx context.Context, cluster, namespace, name strin
 	timeout := d.Timeout
 	if timeout <= 0 {
 		timeout = DefaultDialTimeout
+	}
+	if s := d.spares.take(); s != nil {
+		c := newDirectConn(s, target, timeout)
+		if d.EarlyData {
+			return c, nil
+		}
+		if err := c.waitEstablished(ctx); err != nil {
+			return nil, err
+		}
+		return c, nil
 	}
 	// The stream outlives the dial, so it must not die with ctx; the dial
 	// is bounded by timeout, and a dial that waits also by ctx.

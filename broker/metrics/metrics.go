@@ -51,6 +51,13 @@ var (
 		Help: "Data connections of agents that wait for a dial.",
 	})
 
+	// SpareDialConnections is the callers' dial connections that wait for
+	// their dial (docs/protocol.md §3.6).
+	SpareDialConnections = prometheus.NewGauge(prometheus.GaugeOpts{
+		Namespace: ns, Name: "spare_dial_connections",
+		Help: "Dial connections of callers that wait for their dial.",
+	})
+
 	// Bytes counts tunneled bytes; up is caller to target.
 	Bytes = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: ns, Name: "tunnel_bytes_total",
@@ -129,7 +136,7 @@ func CountRefusedHandshake(reason identity.Reason) {
 func init() {
 	Registry.MustRegister(GRPC, Denied, Dials, DialSeconds, Tunnels, Bytes, LimitsHit,
 		Registrations, ProbeRTT, ProbeSuccess, Reachable, HandshakesRefused, ConnectionsClosed,
-		EgressRequests, EgressTunnels, SpareDataConnections)
+		EgressRequests, EgressTunnels, SpareDataConnections, SpareDialConnections)
 	for _, r := range identity.Reasons {
 		HandshakesRefused.WithLabelValues(string(r))
 	}

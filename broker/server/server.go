@@ -137,11 +137,15 @@ type Config struct {
 	// MaxConnectionAge is how long a connection takes new RPCs
 	// (DefaultMaxConnectionAge).
 	MaxConnectionAge time.Duration
-	// NoDataConnections keeps agents on Tunnel streams: the port offers no
-	// data connections (docs/protocol.md §3.5). MaxSparesPerPeer and
-	// MaxSpares bound the spare ones (package agent's defaults).
-	NoDataConnections           bool
-	MaxSparesPerPeer, MaxSpares int64
+	// NoDataConnections keeps agents on Tunnel streams and callers on Dial
+	// streams: the port offers neither data connections (docs/protocol.md
+	// §3.5) nor dial connections (§3.6). MaxSparesPerPeer and MaxSpares
+	// bound the spare data connections (package agent's defaults),
+	// MaxSpareDialsPerPeer and MaxSpareDials the spare dial connections
+	// (package dial's).
+	NoDataConnections                   bool
+	MaxSparesPerPeer, MaxSpares         int64
+	MaxSpareDialsPerPeer, MaxSpareDials int64
 	// Clock times what time decides in the services: the idle limit,
 	// probes, first messages, registrations' SVID expiry; nil: the real
 	// clock.
@@ -205,9 +209,10 @@ func New(cfg Config) *Server {
 		Clock: cfg.Clock,
 		Log:   cfg.Log,
 	})
-	// The agent service before the server: the server's credentials hand
-	// it the data connections.
+	// The agent and dial services before the server: the server's
+	// credentials hand them the data and dial connections.
 	s.agent = s.agentService()
+	s.dial = s.dialService()
 	s.grpc = grpc.NewServer(s.serverOptions(guard)...)
 	s.registerServices()
 	guard.Methods(s.grpc)
@@ -227,15 +232,19 @@ func (s *Server) credentials() credentials.TransportCredentials {
 		identity.CloseExpiredPeers(cfg.ExpiredPeerGrace),
 	}
 	if !cfg.NoDataConnections {
-		opts = append(opts, identity.Protocols(wire.DataProtocol))
+		opts = append(opts, identity.Protocols(wire.DataProtocol, wire.DialProtocol))
 	}
 	creds := identity.ServerCredentials(cfg.Identity, tlsconfig.AuthorizeAny(), opts...)
 	// One write syscall per gRPC flush, not one per 16 KiB TLS record.
 	creds = wire.CoalesceWrites(creds)
 	if !cfg.NoDataConnections {
-		// Data connections are not gRPC's: they go to the agent service,
-		// with coalesced writes but without the HTTP/2 frames' guard.
-		creds = identity.Dispatch(creds, map[string]func(net.Conn, identity.AuthInfo){wire.DataProtocol: s.agent.ServeData})
+		// Data and dial connections are not gRPC's: they go to the agent
+		// and dial services, with coalesced writes but without the HTTP/2
+		// frames' guard.
+		creds = identity.Dispatch(creds, map[string]func(net.Conn, identity.AuthInfo){
+			wire.DataProtocol: s.agent.ServeData,
+			wire.DialProtocol: s.dial.ServeConn,
+		})
 	}
 	// A peer that sends its data in tiny or padded DATA frames would make
 	// gRPC hold some 40 times what it sends; its connection is closed.
@@ -284,20 +293,26 @@ func (s *Server) serverOptions(guard *opening.Guard) []grpc.ServerOption {
 // registerServices registers the broker's services, health and reflection.
 func (s *Server) registerServices() {
 	cfg := s.cfg
-	s.dial = dialv1.New(dialv1.Config{
-		Registry: s.Registry, Policy: cfg.Policy, Timeout: cfg.DialTimeout,
-		MaxTunnelsPerCaller: cfg.MaxTunnelsPerCaller,
-		Tunnels:             tunnel.Config{IdleTimeout: cfg.IdleTimeout, Stopping: s.stopping, Clock: cfg.Clock, Table: s.Tunnels},
-		Draining:            s.draining,
-		BrokerID:            cfg.ID,
-		Log:                 cfg.Log.With("component", "dial"),
-	})
 	dialv1.RegisterService(s.grpc, s.dial)
 	agentv1.RegisterService(s.grpc, s.agent)
 	adminv1.RegisterService(s.grpc, adminv1.New(adminv1.Config{Registry: s.Registry, Tunnels: s.Tunnels, BrokerID: cfg.ID}))
 	healthpb.RegisterHealthServer(s.grpc, s.health)
 	reflection.Register(s.grpc)
 	metrics.GRPC.InitializeMetrics(s.grpc)
+}
+
+// dialService is the replica's dial service, with its dial connections.
+func (s *Server) dialService() *dialv1.Service {
+	cfg := s.cfg
+	return dialv1.New(dialv1.Config{
+		Registry: s.Registry, Policy: cfg.Policy, Timeout: cfg.DialTimeout,
+		MaxTunnelsPerCaller: cfg.MaxTunnelsPerCaller,
+		MaxSparesPerPeer:    cfg.MaxSpareDialsPerPeer, MaxSpares: cfg.MaxSpareDials,
+		Tunnels:  tunnel.Config{IdleTimeout: cfg.IdleTimeout, Stopping: s.stopping, Clock: cfg.Clock, Table: s.Tunnels},
+		Draining: s.draining,
+		BrokerID: cfg.ID,
+		Log:      cfg.Log.With("component", "dial"),
+	})
 }
 
 // agentService is the replica's agent service, with its data connections.

@@ -105,9 +105,9 @@ func StartWithCredentials(t *testing.T, pol policy.File, wrap func(credentials.T
 	s.Stopping, s.stop = context.WithCancel(context.Background())
 	t.Cleanup(s.drain)
 	t.Cleanup(s.stop)
-	// Data connections are offered as the broker offers them; a test
-	// serves them by wrapping the credentials with identity.Dispatch.
-	creds := identity.ServerCredentials(source(t, ca, BrokerPath), tlsconfig.AuthorizeAny(), identity.Protocols(wire.DataProtocol))
+	// Data and dial connections are offered as the broker offers them; a
+	// test serves them by wrapping the credentials with identity.Dispatch.
+	creds := identity.ServerCredentials(source(t, ca, BrokerPath), tlsconfig.AuthorizeAny(), identity.Protocols(wire.DataProtocol, wire.DialProtocol))
 	if wrap != nil {
 		creds = wrap(creds)
 	}
@@ -186,15 +186,29 @@ func source(t *testing.T, ca *devca.CA, path string) *devca.Source {
 // when it ends.
 func (s *Server) DataConn(t *testing.T, path string) *tls.Conn {
 	t.Helper()
+	return s.dispatched(t, path, wire.DataProtocol)
+}
+
+// DialConn opens a dial connection (docs/protocol.md §3.6) to the broker as
+// the identity path, as DataConn opens a data connection.
+func (s *Server) DialConn(t *testing.T, path string) *tls.Conn {
+	t.Helper()
+	return s.dispatched(t, path, wire.DialProtocol)
+}
+
+// dispatched opens a connection as the identity path whose handshake picks
+// the ALPN protocol proto.
+func (s *Server) dispatched(t *testing.T, path, proto string) *tls.Conn {
+	t.Helper()
 	cfg := s.ClientTLS(t, path)
-	cfg.NextProtos = []string{wire.DataProtocol}
+	cfg.NextProtos = []string{proto}
 	conn, err := tls.Dial("tcp", s.Addr, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := conn.ConnectionState().NegotiatedProtocol; got != wire.DataProtocol {
+	if got := conn.ConnectionState().NegotiatedProtocol; got != proto {
 		conn.Close()
-		t.Fatalf("the broker negotiated %q, want %q", got, wire.DataProtocol)
+		t.Fatalf("the broker negotiated %q, want %q", got, proto)
 	}
 	t.Cleanup(func() { conn.Close() })
 	return conn

@@ -1,23 +1,29 @@
 package dial
 
 import (
+	"log/slog"
+	"net"
 	"testing"
 	"time"
 
 	"go.uber.org/goleak"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 
 	agentv1 "github.com/kcp-dev/tunnel-broker/broker/api/agent/v1"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
+	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // This file holds the broker the tests dial through: brokertest's real gRPC
 // server on loopback with SPIFFE mTLS from a throwaway CA, serving the
-// DialService under test and the AgentService its tunnels need. The tests
+// DialService under test, its dial connections, and the AgentService its
+// tunnels need. The tests
 // play kcp and the agent by hand with the generated clients.
 
 func TestMain(m *testing.M) {
@@ -43,7 +49,13 @@ var testPolicy = policy.File{
 type config struct {
 	timeout             time.Duration
 	maxTunnelsPerCaller int64
+	// maxSparesPerPeer and maxSpares bound spare dial connections.
+	maxSparesPerPeer, maxSpares int64
+	// log, if set, takes the dial service's log as JSON lines.
+	log *brokertest.LogBuffer
 }
+
+const brokerID = "test-broker"
 
 // broker is one broker under test, serving the DialService under test and the
 // AgentService its tunnels need.
@@ -58,16 +70,26 @@ func startBroker(t *testing.T, cfg config) *broker {
 		cfg.timeout = testutil.WaitLong
 	}
 	b := &broker{}
-	b.Server = brokertest.Start(t, testPolicy, func(s *brokertest.Server, srv *grpc.Server) {
+	// The broker's dial connections go to the service under test, as the
+	// broker's server hands them over.
+	dispatch := func(creds credentials.TransportCredentials) credentials.TransportCredentials {
+		return identity.Dispatch(creds, map[string]func(net.Conn, identity.AuthInfo){wire.DialProtocol: func(conn net.Conn, peer identity.AuthInfo) { b.dial.ServeConn(conn, peer) }})
+	}
+	b.Server = brokertest.StartWithCredentials(t, testPolicy, dispatch, nil, func(s *brokertest.Server, srv *grpc.Server) {
+		log := s.Log
+		if cfg.log != nil {
+			log = slog.New(slog.NewJSONHandler(cfg.log, &slog.HandlerOptions{Level: slog.LevelDebug}))
+		}
 		b.dial = New(Config{
 			Registry: s.Registry, Policy: s.Policy, Timeout: cfg.timeout,
 			MaxTunnelsPerCaller: cfg.maxTunnelsPerCaller,
-			Tunnels:             tunnel.Config{Stopping: s.Stopping},
-			Draining:            s.Draining, Log: s.Log,
+			MaxSparesPerPeer:    cfg.maxSparesPerPeer, MaxSpares: cfg.maxSpares,
+			Tunnels:  tunnel.Config{Stopping: s.Stopping},
+			Draining: s.Draining, BrokerID: brokerID, Log: log,
 		})
 		RegisterService(srv, b.dial)
 		agentv1.RegisterService(srv, agentv1.New(agentv1.Config{
-			Registry: s.Registry, Policy: s.Policy, BrokerID: "test-broker",
+			Registry: s.Registry, Policy: s.Policy, BrokerID: brokerID,
 			Draining: s.Draining, Stopping: s.Stopping, Grace: time.Second,
 			ProbeEvery: time.Hour, // no probes in these tests
 			Log:        s.Log,

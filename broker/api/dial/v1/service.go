@@ -48,6 +48,10 @@ type Config struct {
 	// MaxTunnelsPerCaller bounds the tunnels one SPIFFE ID holds, its dials
 	// included from their stream's start; zero: DefaultMaxTunnelsPerCaller.
 	MaxTunnelsPerCaller int64
+	// MaxSparesPerPeer and MaxSpares bound the spare dial connections
+	// (dialconn.go) of one SPIFFE ID and of all together; zero:
+	// DefaultMaxSparesPerPeer and DefaultMaxSpares.
+	MaxSparesPerPeer, MaxSpares int64
 	// Tunnels is what ends tunnels besides their peers: the idle limit and
 	// the broker's stop.
 	Tunnels tunnel.Config
@@ -65,6 +69,7 @@ type Service struct {
 
 	cfg     Config
 	callers quota.Quota // tunnels and dials, per caller SPIFFE ID
+	spares  quota.Quota // dial connections waiting for their dial
 	active  atomic.Int64
 }
 
@@ -78,6 +83,7 @@ func New(cfg Config) *Service {
 	return &Service{
 		cfg:     cfg,
 		callers: quota.Quota{PerID: cmp.Or(cfg.MaxTunnelsPerCaller, DefaultMaxTunnelsPerCaller)},
+		spares:  quota.Quota{PerID: cmp.Or(cfg.MaxSparesPerPeer, DefaultMaxSparesPerPeer), Total: cmp.Or(cfg.MaxSpares, DefaultMaxSpares)},
 	}
 }
 
@@ -117,20 +123,32 @@ func (s *Service) establish(stream tunnelv1.DialService_DialServer, caller spiff
 	if err != nil {
 		return nil, nil, err
 	}
-	target := first.GetTarget()
-	log := s.cfg.Log.With("cluster", target.GetCluster(), "namespace", target.GetNamespace(),
-		"service", target.GetService(), "port", target.GetPort(), "caller", caller.String())
-	t, took, err := s.dial(stream.Context(), target, first.GetEarlyData(), log)
+	t, log, err := s.open(stream.Context(), first, caller)
 	if err != nil {
 		return nil, nil, err
 	}
-	t.Caller, t.Established = caller, time.Now()
-	log = log.With("tunnel", t.ID, "agent", t.Agent.String())
 	established := &tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_Established{Established: &tunnelv1.Established{TunnelId: t.ID}}}
 	if err := stream.Send(established); err != nil {
 		t.End(status.Error(codes.Canceled, "caller went away"))
 		return nil, nil, err
 	}
+	return t, log, nil
+}
+
+// open dials the target of a dial's first message, checked by checkDial,
+// and makes the tunnel caller's: a Dial stream's and a dial connection's
+// tunnels are opened alike. The logger names the dial, and the tunnel once
+// there is one.
+func (s *Service) open(ctx context.Context, first *tunnelv1.DialRequest, caller spiffeid.ID) (*tunnel.Tunnel, *slog.Logger, error) {
+	target := first.GetTarget()
+	log := s.cfg.Log.With("cluster", target.GetCluster(), "namespace", target.GetNamespace(),
+		"service", target.GetService(), "port", target.GetPort(), "caller", caller.String())
+	t, took, err := s.dial(ctx, target, first.GetEarlyData(), log)
+	if err != nil {
+		return nil, nil, err
+	}
+	t.Caller, t.Established = caller, time.Now()
+	log = log.With("tunnel", t.ID, "agent", t.Agent.String())
 	log.Debug("tunnel established", "took", took)
 	return t, log, nil
 }
@@ -148,33 +166,43 @@ func (s *Service) holdTunnel(caller spiffeid.ID) (release func(), err error) {
 	return nil, status.Errorf(codes.ResourceExhausted, "%s already holds %d tunnels, the most a caller may", caller, s.callers.PerID)
 }
 
-// receiveTarget receives the first message of a dial, which must name a
-// valid target that the caller may dial, with at most wire.MaxEarlyData
-// bytes of early data, while the broker takes dials.
+// receiveTarget receives the first message of a Dial stream and checks it
+// (checkDial).
 func (s *Service) receiveTarget(stream tunnelv1.DialService_DialServer, caller spiffeid.ID) (*tunnelv1.DialRequest, error) {
 	first, err := receive.First[tunnelv1.DialRequest](stream, "stream closed before naming a target")
 	if err != nil {
 		return nil, err
 	}
-	target := first.GetTarget()
-	if target == nil {
-		return nil, status.Error(codes.InvalidArgument, "the first message of a dial must name a target")
-	}
-	if err := target.Validate(); err != nil {
-		return nil, status.Error(codes.InvalidArgument, err.Error())
-	}
-	if n := len(first.GetEarlyData()); n > wire.MaxEarlyData {
-		return nil, status.Errorf(codes.InvalidArgument, "a dial's early data may be at most %d bytes, not %d", wire.MaxEarlyData, n)
-	}
-	if err := s.cfg.Policy.MayDial(caller, target.GetCluster()); err != nil {
-		metrics.Denied.WithLabelValues("Dial").Inc()
-		s.cfg.Log.Warn("permission denied", "peer", caller.String(), "cluster", target.GetCluster())
-		return nil, status.Error(codes.PermissionDenied, err.Error())
-	}
-	if s.cfg.Draining.Err() != nil {
-		return nil, status.Error(codes.Unavailable, "this broker replica is shutting down: dial another")
+	if err := s.checkDial(first, caller, "Dial"); err != nil {
+		return nil, err
 	}
 	return first, nil
+}
+
+// checkDial checks the first message of a dial, on a stream or a dial
+// connection: it must name a valid target that the caller may dial, with
+// at most wire.MaxEarlyData bytes of early data, while the broker takes
+// dials. A refusal by the policy is counted and logged under method.
+func (s *Service) checkDial(first *tunnelv1.DialRequest, caller spiffeid.ID, method string) error {
+	target := first.GetTarget()
+	if target == nil {
+		return status.Error(codes.InvalidArgument, "the first message of a dial must name a target")
+	}
+	if err := target.Validate(); err != nil {
+		return status.Error(codes.InvalidArgument, err.Error())
+	}
+	if n := len(first.GetEarlyData()); n > wire.MaxEarlyData {
+		return status.Errorf(codes.InvalidArgument, "a dial's early data may be at most %d bytes, not %d", wire.MaxEarlyData, n)
+	}
+	if err := s.cfg.Policy.MayDial(caller, target.GetCluster()); err != nil {
+		metrics.Denied.WithLabelValues(method).Inc()
+		s.cfg.Log.Warn("permission denied", "peer", caller.String(), "method", method, "cluster", target.GetCluster())
+		return status.Error(codes.PermissionDenied, err.Error())
+	}
+	if s.cfg.Draining.Err() != nil {
+		return status.Error(codes.Unavailable, "this broker replica is shutting down: dial another")
+	}
+	return nil
 }
 
 // dial orders an agent to connect to target and waits for its tunnel, within
@@ -192,18 +220,23 @@ func (s *Service) dial(ctx context.Context, target *tunnelv1.Target, earlyData [
 // splice splices the established tunnel t with the caller's stream until
 // the tunnel ends, and returns the caller's status.
 func (s *Service) splice(stream tunnelv1.DialService_DialServer, t *tunnel.Tunnel, release func(), log *slog.Logger) error {
+	callerStatus, agentStatus := t.Splice(stream, s.cfg.Tunnels, s.spliced(release))
+	s.ended(t, callerStatus, agentStatus, log)
+	return callerStatus
+}
+
+// spliced counts a tunnel that is spliced from now on, and returns what
+// counts it out when it ends: the tunnel stops counting, against its
+// caller's limit (release) and in the listings, before its caller can
+// learn that it ended and dial again.
+func (s *Service) spliced(release func()) (ended func()) {
 	s.active.Add(1)
 	metrics.Tunnels.Inc()
-	// The tunnel stops counting, against its caller's limit and in the
-	// listings, before its caller can learn that it ended and dial again.
-	ended := func() {
+	return func() {
 		release()
 		s.active.Add(-1)
 		metrics.Tunnels.Dec()
 	}
-	callerStatus, agentStatus := t.Splice(stream, s.cfg.Tunnels, ended)
-	s.ended(t, callerStatus, agentStatus, log)
-	return callerStatus
 }
 
 // ended audits and logs the end of tunnel t.

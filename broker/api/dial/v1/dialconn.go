@@ -1,0 +1,166 @@
+package dial
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"net"
+
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/kcp-dev/tunnel-broker/broker/internal/quota"
+	"github.com/kcp-dev/tunnel-broker/broker/metrics"
+	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
+	"github.com/kcp-dev/tunnel-broker/internal/identity"
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
+)
+
+// Defaults of the dial connections' bounds (Config).
+const (
+	// DefaultMaxSparesPerPeer bounds the spare dial connections of one
+	// SPIFFE ID: kcpplugin keeps four per broker, and one SPIFFE ID may
+	// be shared by many kcp shards and their restarts.
+	DefaultMaxSparesPerPeer = 64
+	// DefaultMaxSpares bounds the spares of all peers together: each
+	// costs a socket, a goroutine and its TLS state, about 20 KiB.
+	DefaultMaxSpares = 1024
+)
+
+// ServeConn serves one dial connection (docs/protocol.md §3.6), already
+// verified by the TLS handshake: it accepts it as a spare, naming the
+// replica, waits for its caller's dial, dials as a Dial stream's first
+// message does, and then carries the tunnel until it ends. It closes the
+// connection. A refusal or a failed dial is the connection's last message.
+func (s *Service) ServeConn(conn net.Conn, peer identity.AuthInfo) {
+	caller := peer.ID
+	first, err := s.awaitDial(conn, caller)
+	if err != nil {
+		s.endSpare(conn, caller, err)
+		return
+	}
+	if err := s.checkDial(first, caller, wire.DialProtocol); err != nil {
+		refuse(conn, err)
+		return
+	}
+	release, err := s.holdTunnel(caller)
+	if err != nil {
+		refuse(conn, err)
+		return
+	}
+	defer release()
+	// A tunnel has the grace of an RPC in flight when its peer's SVID
+	// expires; a spare has none.
+	end, err := peer.Begin()
+	if err != nil {
+		refuse(conn, err)
+		return
+	}
+	defer end()
+	t, log, err := s.open(s.stopping(), first, caller)
+	if err != nil {
+		refuse(conn, err)
+		return
+	}
+	if err := wire.WriteDialResult(conn, t.ID, nil); err != nil {
+		t.End(status.Error(codes.Canceled, "caller went away"))
+		conn.Close()
+		return
+	}
+	s.spliceConn(conn, t, release, log)
+}
+
+// awaitDial takes conn as one of caller's spares, if the policy lets it
+// dial and the spares' bounds leave room, and waits for its dial. The
+// spare stops counting once its dial is read.
+func (s *Service) awaitDial(conn net.Conn, caller spiffeid.ID) (*tunnelv1.DialRequest, error) {
+	if !s.cfg.Policy.IsCaller(caller) {
+		metrics.Denied.WithLabelValues(wire.DialProtocol).Inc()
+		s.cfg.Log.Warn("permission denied", "peer", caller.String(), "method", wire.DialProtocol)
+		return nil, status.Errorf(codes.PermissionDenied, "%s may not open dial connections", caller)
+	}
+	// A spare would only be closed again at once.
+	if s.cfg.Draining.Err() != nil {
+		return nil, status.Error(codes.Unavailable, "the broker is shutting down")
+	}
+	release, over := s.spares.Take(caller)
+	if over != quota.Under {
+		limit := map[quota.Over]string{quota.OverPerID: "spare_dial_connections_per_peer", quota.OverTotal: "spare_dial_connections"}[over]
+		metrics.LimitsHit.WithLabelValues(limit).Inc()
+		return nil, status.Errorf(codes.ResourceExhausted, "too many spare dial connections (%s)", limit)
+	}
+	metrics.SpareDialConnections.Inc()
+	defer func() {
+		release()
+		metrics.SpareDialConnections.Dec()
+	}()
+	if err := wire.WriteAccepted(conn, s.cfg.BrokerID); err != nil {
+		return nil, err
+	}
+	return s.readDial(conn)
+}
+
+// errDrained ends a spare that the broker's drain has answered and closed.
+var errDrained = errors.New("answered at the drain")
+
+// readDial reads a spare's dial. A spare waits as long as its caller
+// likes: what bounds spares is their number (Config.MaxSpares...). The
+// broker's drain ends the wait, since no dial will be taken any more: it
+// tells the spare why and closes it. A close, unlike a read deadline, is
+// not undone by gRPC clearing its handshake deadline on the socket just
+// after the connection was handed over.
+func (s *Service) readDial(conn net.Conn) (*tunnelv1.DialRequest, error) {
+	answered := make(chan struct{})
+	stop := context.AfterFunc(s.cfg.Draining, func() {
+		defer close(answered)
+		refuse(conn, status.Error(codes.Unavailable, "the broker is shutting down"))
+	})
+	first, err := wire.ReadDial(conn)
+	if !stop() {
+		<-answered
+		return nil, errDrained
+	}
+	return first, err
+}
+
+// endSpare ends a spare that has no dial: it answers a refusal, and closes
+// a connection that failed or ended without a word.
+func (s *Service) endSpare(conn net.Conn, caller spiffeid.ID, err error) {
+	if _, ok := status.FromError(err); ok {
+		refuse(conn, err)
+		return
+	}
+	conn.Close()
+	if !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) && !errors.Is(err, errDrained) {
+		s.cfg.Log.Info("dial connection ended before its dial", "peer", caller.String(), "error", err)
+	}
+}
+
+// stopping bounds a dial connection's dial, besides the dial timeout. The
+// connection is not read while its dial waits (what follows the dial is
+// the tunnel's), so a caller that goes away is noticed only at the answer;
+// the broker's stop ends the dial at once.
+func (s *Service) stopping() context.Context {
+	if s.cfg.Tunnels.Stopping == nil {
+		return context.Background()
+	}
+	return s.cfg.Tunnels.Stopping
+}
+
+// spliceConn carries the established tunnel t on the caller's dial
+// connection until the tunnel ends, counted, audited and logged as a Dial
+// stream's tunnel is.
+func (s *Service) spliceConn(conn net.Conn, t *tunnel.Tunnel, release func(), log *slog.Logger) {
+	callerStatus, agentStatus := t.SpliceConn(conn, s.cfg.Tunnels, s.spliced(release))
+	s.ended(t, callerStatus, agentStatus, log)
+}
+
+// refuse answers a dial connection with err, the dial's failure, and
+// closes it with a close_notify.
+func refuse(conn net.Conn, err error) {
+	_ = wire.WriteDialResult(conn, "", err)
+	conn.Close()
+}

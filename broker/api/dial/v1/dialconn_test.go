@@ -1,0 +1,283 @@
+package dial
+
+import (
+	"bytes"
+	"crypto/tls"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
+)
+
+// These tests play kcpplugin on dial connections (docs/protocol.md §3.6) by
+// hand, with package wire's messages, and the agent on gRPC streams.
+
+// spareDial opens a dial connection as path and reads the broker's accept.
+// Its reads and writes fail rather than hang past testutil.WaitLong.
+func (b *broker) spareDial(t *testing.T, path string) *tls.Conn {
+	t.Helper()
+	conn := b.DialConn(t, path)
+	_ = conn.SetDeadline(time.Now().Add(testutil.WaitLong))
+	if id, err := wire.ReadAccepted(conn); err != nil || id != brokerID {
+		t.Fatalf("the broker answered a spare with %q, %v; want its id %q", id, err, brokerID)
+	}
+	return conn
+}
+
+// writeDial writes a dial of target with earlyData on conn, and then, in
+// the same write, the caller's first bytes.
+func writeDial(t *testing.T, conn *tls.Conn, target *tunnelv1.Target, earlyData []byte, then string) {
+	t.Helper()
+	msg, err := wire.AppendDial(nil, target, earlyData)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.Write(append(msg, then...)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// connDialStatus dials target as caller on a new spare and returns the
+// broker's answer, which must be a failure.
+func (b *broker) connDialStatus(t *testing.T, caller string, target *tunnelv1.Target, earlyData []byte) error {
+	t.Helper()
+	conn := b.spareDial(t, caller)
+	writeDial(t, conn, target, earlyData, "")
+	id, err := wire.ReadDialResult(conn)
+	if err == nil {
+		t.Fatalf("the dial of %v on a dial connection got tunnel %q, want a failure", target, id)
+	}
+	return err
+}
+
+// upstream reads the agent's Tunnel until it has received len(want) bytes
+// and compares them.
+func upstream(t *testing.T, tun tunnelv1.AgentService_TunnelClient, want string) {
+	t.Helper()
+	var got []byte
+	for len(got) < len(want) {
+		msg, err := tun.Recv()
+		if err != nil {
+			t.Fatalf("agent: %v after %q", err, got)
+		}
+		got = append(got, msg.GetData()...)
+	}
+	if string(got) != want {
+		t.Fatalf("agent got %q, want %q", got, want)
+	}
+}
+
+// readFull reads exactly len(want) bytes from r and compares them.
+func readFull(t *testing.T, r io.Reader, want string) {
+	t.Helper()
+	got := make([]byte, len(want))
+	if _, err := io.ReadFull(r, got); err != nil || string(got) != want {
+		t.Fatalf("read %q, %v; want %q", got, err, want)
+	}
+}
+
+// establishConn dials the root webhook as kcp on a dial connection with
+// early data "client hello" and the bytes " and more" right after the dial,
+// through agent, and checks the broker's answer.
+func (b *broker) establishConn(t *testing.T, agent *brokertest.Agent) (*tls.Conn, tunnelv1.AgentService_TunnelClient, func()) {
+	t.Helper()
+	conn := b.spareDial(t, kcpPath)
+	target := brokertest.Target("root")
+	writeDial(t, conn, target, []byte("client hello"), " and more")
+	order := agent.Order(t, target)
+	tun, cancel := agent.Open(t, order.GetDialId())
+	id, err := wire.ReadDialResult(conn)
+	if want := fmt.Sprintf("%016x", order.GetDialId()); err != nil || id != want {
+		t.Fatalf("the dial got %q, %v; want tunnel %q", id, err, want)
+	}
+	return conn, tun, cancel
+}
+
+func TestADialConnectionCarriesItsTunnelBothWays(t *testing.T) {
+	logs := &brokertest.LogBuffer{}
+	b := startBroker(t, config{log: logs})
+	conn, tun, _ := b.establishConn(t, b.connectAgent(t, "a", "root"))
+
+	// Up: the early data first, then what followed the dial; the caller's
+	// close_notify is the agent's close_write.
+	upstream(t, tun, "client hello and more")
+	if err := conn.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	if msg, err := tun.Recv(); err != nil || msg.GetCloseWrite() == nil {
+		t.Fatalf("agent got %v, %v; want close_write", msg, err)
+	}
+
+	// Down: the agent's frames as bytes, and its half-close as a
+	// close_notify; then the tunnel has ended OK.
+	if err := tun.Send(brokertest.DataDown([]byte("server hello"))); err != nil {
+		t.Fatal(err)
+	}
+	readFull(t, conn, "server hello")
+	if err := tun.CloseSend(); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := conn.Read(make([]byte, 1)); n != 0 || !errors.Is(err, io.EOF) {
+		t.Fatalf("after the agent's half-close the caller read %d, %v; want EOF", n, err)
+	}
+	if _, err := tun.Recv(); !errors.Is(err, io.EOF) {
+		t.Fatalf("the agent's Tunnel ended with %v, want OK", err)
+	}
+	audit := auditLine(t, logs)
+	want := map[string]any{"caller": brokertest.ID(kcpPath).String(), "cluster": "root", "agent": "a",
+		"broker": brokerID, "bytes_up": float64(len("client hello and more")), "bytes_down": float64(len("server hello")), "code": "OK"}
+	for k, v := range want {
+		if audit[k] != v {
+			t.Errorf("audit %s = %v, want %v", k, audit[k], v)
+		}
+	}
+	testutil.Eventually(t, "the tunnel to stop counting", func() bool { return b.dial.Active() == 0 })
+}
+
+// auditLine waits for the first audit line in logs and returns its fields.
+func auditLine(t *testing.T, logs *brokertest.LogBuffer) map[string]any {
+	t.Helper()
+	var audit map[string]any
+	testutil.Eventually(t, "the audit line", func() bool {
+		for line := range strings.SplitSeq(strings.TrimSpace(logs.String()), "\n") {
+			var entry struct {
+				Msg   string
+				Audit map[string]any
+			}
+			if json.Unmarshal([]byte(line), &entry) == nil && entry.Msg == AuditMessage {
+				audit = entry.Audit
+				return true
+			}
+		}
+		return false
+	})
+	return audit
+}
+
+func TestATunnelThatFailsResetsItsDialConnection(t *testing.T) {
+	b := startBroker(t, config{})
+	conn, _, cancelAgent := b.establishConn(t, b.connectAgent(t, "a", "root"))
+	cancelAgent()
+	n, err := conn.Read(make([]byte, 1))
+	if n != 0 || err == nil || errors.Is(err, io.EOF) {
+		t.Fatalf("after the agent went away the caller read %d, %v; want a reset, not EOF", n, err)
+	}
+}
+
+func TestOnlyCallersMayOpenDialConnections(t *testing.T) {
+	b := startBroker(t, config{})
+	_, err := wire.ReadAccepted(b.DialConn(t, agentPath))
+	testutil.CheckStatus(t, "an agent's dial connection", err, codes.PermissionDenied, "spiffe://example.org/agent may not open dial connections")
+}
+
+func TestADialConnectionsDialOutsideItsCallersClustersIsPermissionDenied(t *testing.T) {
+	b := startBroker(t, config{})
+	b.connectAgent(t, "a", "root", "team-a")
+	testutil.CheckStatus(t, "shard dialing root", b.connDialStatus(t, shardPath, brokertest.Target("root"), nil),
+		codes.PermissionDenied, `spiffe://example.org/shard may not dial logical cluster "root"`)
+}
+
+func TestADialConnectionsDialIsCheckedAsADialStreamsTarget(t *testing.T) {
+	b := startBroker(t, config{})
+	b.connectAgent(t, "a", "root")
+	for _, tc := range []struct {
+		name      string
+		target    *tunnelv1.Target
+		earlyData []byte
+		message   string
+	}{
+		{"cluster path", &tunnelv1.Target{Cluster: "root:org", Namespace: "default", Service: "webhook", Port: 443}, nil, `logical cluster "root:org" is not a valid logical cluster name`},
+		{"port zero", &tunnelv1.Target{Cluster: "root", Namespace: "default", Service: "webhook"}, nil, "port 0 is outside 1-65535"},
+		{"early data over its bound", brokertest.Target("root"), bytes.Repeat([]byte("x"), wire.MaxEarlyData+1), "a dial's early data may be at most 16384 bytes, not 16385"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			testutil.CheckStatus(t, "dial", b.connDialStatus(t, kcpPath, tc.target, tc.earlyData), codes.InvalidArgument, tc.message)
+		})
+	}
+	t.Run("not a dial", func(t *testing.T) {
+		conn := b.spareDial(t, kcpPath)
+		// A data frame where the dial belongs.
+		if _, err := conn.Write([]byte{3, 0x12, 1, 'x'}); err != nil {
+			t.Fatal(err)
+		}
+		_, err := wire.ReadDialResult(conn)
+		testutil.CheckStatus(t, "data before the dial", err, codes.InvalidArgument, "must name a target")
+	})
+}
+
+func TestADialConnectionWithoutAnAgentForTheClusterIsUnavailable(t *testing.T) {
+	b := startBroker(t, config{})
+	b.connectAgent(t, "a", "team-a")
+	testutil.CheckStatus(t, "dial", b.connDialStatus(t, kcpPath, brokertest.Target("root"), nil), codes.Unavailable, `no agent serves logical cluster "root"`)
+}
+
+func TestADialConnectionsDialTimesOutAsADialStreamsDoes(t *testing.T) {
+	b := startBroker(t, config{timeout: 200 * time.Millisecond})
+	a := b.connectAgent(t, "silent", "root")
+	conn := b.spareDial(t, kcpPath)
+	writeDial(t, conn, brokertest.Target("root"), nil, "")
+	a.Order(t, brokertest.Target("root")) // and never opened
+	_, err := wire.ReadDialResult(conn)
+	testutil.CheckStatus(t, "dial", err, codes.DeadlineExceeded, "did not connect in time")
+}
+
+func TestADialConnectionsTunnelCountsAgainstItsCaller(t *testing.T) {
+	b := startBroker(t, config{maxTunnelsPerCaller: 1})
+	a := b.connectAgent(t, "a", "root")
+	a.Establish(t, kcpPath, brokertest.Target("root"))
+	testutil.CheckStatus(t, "a second tunnel", b.connDialStatus(t, kcpPath, brokertest.Target("root"), nil),
+		codes.ResourceExhausted, "spiffe://example.org/kcp already holds 1 tunnels, the most a caller may")
+}
+
+func TestSpareDialConnectionsOverTheirBoundAreResourceExhaustedAndFreedWhenUsed(t *testing.T) {
+	b := startBroker(t, config{maxSparesPerPeer: 2})
+	first := b.spareDial(t, kcpPath)
+	b.spareDial(t, kcpPath)
+	_, err := wire.ReadAccepted(b.DialConn(t, kcpPath))
+	testutil.CheckStatus(t, "a third spare", err, codes.ResourceExhausted, "spare_dial_connections_per_peer")
+	// Another caller's spares are its own.
+	b.spareDial(t, shardPath)
+	testutil.Eventually(t, "the shard's spare to count", func() bool { return b.dial.spares.Held(brokertest.ID(shardPath)) == 1 })
+	// A spare that has sent its dial (here, one refused) is no longer
+	// one: a new spare fits again.
+	writeDial(t, first, &tunnelv1.Target{Cluster: "root"}, nil, "")
+	if _, err := wire.ReadDialResult(first); status.Code(err) != codes.InvalidArgument {
+		t.Fatalf("an invalid dial: %v, want InvalidArgument", err)
+	}
+	testutil.Eventually(t, "the used spare to stop counting", func() bool { return b.dial.spares.Held(brokertest.ID(kcpPath)) == 1 })
+	b.spareDial(t, kcpPath)
+}
+
+func TestSpareDialConnectionsOfAllCallersAreBounded(t *testing.T) {
+	b := startBroker(t, config{maxSpares: 1})
+	b.spareDial(t, kcpPath)
+	_, err := wire.ReadAccepted(b.DialConn(t, shardPath))
+	testutil.CheckStatus(t, "another caller's spare", err, codes.ResourceExhausted, "spare_dial_connections")
+}
+
+func TestSpareDialConnectionsHearUnavailableWhenTheBrokerDrains(t *testing.T) {
+	b := startBroker(t, config{})
+	spare := b.spareDial(t, kcpPath)
+	testutil.Eventually(t, "the spare to count", func() bool { return b.dial.spares.Held(brokertest.ID(kcpPath)) == 1 })
+	b.Drain()
+	_, err := wire.ReadDialResult(spare)
+	testutil.CheckStatus(t, "a spare at the drain", err, codes.Unavailable, "the broker is shutting down")
+	if n, err := spare.Read(make([]byte, 1)); n != 0 || !errors.Is(err, io.EOF) {
+		t.Fatalf("after its answer the spare read %d, %v; want the broker's close_notify", n, err)
+	}
+	testutil.Eventually(t, "the spare to stop counting", func() bool { return b.dial.spares.TotalHeld() == 0 })
+	// And a new spare is refused at once.
+	_, err = wire.ReadAccepted(b.DialConn(t, kcpPath))
+	testutil.CheckStatus(t, "a spare after the drain", err, codes.Unavailable, "the broker is shutting down")
+}
