@@ -44,6 +44,14 @@ var (
 		Help: "Tunnels open through this replica.",
 	})
 
+	// TunnelsOpened counts the tunnels spliced, by the caller's leg: a
+	// Dial stream, a dial connection (docs/protocol.md §3.6) or the
+	// CONNECT front end.
+	TunnelsOpened = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: ns, Name: "tunnels_opened_total",
+		Help: "Tunnels spliced by this replica, by the caller's leg (stream, dial_connection, connect).",
+	}, []string{"caller_leg"})
+
 	// SpareDataConnections is the agents' data connections that wait for
 	// a dial (docs/protocol.md §3.5).
 	SpareDataConnections = prometheus.NewGauge(prometheus.GaugeOpts{
@@ -136,7 +144,7 @@ func CountRefusedHandshake(reason identity.Reason) {
 func init() {
 	Registry.MustRegister(GRPC, Denied, Dials, DialSeconds, Tunnels, Bytes, LimitsHit,
 		Registrations, ProbeRTT, ProbeSuccess, Reachable, HandshakesRefused, ConnectionsClosed,
-		EgressRequests, EgressTunnels, SpareDataConnections, SpareDialConnections)
+		EgressRequests, EgressTunnels, SpareDataConnections, SpareDialConnections, TunnelsOpened)
 	for _, r := range identity.Reasons {
 		HandshakesRefused.WithLabelValues(string(r))
 	}

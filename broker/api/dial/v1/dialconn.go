@@ -154,6 +154,7 @@ func (s *Service) stopping() context.Context {
 // connection until the tunnel ends, counted, audited and logged as a Dial
 // stream's tunnel is.
 func (s *Service) spliceConn(conn net.Conn, t *tunnel.Tunnel, release func(), log *slog.Logger) {
+	metrics.TunnelsOpened.WithLabelValues("dial_connection").Inc()
 	callerStatus, agentStatus := t.SpliceConn(conn, s.cfg.Tunnels, s.spliced(release))
 	s.ended(t, callerStatus, agentStatus, log)
 }

@@ -220,6 +220,7 @@ func (s *Service) dial(ctx context.Context, target *tunnelv1.Target, earlyData [
 // splice splices the established tunnel t with the caller's stream until
 // the tunnel ends, and returns the caller's status.
 func (s *Service) splice(stream tunnelv1.DialService_DialServer, t *tunnel.Tunnel, release func(), log *slog.Logger) error {
+	metrics.TunnelsOpened.WithLabelValues("stream").Inc()
 	callerStatus, agentStatus := t.Splice(stream, s.cfg.Tunnels, s.spliced(release))
 	s.ended(t, callerStatus, agentStatus, log)
 	return callerStatus

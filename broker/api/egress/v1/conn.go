@@ -124,6 +124,7 @@ func (s *Server) splice(conn net.Conn, t *tunnel.Tunnel, release func(), log *sl
 		metrics.Tunnels.Dec()
 		gauge.Dec()
 	}
+	metrics.TunnelsOpened.WithLabelValues("connect").Inc()
 	_, agentStatus := t.SpliceConn(conn, s.cfg.Tunnels, ended)
 	if agentStatus != nil {
 		log.Info("tunnel ended", "agent_code", status.Code(agentStatus).String(), "error", status.Convert(agentStatus).Message())

@@ -93,6 +93,10 @@ func (r *runner) reportDials(dials, firstEchoes map[string]bench.Samples, handsh
 		r.report.floorRow(peerName, "dial_first_echo_p50_us", us(de, 0.5), us(pe, 0.5))
 		r.report.floorRow(peerName, "dial_first_echo_p99_us", us(de, 0.99), us(pe, 0.99))
 	}
+	if se, ok := firstEchoes[streamName]; ok {
+		r.report.floorRow(streamName, "dial_first_echo_p50_us", us(de, 0.5), us(se, 0.5))
+		r.report.floorRow(streamName, "dial_first_echo_p99_us", us(de, 0.99), us(se, 0.99))
+	}
 	if ce, ok := firstEchoes[connectName]; ok {
 		// A CONNECT's 200 comes once the tunnel is established, as a Dial's
 		// established does.

@@ -21,7 +21,7 @@ const maxRoundTrips = 1_000_000
 // per path, for cfg.duration, and reports p50, p99 and what the tunnel (and
 // the relay, peer and CONNECT paths, when they run) adds.
 func (r *runner) latency(ctx context.Context) {
-	paths := r.withConnect(r.allPaths())
+	paths := r.withOtherLegs(r.allPaths())
 	figs := map[string]rttFigures{}
 	for _, p := range paths {
 		figs[p.name] = r.latencyOn(ctx, p)
@@ -102,7 +102,7 @@ func roundTrips(c net.Conn, d time.Duration) (bench.Samples, error) {
 // per path, each one after another, for cfg.duration, and reports the total
 // round trips per second.
 func (r *runner) roundTripRate(ctx context.Context) {
-	paths := r.withConnect(r.allPaths())
+	paths := r.withOtherLegs(r.allPaths())
 	rates := map[string]float64{}
 	cpu := map[string]float64{}
 	for _, p := range paths {

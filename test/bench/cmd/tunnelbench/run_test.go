@@ -17,7 +17,7 @@ import (
 
 // rowPattern is one figure of the table: name, direct value, path and its
 // value, ratio; "-" where a value does not apply.
-var rowPattern = regexp.MustCompile(`^(\S+) +direct=(\S+) +(tunneled|relay|grpc|hostile|peer_remotedialer|early|connect)=(\S+) +ratio=(\S+)$`)
+var rowPattern = regexp.MustCompile(`^(\S+) +direct=(\S+) +(tunneled|relay|grpc|hostile|peer_remotedialer|early|connect|stream)=(\S+) +ratio=(\S+)$`)
 
 // TestTinyRunPrintsEveryFigure runs make bench's tool on tiny sizes, every
 // phase with the real binaries and the remotedialer peer, and checks the
@@ -69,6 +69,7 @@ var tinyRunFigures = []string{
 	"webhook_dial_tls_first_request_p50_us", "relay_webhook_dial_tls_first_request_p99_us",
 	"early_dial_first_echo_p50_us", "early_webhook_dial_tls_first_request_p99_us",
 	"connect_rtt64_p50_us", "connect_rtt64_broker_cpu_us_per_rt", "connect_rtt64_4conns_per_s", "connect_dial_first_echo_p99_us",
+	"stream_rtt64_p50_us", "stream_rtt64_4conns_per_s", "stream_dial_first_echo_p50_us", "stream_webhook_dial_tls_first_request_p99_us",
 	"idle_20_middle_rss_KiB_per_tunnel",
 	"peer_remotedialer_throughput_download_MiBps", "peer_remotedialer_throughput_upload_middle_cpu_s_per_GiB",
 	"peer_remotedialer_rtt64_p99_us", "peer_remotedialer_rtt64_server_cpu_us_per_rt", "peer_remotedialer_rtt64_4conns_per_s",
