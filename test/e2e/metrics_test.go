@@ -1,10 +1,6 @@
 package e2e
 
 import (
-	"io"
-	"net/http"
-	"regexp"
-	"strconv"
 	"syscall"
 	"testing"
 	"time"
@@ -16,21 +12,7 @@ import (
 // scrape reads one sample from a /metrics endpoint; ok is false if absent.
 func scrape(t *testing.T, p *harness.Process, series string) (float64, bool) {
 	t.Helper()
-	resp, err := http.Get("http://" + p.MetricsAddr(t) + "/metrics")
-	if err != nil {
-		t.Fatalf("scraping: %v", err)
-	}
-	defer resp.Body.Close()
-	body, _ := io.ReadAll(resp.Body)
-	m := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(series) + ` (\S+)$`).FindSubmatch(body)
-	if m == nil {
-		return 0, false
-	}
-	v, err := strconv.ParseFloat(string(m[1]), 64)
-	if err != nil {
-		t.Fatalf("%s: %v", series, err)
-	}
-	return v, true
+	return harness.Scrape(t, p, series)
 }
 
 func TestMetricsMoveWithTraffic(t *testing.T) {

@@ -12,6 +12,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -101,6 +102,27 @@ func (p *Process) Ready(t T) bool {
 
 // The address in a text line (address=...) or a JSON one (--log-json).
 var metricsRE = regexp.MustCompile(`HTTP endpoint serving"?(?: address=|,"address":")([^\s"]+)`)
+
+// Scrape reads one sample of p's /metrics endpoint, series with its labels
+// as Prometheus prints them; ok is false if it is absent.
+func Scrape(t T, p *Process, series string) (value float64, ok bool) {
+	t.Helper()
+	resp, err := http.Get("http://" + p.MetricsAddr(t) + "/metrics")
+	if err != nil {
+		t.Fatalf("scraping: %v", err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	m := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(series) + ` (\S+)$`).FindSubmatch(body)
+	if m == nil {
+		return 0, false
+	}
+	v, err := strconv.ParseFloat(string(m[1]), 64)
+	if err != nil {
+		t.Fatalf("%s: %v", series, err)
+	}
+	return v, true
+}
 
 // Stop sends SIGTERM and waits for the process to exit.
 func (p *Process) Stop() error {

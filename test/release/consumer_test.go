@@ -49,7 +49,7 @@ func TestReleaseConsumerGetsKcppluginAndCallsAWebhookThroughTheTunnel(t *testing
 	// root, and a TLS webhook behind Service default/webhook.
 	env := harness.NewEnv(t)
 	wh := harness.StartWebhook(t, harness.WebhookOptions{Namespace: "default", Name: "webhook"}, review)
-	_, broker := env.StartBrokerProcess()
+	brokerProcess, broker := env.StartBrokerProcess()
 	env.StartAgentProcess(broker, "/agent/sync-target-1", lookup.StaticFile{Services: []lookup.StaticService{{
 		Cluster: "root", Namespace: "default", Name: "webhook", Ports: map[string]string{"443": wh.Addr},
 	}}})
@@ -77,7 +77,11 @@ func TestReleaseConsumerGetsKcppluginAndCallsAWebhookThroughTheTunnel(t *testing
 					t.Errorf("go get kcpplugin@%s moved %s from %s to %s: kcpplugin's floor is above what it claims", ver, p, before[p], after[p])
 				}
 			}
+			legs, _ := harness.Scrape(t, brokerProcess, `kcp_tunnel_broker_tunnels_opened_total{caller_leg="dial_connection"}`)
 			run(t, dir, append(goEnv, tunnelEnv...), "go", "test", "-count=1", "-v", "./...")
+			if after, _ := harness.Scrape(t, brokerProcess, `kcp_tunnel_broker_tunnels_opened_total{caller_leg="dial_connection"}`); after <= legs {
+				t.Errorf("the consumer's webhook calls rode on %v dial connections, want at least one", after-legs)
+			}
 			if testing.Verbose() {
 				goMod, _ := os.ReadFile(filepath.Join(dir, "go.mod"))
 				t.Logf("the consumer's go.mod:\n%s", goMod)

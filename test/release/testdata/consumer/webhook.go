@@ -20,14 +20,16 @@ type Tunnel struct {
 	dialer *kcpplugin.Dialer
 }
 
-// Connect connects to the broker with tlsConfig (kcp's SPIFFE identity; in
-// kcp, go-spiffe's grpccredentials give the same credentials).
+// Connect connects to the broker at broker (host:port) with tlsConfig
+// (kcp's SPIFFE identity; in kcp, go-spiffe's grpccredentials and
+// tlsconfig give the same credentials), its tunnels on dial connections.
 func Connect(broker string, tlsConfig *tls.Config) (*Tunnel, error) {
 	conn, err := kcpplugin.NewClient(broker, credentials.NewTLS(tlsConfig))
 	if err != nil {
 		return nil, err
 	}
-	return &Tunnel{conn: conn, dialer: kcpplugin.NewDialer(conn)}, nil
+	dialer := kcpplugin.NewDialer(conn, kcpplugin.WithDialConnections(kcpplugin.DialConnections{Address: broker, TLS: tlsConfig}))
+	return &Tunnel{conn: conn, dialer: dialer}, nil
 }
 
 // WrapperFor is what kcp applies, last, to the webhook plugins (admission
@@ -37,5 +39,8 @@ func (t *Tunnel) WrapperFor(cluster string) webhookutil.AuthenticationInfoResolv
 	return kcpplugin.AuthInfoResolverWrapper(cluster, t.dialer)
 }
 
-// Close closes the connection.
-func (t *Tunnel) Close() error { return t.conn.Close() }
+// Close closes the dialer's spare dial connections and the connection.
+func (t *Tunnel) Close() error {
+	_ = t.dialer.Close()
+	return t.conn.Close()
+}
