@@ -1,18 +1,11 @@
 package kcpplugin
 
 import (
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
-	"math/big"
 	"net"
 	"sync"
 	"sync/atomic"
 	"testing"
-	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
@@ -23,7 +16,7 @@ import (
 
 // This file holds the fake broker of dial connections (docs/protocol.md
 // §3.6): a real TLS listener on loopback, with mutual TLS by one
-// self-signed certificate, that accepts every connection as a spare and
+// self-signed certificate (selfSignedMTLS), that accepts every connection as a spare and
 // hands each dial it reads to the test's handler.
 
 // dialConnHandler plays the broker's side of one dial on a dial connection:
@@ -47,18 +40,16 @@ type dialConnBroker struct {
 // ends; protos are the ALPN protocols it offers (none: wire.DialProtocol).
 func startDialConnBroker(t *testing.T, handle dialConnHandler, protos ...string) *dialConnBroker {
 	t.Helper()
-	cert, pool := selfSigned(t)
+	certs := selfSignedMTLS(t)
 	if len(protos) == 0 {
 		protos = []string{wire.DialProtocol}
 	}
-	server := &tls.Config{Certificates: []tls.Certificate{cert}, ClientCAs: pool,
-		ClientAuth: tls.RequireAndVerifyClientCert, NextProtos: protos}
-	lis, err := tls.Listen("tcp", "127.0.0.1:0", server)
+	certs.server.NextProtos = protos
+	lis, err := tls.Listen("tcp", "127.0.0.1:0", certs.server)
 	if err != nil {
 		t.Fatal(err)
 	}
-	b := &dialConnBroker{addr: lis.Addr().String(),
-		client: &tls.Config{Certificates: []tls.Certificate{cert}, RootCAs: pool}}
+	b := &dialConnBroker{addr: lis.Addr().String(), client: certs.client}
 	var conns sync.WaitGroup
 	go func() {
 		for {
@@ -163,32 +154,4 @@ func dialerWith(t *testing.T, handle dialHandler, opts ...Option) *Dialer {
 	d := NewDialer(cc, opts...)
 	t.Cleanup(func() { _ = d.Close() })
 	return d
-}
-
-// selfSigned is a certificate for 127.0.0.1 that is its own CA, for both
-// sides of the fake's mutual TLS.
-func selfSigned(t *testing.T) (tls.Certificate, *x509.CertPool) {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "fake broker"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)}, IsCA: true, BasicConstraintsValid: true,
-		KeyUsage:    x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign,
-		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	leaf, err := x509.ParseCertificate(der)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pool := x509.NewCertPool()
-	pool.AddCert(leaf)
-	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key, Leaf: leaf}, pool
 }

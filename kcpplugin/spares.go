@@ -97,7 +97,8 @@ func (s *spare) abort() {
 type spares struct {
 	addr  string
 	creds credentials.TransportCredentials
-	// authority is the server name for the handshake.
+	// authority is the server name for the handshake: TLS.ServerName, or
+	// Address's host.
 	authority string
 	want      int
 	ctx       context.Context
@@ -124,7 +125,8 @@ func newSpares(dc DialConnections) *spares {
 		cfg.ServerName = host
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	p := &spares{addr: dc.Address, creds: wire.CoalesceWrites(credentials.NewTLS(cfg)), authority: host,
+	// gRPC's handshake takes the server name from the authority.
+	p := &spares{addr: dc.Address, creds: wire.CoalesceWrites(credentials.NewTLS(cfg)), authority: cfg.ServerName,
 		want: dc.Spares, ctx: ctx, cancel: cancel, wake: make(chan struct{}, 1), done: make(chan struct{})}
 	if p.want <= 0 {
 		p.want = DefaultSpares
