@@ -5,12 +5,10 @@ import (
 	"errors"
 	"io"
 	"net"
-	"sync"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/kcp-dev/tunnel-broker/broker/internal/quota"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
@@ -41,18 +39,11 @@ func (s *Service) ServeData(conn net.Conn, peer identity.AuthInfo) {
 		refuse(conn, status.Errorf(codes.PermissionDenied, "%s may not open data connections", id))
 		return
 	}
-	releaseQuota, over := s.spares.Take(id)
-	if over != quota.Under {
-		limit := map[quota.Over]string{quota.OverPerID: "spare_data_connections_per_peer", quota.OverTotal: "spare_data_connections"}[over]
-		metrics.LimitsHit.WithLabelValues(limit).Inc()
-		refuse(conn, status.Errorf(codes.ResourceExhausted, "too many spare data connections (%s)", limit))
+	release, err := s.spares.Take(id)
+	if err != nil {
+		refuse(conn, err)
 		return
 	}
-	metrics.SpareDataConnections.Inc()
-	release := sync.OnceFunc(func() {
-		releaseQuota()
-		metrics.SpareDataConnections.Dec()
-	})
 	// The replica's name tells an agent behind a load balancer that this
 	// spare reached another replica than its control stream.
 	if err := wire.WriteAccepted(conn, s.cfg.BrokerID); err != nil {

@@ -16,6 +16,8 @@ import (
 
 	"github.com/kcp-dev/tunnel-broker/broker/internal/quota"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/receive"
+	"github.com/kcp-dev/tunnel-broker/broker/internal/spares"
+	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
@@ -92,8 +94,8 @@ type Service struct {
 	tunnelv1.UnimplementedAgentServiceServer
 
 	cfg           Config
-	registrations quota.Quota // control streams, per agent SPIFFE ID
-	spares        quota.Quota // data connections waiting for their open
+	registrations quota.Quota  // control streams, per agent SPIFFE ID
+	spares        spares.Bound // data connections waiting for their open
 }
 
 // New is an agent service with cfg, its defaults resolved.
@@ -115,7 +117,8 @@ func New(cfg Config) *Service {
 	return &Service{
 		cfg:           cfg,
 		registrations: quota.Quota{PerID: cmp.Or(cfg.MaxRegistrations, DefaultMaxRegistrations)},
-		spares:        quota.Quota{PerID: cmp.Or(cfg.MaxSparesPerPeer, DefaultMaxSparesPerPeer), Total: cmp.Or(cfg.MaxSpares, DefaultMaxSpares)},
+		spares: spares.Bound{Quota: quota.Quota{PerID: cmp.Or(cfg.MaxSparesPerPeer, DefaultMaxSparesPerPeer), Total: cmp.Or(cfg.MaxSpares, DefaultMaxSpares)},
+			Kind: "data", Gauge: metrics.SpareDataConnections},
 	}
 }
 

@@ -11,7 +11,6 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/kcp-dev/tunnel-broker/broker/internal/quota"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
@@ -86,17 +85,11 @@ func (s *Service) awaitDial(conn net.Conn, caller spiffeid.ID) (*tunnelv1.DialRe
 	if s.cfg.Draining.Err() != nil {
 		return nil, status.Error(codes.Unavailable, "the broker is shutting down")
 	}
-	release, over := s.spares.Take(caller)
-	if over != quota.Under {
-		limit := map[quota.Over]string{quota.OverPerID: "spare_dial_connections_per_peer", quota.OverTotal: "spare_dial_connections"}[over]
-		metrics.LimitsHit.WithLabelValues(limit).Inc()
-		return nil, status.Errorf(codes.ResourceExhausted, "too many spare dial connections (%s)", limit)
+	release, err := s.spares.Take(caller)
+	if err != nil {
+		return nil, err
 	}
-	metrics.SpareDialConnections.Inc()
-	defer func() {
-		release()
-		metrics.SpareDialConnections.Dec()
-	}()
+	defer release()
 	if err := wire.WriteAccepted(conn, s.cfg.BrokerID); err != nil {
 		return nil, err
 	}

@@ -16,6 +16,7 @@ import (
 
 	"github.com/kcp-dev/tunnel-broker/broker/internal/quota"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/receive"
+	"github.com/kcp-dev/tunnel-broker/broker/internal/spares"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
@@ -68,8 +69,8 @@ type Service struct {
 	tunnelv1.UnimplementedDialServiceServer
 
 	cfg     Config
-	callers quota.Quota // tunnels and dials, per caller SPIFFE ID
-	spares  quota.Quota // dial connections waiting for their dial
+	callers quota.Quota  // tunnels and dials, per caller SPIFFE ID
+	spares  spares.Bound // dial connections waiting for their dial
 	active  atomic.Int64
 }
 
@@ -83,7 +84,8 @@ func New(cfg Config) *Service {
 	return &Service{
 		cfg:     cfg,
 		callers: quota.Quota{PerID: cmp.Or(cfg.MaxTunnelsPerCaller, DefaultMaxTunnelsPerCaller)},
-		spares:  quota.Quota{PerID: cmp.Or(cfg.MaxSparesPerPeer, DefaultMaxSparesPerPeer), Total: cmp.Or(cfg.MaxSpares, DefaultMaxSpares)},
+		spares: spares.Bound{Quota: quota.Quota{PerID: cmp.Or(cfg.MaxSparesPerPeer, DefaultMaxSparesPerPeer), Total: cmp.Or(cfg.MaxSpares, DefaultMaxSpares)},
+			Kind: "dial", Gauge: metrics.SpareDialConnections},
 	}
 }
 
