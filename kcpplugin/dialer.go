@@ -61,7 +61,7 @@ func NewDialer(conn grpc.ClientConnInterface, opts ...Option) *Dialer {
 // Its tunnels are their conns' to close, and the gRPC connection its
 // owner's.
 func (d *Dialer) Close() error {
-	d.spares.close()
+	d.spares.Close()
 	return nil
 }
 
@@ -85,7 +85,7 @@ func (d *Dialer) DialService(ctx context.Context, cluster, namespace, name strin
 	if timeout <= 0 {
 		timeout = DefaultDialTimeout
 	}
-	if s := d.spares.take(); s != nil {
+	if s := d.spares.Take(); s != nil {
 		c := newDirectConn(s, target, timeout)
 		if d.EarlyData {
 			return c, nil

@@ -21,7 +21,7 @@ import (
 // first Write, carrying that Write's first bytes as early data, or with its
 // first Read or CloseWrite; DialService sends it at once unless
 // Dialer.EarlyData lets the conn's first Read or Write meet the answer. The
-// spare's goroutine reads the broker's answer (spares.watch); after it,
+// spare's goroutine reads the broker's answer (wire.Spares); after it,
 // the conn reads and writes the TLS connection as it is.
 type directConn struct {
 	*spare
@@ -51,11 +51,11 @@ var _ net.Conn = (*directConn)(nil)
 
 // newDirectConn takes spare s for a dial of target, which timeout bounds
 // from now to the broker's answer.
-func newDirectConn(s *spare, target *tunnelv1.Target, timeout time.Duration) *directConn {
-	c := &directConn{spare: s, remote: addr(target.Key()), target: target, timeout: timeout,
+func newDirectConn(s *wire.Spare[*spare, dialAnswer], target *tunnelv1.Target, timeout time.Duration) *directConn {
+	c := &directConn{spare: s.Conn(), remote: addr(target.Key()), target: target, timeout: timeout,
 		answered: make(chan struct{}), readDL: newDeadline(nil)}
 	c.timer = time.AfterFunc(timeout, c.timedOut)
-	s.dial <- c
+	s.OnAnswer(c.answer)
 	return c
 }
 
@@ -105,8 +105,8 @@ func (c *directConn) waitEstablished(ctx context.Context) error {
 
 // answer takes the broker's answer to the dial, read by the spare's
 // goroutine: the tunnel, or its failure.
-func (c *directConn) answer(tunnelID string, err error) {
-	if err != nil {
+func (c *directConn) answer(a dialAnswer) {
+	if err := a.err; err != nil {
 		if _, ok := status.FromError(err); !ok {
 			err = c.lostBeforeAnswer(err)
 		}
@@ -115,7 +115,7 @@ func (c *directConn) answer(tunnelID string, err error) {
 	}
 	c.dlMu.Lock()
 	defer c.dlMu.Unlock()
-	if c.finish(dialEstablished, tunnelID, nil) {
+	if c.finish(dialEstablished, a.tunnelID, nil) {
 		_ = c.conn.SetReadDeadline(c.readDeadline)
 	}
 }

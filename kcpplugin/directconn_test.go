@@ -48,19 +48,12 @@ func echoTunnel(conn net.Conn, req *tunnelv1.DialRequest) {
 func waitForSpares(t *testing.T, d *Dialer, b *dialConnBroker, n int32) {
 	t.Helper()
 	deadline := time.Now().Add(waitLong)
-	for b.accepted.Load() < n || d.idleSpares() < d.spares.want {
+	for b.accepted.Load() < n || !d.spares.Full() {
 		if time.Now().After(deadline) {
-			t.Fatalf("the dialer opened %d spares and holds %d, want %d and %d", b.accepted.Load(), d.idleSpares(), n, d.spares.want)
+			t.Fatalf("the dialer opened %d spares (want %d), its pool full: %v", b.accepted.Load(), n, d.spares.Full())
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
-}
-
-// idleSpares is how many spares d holds ready.
-func (d *Dialer) idleSpares() int {
-	d.spares.mu.Lock()
-	defer d.spares.mu.Unlock()
-	return len(d.spares.idle)
 }
 
 func dialTest(t *testing.T, d *Dialer) net.Conn {

@@ -602,7 +602,7 @@ func (b *fakeBroker) waitForFullPool(t *testing.T) {
 		buf := make([]byte, 1<<20)
 		buf = buf[:runtime.Stack(buf, true)]
 		for g := range strings.SplitSeq(string(buf), "\n\n") {
-			if strings.Contains(g, "[select") && strings.Contains(g, "(*spares).waitForRoom") {
+			if strings.Contains(g, "[select") && strings.Contains(g, "wire.(*Spares[...]).waitForRoom") {
 				return true
 			}
 		}

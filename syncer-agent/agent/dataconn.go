@@ -15,13 +15,14 @@ import (
 	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
-// openData carries a dial on the spare data connection s
+// openData carries a dial on the data connection of the spare taken
 // (docs/protocol.md §3.5): it sends the open and returns the rest of the
 // tunnel's life, as open does, or reports why not and returns nil.
-func openData(ctx context.Context, s *spare, d *dialed, stall time.Duration) (run func()) {
+func openData(ctx context.Context, taken *takenSpare, d *dialed, stall time.Duration) (run func()) {
+	s := taken.Conn()
 	if err := wire.WriteOpen(s.conn, d.id); err != nil {
 		// The spare's goroutine waits for a tunnel: there is none.
-		s.tunnel <- nil
+		taken.OnAnswer(nil)
 		s.abort()
 		s.conn.Close()
 		d.target.Close()
@@ -36,7 +37,7 @@ func openData(ctx context.Context, s *spare, d *dialed, stall time.Duration) (ru
 		tunnelsOpen.Inc()
 		defer tunnelsOpen.Dec()
 		tunnelsOpened.WithLabelValues(legDataConnection).Inc()
-		t := &dataTunnel{spare: s, target: d.target, stall: stall, downDone: make(chan struct{})}
+		t := &dataTunnel{spare: s, taken: taken, target: d.target, stall: stall, downDone: make(chan struct{})}
 		err := t.run(ctx, d.early)
 		if err == nil {
 			return
@@ -78,6 +79,7 @@ func (n noAnswer) Unwrap() error { return n.err }
 // goroutines.
 type dataTunnel struct {
 	spare  *spare
+	taken  *takenSpare // to hand its answer to down
 	target *net.TCPConn
 	stall  time.Duration // the longest a write to the target may take
 	// downDone closes when the copier from the broker has returned;
@@ -101,7 +103,7 @@ func (t *dataTunnel) run(ctx context.Context, early []byte) error {
 			t.abort(fmt.Errorf("writing early data to target: %w", err))
 		}
 	}
-	t.spare.tunnel <- t
+	t.taken.OnAnswer(t.down)
 	if err := copyHalf(t.spare.conn, t.target, "target", "the broker"); err != nil {
 		t.abort(err)
 	}

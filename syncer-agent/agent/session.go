@@ -43,7 +43,7 @@ func (r *agentRun) session() (registered bool, err error) {
 	cancelUnlessRegistered()
 	defer r.markRegistered(confirmed.GetBrokerId())()
 	spares := r.startSpares(ctx, stream, confirmed)
-	defer spares.stop()
+	defer spares.Close()
 
 	control := r.newControlStream(stream)
 	go r.announce(ctx, control)

@@ -1,6 +1,7 @@
 // Package wire is how the three parties of a tunnel (kcp through kcpplugin,
 // the broker and the syncer agent) carry the kcp.tunnel.v1 messages: write
-// coalescing under TLS and the transport settings all three use.
+// coalescing under TLS, the transport settings all three use, and the pool
+// of spare connections (Spares) the agent and kcp open ahead of use.
 //
 // It imports only the standard library, gRPC and protobuf, so that the
 // broker and the agent use it without linking kcpplugin (the webhook
