@@ -30,7 +30,8 @@ type ServiceDialer interface {
 // (WithDialConnections).
 type Dialer struct {
 	client tunnelv1.DialServiceClient
-	spares *spares // nil without dial connections
+	spares *spares   // nil without dial connections
+	live   liveConns // the tunnels on dial connections
 	// Timeout bounds each dial, from the call to a usable connection.
 	Timeout time.Duration
 	// EarlyData makes DialService return the connection at once, before the
@@ -57,10 +58,12 @@ func NewDialer(conn grpc.ClientConnInterface, opts ...Option) *Dialer {
 	return d
 }
 
-// Close closes the dial connections the Dialer keeps ahead of its dials.
-// Its tunnels are their conns' to close, and the gRPC connection its
-// owner's.
+// Close closes the Dialer's dial connections: those it keeps ahead of its
+// dials, and those its tunnels ride on, which end as the tunnels on the
+// gRPC connection's streams end when that connection closes. The gRPC
+// connection is its owner's to close.
 func (d *Dialer) Close() error {
+	d.live.closeAll()
 	d.spares.Close()
 	return nil
 }
@@ -87,6 +90,10 @@ func (d *Dialer) DialService(ctx context.Context, cluster, namespace, name strin
 	}
 	if s := d.spares.Take(); s != nil {
 		c := newDirectConn(s, target, timeout)
+		if !d.live.add(c) {
+			c.Close()
+			return nil, status.Error(codes.Canceled, "the dialer is closed")
+		}
 		if d.EarlyData {
 			return c, nil
 		}

@@ -40,6 +40,8 @@ type directConn struct {
 	err      error
 	tunnelID string
 	readDL   *deadline // for a Read waiting for the answer
+	// untrack, set by the Dialer, forgets the conn once it is closed.
+	untrack func()
 
 	// dlMu keeps the read deadline off the connection while the spare's
 	// goroutine reads the answer, and gives it the deadline after.
@@ -224,6 +226,9 @@ func (c *directConn) CloseWrite() error {
 // Close ends the tunnel: with a close_notify, which the broker takes as
 // the end of this direction, and the close of the socket after it.
 func (c *directConn) Close() error {
+	if c.untrack != nil {
+		c.untrack()
+	}
 	c.sendMu.Lock()
 	unsent := c.target != nil
 	c.target = nil

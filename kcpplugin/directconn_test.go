@@ -230,3 +230,26 @@ func roundTrip(t *testing.T, c net.Conn, msg string) {
 		t.Fatalf("round trip read %q, %v; want %q", buf, err, msg)
 	}
 }
+
+func TestClosingTheDialerEndsItsTunnelsOnDialConnections(t *testing.T) {
+	ended := make(chan struct{})
+	b := startDialConnBroker(t, func(conn net.Conn, req *tunnelv1.DialRequest) {
+		echoTunnel(conn, req)
+		close(ended)
+	})
+	d := b.dialer(t, 1, noStreams(t))
+	waitForSpares(t, d, b, 1)
+	c := dialTest(t, d)
+	roundTrip(t, c, "before the dialer closes")
+	if err := d.Close(); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-ended:
+	case <-time.After(waitLong):
+		t.Fatal("the broker's side of the tunnel did not end when the dialer closed")
+	}
+	if _, err := c.Read(make([]byte, 1)); err == nil {
+		t.Fatal("Read on a tunnel of a closed dialer succeeded")
+	}
+}

@@ -28,12 +28,13 @@ func callerLegs(t *testing.T, broker *harness.Process, leg string) float64 {
 func TestAWebhookCallRidesOnDialAndDataConnections(t *testing.T) {
 	env := harness.NewEnv(t)
 	wh := harness.StartWebhook(t, harness.WebhookOptions{Namespace: "default", Name: "webhook"}, review)
-	// The webhook client keeps its connection for the next call: the
-	// processes need not wait for it as they stop.
-	broker, addr := env.StartBrokerProcess("--grace", "100ms")
+	// The webhook client keeps its connection for the next call: closing
+	// the dialer (at the test's end) ends its tunnel, so the processes
+	// need not wait for it as they stop.
+	broker, addr := env.StartBrokerProcess()
 	agent := env.StartAgentProcess(addr, "/agent/sync-target-1", lookup.StaticFile{Services: []lookup.StaticService{{
 		Cluster: cluster, Namespace: "default", Name: "webhook", Ports: map[string]string{"443": wh.Addr},
-	}}}, "--grace", "100ms")
+	}}})
 	dialer := env.DirectDialer(addr, "/kcp")
 	dialer.EarlyData = true
 	testutil.Eventually(t, "the broker to hold kcp's and the agent's spares", func() bool {
