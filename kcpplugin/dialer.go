@@ -30,8 +30,10 @@ type ServiceDialer interface {
 // (WithDialConnections).
 type Dialer struct {
 	client tunnelv1.DialServiceClient
-	spares *spares   // nil without dial connections
-	live   liveConns // the tunnels on dial connections
+	spares *spares // nil without dial connections
+	// live are the tunnels on dial connections, shared by copies of the
+	// Dialer (a copy that sets EarlyData, say) as spares are.
+	live *liveConns
 	// Timeout bounds each dial, from the call to a usable connection.
 	Timeout time.Duration
 	// EarlyData makes DialService return the connection at once, before the

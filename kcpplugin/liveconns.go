@@ -34,8 +34,12 @@ func (l *liveConns) remove(c *directConn) {
 	delete(l.conns, c)
 }
 
-// closeAll closes every tracked conn, and refuses new ones.
+// closeAll closes every tracked conn, and refuses new ones. A nil
+// liveConns (a Dialer without dial connections) has none.
 func (l *liveConns) closeAll() {
+	if l == nil {
+		return
+	}
 	l.mu.Lock()
 	conns := l.conns
 	l.conns, l.closed = nil, true

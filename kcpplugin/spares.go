@@ -43,7 +43,7 @@ type Option func(*Dialer)
 // WithDialConnections has the Dialer carry its tunnels on dial connections
 // (DialConnections). Close the Dialer to close them.
 func WithDialConnections(dc DialConnections) Option {
-	return func(d *Dialer) { d.spares = newSpares(dc) }
+	return func(d *Dialer) { d.spares, d.live = newSpares(dc), &liveConns{} }
 }
 
 // spareHandshakeTimeout bounds a dial connection's connect, TLS handshake

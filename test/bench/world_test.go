@@ -32,7 +32,9 @@ import (
 //   - conn:   kcpplugin's conn over one gRPC leg to a minimal DialService
 //     (fakeBroker) that answers the bytes itself: the conn's copy path, gRPC
 //     and TLS, without splice or agent;
-//   - tunnel: kcpplugin -> broker (splice) -> agent (pipe) -> target.
+//   - tunnel: kcpplugin -> broker (splice) -> agent (pipe) -> target;
+//   - tunnel_dialconn: the same, kcpplugin on dial connections
+//     (docs/protocol.md §3.6): no gRPC on the caller's leg.
 //
 // tunnel minus conn is what the broker's splice, the agent's leg and its
 // pipe add.
@@ -42,6 +44,7 @@ var world struct {
 	echo, bulk *Target
 	broker     string // in-process broker's address
 	tunnel     *kcpplugin.Dialer
+	dialConn   *kcpplugin.Dialer // on dial connections
 	early      *kcpplugin.Dialer // tunnel's connection, with EarlyData
 	fake       *kcpplugin.Dialer
 }
@@ -90,6 +93,7 @@ func runMain(m *testing.M) int {
 		{Cluster: benchCluster, Namespace: benchNamespace, Name: "bulk", Ports: map[string]string{"80": world.bulk.Addr}},
 	}})
 	world.tunnel = env.Dialer(b.Addr, "/kcp")
+	world.dialConn = env.DirectDialer(b.Addr, "/kcp")
 	early := *world.tunnel
 	early.EarlyData = true
 	world.early = &early
@@ -240,6 +244,9 @@ var paths = []benchPath{
 	}},
 	{"tunnel", func(ctx context.Context, svc string) (net.Conn, error) {
 		return world.tunnel.DialService(ctx, benchCluster, benchNamespace, svc, 80)
+	}},
+	{"tunnel_dialconn", func(ctx context.Context, svc string) (net.Conn, error) {
+		return world.dialConn.DialService(ctx, benchCluster, benchNamespace, svc, 80)
 	}},
 }
 
