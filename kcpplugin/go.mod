@@ -9,6 +9,7 @@ go 1.25.0
 require (
 	github.com/kcp-dev/tunnel-broker/proto v0.0.0-00010101000000-000000000000
 	go.uber.org/goleak v1.3.0
+	golang.org/x/time v0.9.0
 	google.golang.org/grpc v1.72.2
 	google.golang.org/protobuf v1.36.8
 	k8s.io/apiserver v0.35.0
@@ -52,7 +53,6 @@ require (
 	golang.org/x/sys v0.38.0 // indirect
 	golang.org/x/term v0.37.0 // indirect
 	golang.org/x/text v0.31.0 // indirect
-	golang.org/x/time v0.9.0 // indirect
 	google.golang.org/genproto/googleapis/api v0.0.0-20250303144028-a0af3efb3deb // indirect
 	google.golang.org/genproto/googleapis/rpc v0.0.0-20250528174236-200df99c418a // indirect
 	gopkg.in/inf.v0 v0.9.1 // indirect

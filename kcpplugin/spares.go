@@ -7,14 +7,16 @@ import (
 	"net"
 	"time"
 
+	"golang.org/x/time/rate"
 	"google.golang.org/grpc/credentials"
 
 	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // DefaultSpares is how many dial connections a Dialer keeps open ahead of
-// its dials when DialConnections.Spares is zero.
-const DefaultSpares = 4
+// its dials when DialConnections.Spares is zero: a burst of that many new
+// connections rides on them, and the Dialer opens at most 10 more a second.
+const DefaultSpares = 16
 
 // DialConnections has a Dialer carry tunnels on TLS connections of their
 // own to the broker (docs/protocol.md §3.6) instead of Dial streams: a
@@ -45,6 +47,10 @@ type Option func(*Dialer)
 func WithDialConnections(dc DialConnections) Option {
 	return func(d *Dialer) { d.spares, d.live = newSpares(dc), &liveConns{} }
 }
+
+// sparesPerSecond bounds how many spares a Dialer opens a second, once its
+// first Spares are open (sparePace).
+const sparesPerSecond = 10
 
 // spareHandshakeTimeout bounds a dial connection's connect, TLS handshake
 // and the broker's acceptance.
@@ -123,25 +129,33 @@ func newSpares(dc DialConnections) *spares {
 			return dialAnswer{id, err}
 		},
 		Close: func(s *spare) { s.conn.Close() },
-		Pace:  spareBackoff(),
+		Pace:  sparePace(want),
 	})
 }
 
-// spareBackoff waits nothing before a spare, but after a failure (a
-// handshake, or a spare lost before use) a backoff that doubles up to
-// maxSpareRetry until a spare is used, so that a broker that refuses them,
-// or an older one, is not asked again at once forever.
-func spareBackoff() func(taken, setback bool) time.Duration {
+// sparePace opens spares at most sparesPerSecond a second, after a burst
+// of want, and after a failure (a handshake, or a spare lost before use) no
+// sooner than a backoff that doubles up to maxSpareRetry until a spare is
+// used, so that a broker that refuses them, or an older one, is not asked
+// again at once forever.
+//
+// Each spare is a TLS handshake, about 0.7 ms of CPU on each side here
+// (BENCHMARKS.md): a caller that opens connections faster than that takes
+// its spares and then dials on Dial streams, which cost no handshake,
+// rather than paying one per connection.
+func sparePace(want int) func(taken, setback bool) time.Duration {
+	limit := rate.NewLimiter(sparesPerSecond, want)
 	retry := minSpareRetry
 	return func(taken, setback bool) time.Duration {
 		if taken {
 			retry = minSpareRetry
 		}
-		if !setback {
-			return 0
+		now := time.Now()
+		wait := limit.ReserveN(now, 1).DelayFrom(now)
+		if setback {
+			wait = max(wait, retry)
+			retry = min(2*retry, maxSpareRetry)
 		}
-		wait := retry
-		retry = min(2*retry, maxSpareRetry)
 		return wait
 	}
 }

@@ -21,8 +21,8 @@ import (
 // Defaults of the dial connections' bounds (Config).
 const (
 	// DefaultMaxSparesPerPeer bounds the spare dial connections of one
-	// SPIFFE ID: kcpplugin keeps four per broker, and one SPIFFE ID may
-	// be shared by many kcp shards and their restarts.
+	// SPIFFE ID: kcpplugin keeps 16 per Dialer, and one SPIFFE ID may be
+	// shared by a few kcp shards.
 	DefaultMaxSparesPerPeer = 64
 	// DefaultMaxSpares bounds the spares of all peers together: each
 	// costs a socket, a goroutine and its TLS state, about 20 KiB.
