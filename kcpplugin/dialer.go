@@ -90,17 +90,31 @@ func (d *Dialer) DialService(ctx context.Context, cluster, namespace, name strin
 	if timeout <= 0 {
 		timeout = DefaultDialTimeout
 	}
+	c, err := d.open(ctx, target, timeout)
+	if err != nil || d.EarlyData {
+		return c, err
+	}
+	if err := c.waitEstablished(ctx); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// dialingConn is a tunnel's conn whose dial the broker has not answered
+// yet: on a dial connection, or on a Dial stream.
+type dialingConn interface {
+	net.Conn
+	waitEstablished(ctx context.Context) error
+}
+
+// open starts a dial of target on a spare dial connection if there is
+// one, else on a Dial stream.
+func (d *Dialer) open(ctx context.Context, target *tunnelv1.Target, timeout time.Duration) (dialingConn, error) {
 	if s := d.spares.Take(); s != nil {
 		c := newDirectConn(s, target, timeout)
 		if !d.live.add(c) {
 			c.Close()
 			return nil, status.Error(codes.Canceled, "the dialer is closed")
-		}
-		if d.EarlyData {
-			return c, nil
-		}
-		if err := c.waitEstablished(ctx); err != nil {
-			return nil, err
 		}
 		return c, nil
 	}
@@ -112,12 +126,5 @@ func (d *Dialer) DialService(ctx context.Context, cluster, namespace, name strin
 		cancel()
 		return nil, err
 	}
-	c := newConn(stream, cancel, target, timeout)
-	if d.EarlyData {
-		return c, nil
-	}
-	if err := c.waitEstablished(ctx); err != nil {
-		return nil, err
-	}
-	return c, nil
+	return newConn(stream, cancel, target, timeout), nil
 }

@@ -38,7 +38,6 @@ type directConn struct {
 	// err is the failure, set before.
 	answered chan struct{}
 	err      error
-	tunnelID string
 	readDL   *deadline // for a Read waiting for the answer
 	// untrack, set by the Dialer, forgets the conn once it is closed.
 	untrack func()
@@ -53,7 +52,7 @@ var _ net.Conn = (*directConn)(nil)
 
 // newDirectConn takes spare s for a dial of target, which timeout bounds
 // from now to the broker's answer.
-func newDirectConn(s *wire.Spare[*spare, dialAnswer], target *tunnelv1.Target, timeout time.Duration) *directConn {
+func newDirectConn(s *wire.Spare[*spare, error], target *tunnelv1.Target, timeout time.Duration) *directConn {
 	c := &directConn{spare: s.Conn(), remote: addr(target.Key()), target: target, timeout: timeout,
 		answered: make(chan struct{}), readDL: newDeadline(nil)}
 	c.timer = time.AfterFunc(timeout, c.timedOut)
@@ -96,7 +95,7 @@ func (c *directConn) waitEstablished(ctx context.Context) error {
 	select {
 	case <-c.answered:
 	case <-ctx.Done():
-		c.finish(dialFailed, "", status.FromContextError(ctx.Err()).Err())
+		c.finish(dialFailed, status.FromContextError(ctx.Err()).Err())
 	}
 	if c.err != nil {
 		c.Close()
@@ -107,17 +106,17 @@ func (c *directConn) waitEstablished(ctx context.Context) error {
 
 // answer takes the broker's answer to the dial, read by the spare's
 // goroutine: the tunnel, or its failure.
-func (c *directConn) answer(a dialAnswer) {
-	if err := a.err; err != nil {
+func (c *directConn) answer(err error) {
+	if err != nil {
 		if _, ok := status.FromError(err); !ok {
 			err = c.lostBeforeAnswer(err)
 		}
-		c.finish(dialFailed, "", err)
+		c.finish(dialFailed, err)
 		return
 	}
 	c.dlMu.Lock()
 	defer c.dlMu.Unlock()
-	if c.finish(dialEstablished, a.tunnelID, nil) {
+	if c.finish(dialEstablished, nil) {
 		_ = c.conn.SetReadDeadline(c.readDeadline)
 	}
 }
@@ -133,24 +132,20 @@ func (c *directConn) lostBeforeAnswer(err error) error {
 
 // timedOut ends a dial still unanswered when its timeout passes.
 func (c *directConn) timedOut() {
-	if c.finish(dialTimedOut, "", status.Errorf(codes.DeadlineExceeded, "dial %s timed out after %v", c.remote, c.timeout)) {
+	if c.finish(dialTimedOut, status.Errorf(codes.DeadlineExceeded, "dial %s timed out after %v", c.remote, c.timeout)) {
 		c.abort()
 	}
 }
 
 // failed ends the dial with a failure to send it.
 func (c *directConn) failed(err error) {
-	if c.finish(dialFailed, "", c.lostBeforeAnswer(err)) {
+	if c.finish(dialFailed, c.lostBeforeAnswer(err)) {
 		c.abort()
 	}
 }
 
-// dialFailed is a dial that ended without the broker's OK, other than by
-// its timeout.
-const dialFailed = dialTimedOut + 1
-
 // finish decides the dial's outcome, once; true for the call that did.
-func (c *directConn) finish(outcome int32, tunnelID string, err error) bool {
+func (c *directConn) finish(outcome int32, err error) bool {
 	if !c.outcome.CompareAndSwap(dialing, outcome) {
 		return false
 	}
@@ -159,7 +154,7 @@ func (c *directConn) finish(outcome int32, tunnelID string, err error) bool {
 		// after the timer started.
 		c.timer.Stop()
 	}
-	c.err, c.tunnelID = err, tunnelID
+	c.err = err
 	close(c.answered)
 	return true
 }
@@ -235,7 +230,7 @@ func (c *directConn) Close() error {
 	c.sendMu.Unlock()
 	if unsent {
 		// The broker has read nothing: the connection just ends.
-		c.finish(dialFailed, "", status.Error(codes.Canceled, "the connection was closed before its dial was sent"))
+		c.finish(dialFailed, status.Error(codes.Canceled, "the connection was closed before its dial was sent"))
 	}
 	err := c.conn.Close()
 	if errors.Is(err, net.ErrClosed) {

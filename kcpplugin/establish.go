@@ -23,11 +23,14 @@ import (
 // Dialer.DialService sends the target at once and waits for that answer,
 // unless Dialer.EarlyData lets the conn's first Read or Write meet it.
 
-// The outcomes of a dial.
+// The outcomes of a dial. dialFailed, a dial that ended without the
+// broker's OK other than by its timeout, is a dial connection's only
+// (directconn.go): a Dial stream's failures end its stream instead.
 const (
 	dialing int32 = iota
 	dialEstablished
 	dialTimedOut
+	dialFailed
 )
 
 // dialState is a conn's dial until the broker answers it.

@@ -83,18 +83,11 @@ func (s *spare) abort() {
 	_ = s.sock.Close()
 }
 
-// dialAnswer is the broker's answer to a dial connection's dial: the
-// tunnel's id, or why not.
-type dialAnswer struct {
-	tunnelID string
-	err      error
-}
-
 // spares keeps up to DialConnections.Spares dial connections open,
 // replacing each one taken or lost at once, one handshake at a time, and
 // after a failure no sooner than a backoff allows, until it is closed.
 // Nil takes none.
-type spares = wire.Spares[*spare, dialAnswer]
+type spares = wire.Spares[*spare, error]
 
 // spareDialer opens dial connections to the broker.
 type spareDialer struct {
@@ -121,12 +114,14 @@ func newSpares(dc DialConnections) *spares {
 	if want <= 0 {
 		want = DefaultSpares
 	}
-	return wire.NewSpares(context.Background(), wire.SparesConfig[*spare, dialAnswer]{
+	return wire.NewSpares(context.Background(), wire.SparesConfig[*spare, error]{
 		Want: want,
 		Open: d.open,
-		Read: func(s *spare) dialAnswer {
-			id, err := wire.ReadDialResult(s.conn)
-			return dialAnswer{id, err}
+		// The broker's answer to the dial: nil, and the tunnel's bytes
+		// follow, or why not.
+		Read: func(s *spare) error {
+			_, err := wire.ReadDialResult(s.conn)
+			return err
 		},
 		Close: func(s *spare) { s.conn.Close() },
 		Pace:  sparePace(want),
