@@ -8,7 +8,9 @@ import (
 	"context"
 	"crypto/tls"
 	"log/slog"
+	"maps"
 	"net"
+	"slices"
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
@@ -231,20 +233,22 @@ func (s *Server) credentials() credentials.TransportCredentials {
 		identity.MaxConcurrentHandshakes(cfg.MaxHandshakes),
 		identity.CloseExpiredPeers(cfg.ExpiredPeerGrace),
 	}
+	// Data and dial connections are not gRPC's: they go to the agent and
+	// dial services, with coalesced writes but without the HTTP/2 frames'
+	// guard. The handshake offers their protocols before gRPC's.
+	var dispatched map[string]func(net.Conn, identity.AuthInfo)
 	if !cfg.NoDataConnections {
-		opts = append(opts, identity.Protocols(wire.DataProtocol, wire.DialProtocol))
+		dispatched = map[string]func(net.Conn, identity.AuthInfo){
+			wire.DataProtocol: s.agent.ServeData,
+			wire.DialProtocol: s.dial.ServeConn,
+		}
+		opts = append(opts, identity.Protocols(slices.Sorted(maps.Keys(dispatched))...))
 	}
 	creds := identity.ServerCredentials(cfg.Identity, tlsconfig.AuthorizeAny(), opts...)
 	// One write syscall per gRPC flush, not one per 16 KiB TLS record.
 	creds = wire.CoalesceWrites(creds)
-	if !cfg.NoDataConnections {
-		// Data and dial connections are not gRPC's: they go to the agent
-		// and dial services, with coalesced writes but without the HTTP/2
-		// frames' guard.
-		creds = identity.Dispatch(creds, map[string]func(net.Conn, identity.AuthInfo){
-			wire.DataProtocol: s.agent.ServeData,
-			wire.DialProtocol: s.dial.ServeConn,
-		})
+	if dispatched != nil {
+		creds = identity.Dispatch(creds, dispatched)
 	}
 	// A peer that sends its data in tiny or padded DATA frames would make
 	// gRPC hold some 40 times what it sends; its connection is closed.

@@ -10,13 +10,13 @@ import (
 
 // Dispatch hands the server's connections whose handshake picked an ALPN
 // protocol of serve (offered with Protocols) to that protocol's function,
-// in a goroutine of its own, and gives gRPC the others. It owns the
-// connection, verified as
-// gRPC's are: its AuthInfo names the peer. Its Read returns io.EOF only
-// for a TLS close_notify, and wire.ErrNoCloseNotify for a socket that
-// ended without one (wire.CloseNotified). gRPC clears its handshake
-// deadline on the connection as the handshake returns, so the function bounds
-// its reads by other means than deadlines set at once.
+// in a goroutine of its own, and gives gRPC the others. The function owns
+// the connection, verified as gRPC's are: its AuthInfo names the peer. Its
+// Read returns io.EOF only for a TLS close_notify, and
+// wire.ErrNoCloseNotify for a socket that ended without one
+// (wire.CloseNotified). gRPC clears its handshake deadline on the
+// connection as the handshake returns, so the function bounds its reads by
+// other means than deadlines set at once.
 func Dispatch(creds credentials.TransportCredentials, serve map[string]func(net.Conn, AuthInfo)) credentials.TransportCredentials {
 	return &dispatcher{TransportCredentials: creds, serve: serve}
 }
