@@ -103,10 +103,15 @@ func ReadOpenResult(r io.Reader) error {
 }
 
 // readResult reads one OpenResult, the answer to what: a refusal is its
-// status error, and nil is returned with it.
+// status error, and nil is returned with it. An answer that is too large
+// or does not decode is the broker's mistake, so it is Internal here, not
+// the InvalidArgument that read gives a peer's malformed message.
 func readResult(r io.Reader, what string) (*tunnelv1.OpenResult, error) {
 	var res tunnelv1.OpenResult
 	if err := read(r, &res, maxOpenResult); err != nil {
+		if st, ok := status.FromError(err); ok {
+			return nil, status.Errorf(codes.Internal, "the broker's answer to %s: %s", what, st.Message())
+		}
 		return nil, fmt.Errorf("reading the broker's answer to %s: %w", what, err)
 	}
 	if res.GetCode() != int32(codes.OK) {

@@ -8,6 +8,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protodelim"
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
@@ -103,3 +104,20 @@ func TestOneMessageIsOneWrite(t *testing.T) {
 type countingWriter struct{ writes int }
 
 func (c *countingWriter) Write(p []byte) (int, error) { c.writes++; return len(p), nil }
+
+func TestAMalformedAnswerIsTheBrokersMistake(t *testing.T) {
+	for name, answer := range map[string][]byte{
+		"too large":       append(protowire.AppendVarint(nil, maxOpenResult+1), make([]byte, maxOpenResult+1)...),
+		"does not decode": {3, 0xff, 0xff, 0xff},
+	} {
+		t.Run(name, func(t *testing.T) {
+			_, err := ReadDialResult(bytes.NewReader(answer))
+			if status.Code(err) != codes.Internal {
+				t.Fatalf("ReadDialResult = %v, want Internal", err)
+			}
+			if err := ReadOpenResult(bytes.NewReader(answer)); status.Code(err) != codes.Internal {
+				t.Fatalf("ReadOpenResult = %v, want Internal", err)
+			}
+		})
+	}
+}
