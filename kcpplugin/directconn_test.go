@@ -253,3 +253,15 @@ func TestClosingTheDialerEndsItsTunnelsOnDialConnections(t *testing.T) {
 		t.Fatal("Read on a tunnel of a closed dialer succeeded")
 	}
 }
+
+func TestABrokersMalformedAnswerIsInternal(t *testing.T) {
+	b := startDialConnBroker(t, func(conn net.Conn, _ *tunnelv1.DialRequest) {
+		_, _ = conn.Write([]byte{3, 0xff, 0xff, 0xff}) // not an OpenResult
+	})
+	d := b.dialer(t, 1, noStreams(t))
+	waitForSpares(t, d, b, 1)
+	_, err := d.DialService(context.Background(), testCluster, testNamespace, testService, testPort)
+	if status.Code(err) != codes.Internal {
+		t.Fatalf("DialService = %v, want Internal: the broker broke the protocol", err)
+	}
+}

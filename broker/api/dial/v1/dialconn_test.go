@@ -281,3 +281,28 @@ func TestSpareDialConnectionsHearUnavailableWhenTheBrokerDrains(t *testing.T) {
 	_, err = wire.ReadAccepted(b.DialConn(t, kcpPath))
 	testutil.CheckStatus(t, "a spare after the drain", err, codes.Unavailable, "the broker is shutting down")
 }
+
+// A spare that sends its dial a byte at a time holds its place among the
+// spares until the dial is whole, and only then is the dial checked: what
+// bounds a slow dial is the spares' number.
+func TestADialSentSlowlyCountsAsASpareUntilWhole(t *testing.T) {
+	b := startBroker(t, config{maxSparesPerPeer: 1})
+	conn := b.spareDial(t, kcpPath)
+	msg, err := wire.AppendDial(nil, brokertest.Target("root"), []byte("client hello"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range msg[:len(msg)-1] {
+		if _, err := conn.Write([]byte{c}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	_, err = wire.ReadAccepted(b.DialConn(t, kcpPath))
+	testutil.CheckStatus(t, "a spare beside the slow one", err, codes.ResourceExhausted, "spare_dial_connections_per_peer")
+	if _, err := conn.Write(msg[len(msg)-1:]); err != nil {
+		t.Fatal(err)
+	}
+	_, err = wire.ReadDialResult(conn)
+	testutil.CheckStatus(t, "the slow dial, once whole", err, codes.Unavailable, `no agent serves logical cluster "root"`)
+	testutil.Eventually(t, "the spare to stop counting", func() bool { return b.dial.spares.Held(brokertest.ID(kcpPath)) == 0 })
+}
