@@ -196,6 +196,16 @@ func (s *Server) DialConn(t *testing.T, path string) *tls.Conn {
 	return s.dispatched(t, path, wire.DialProtocol)
 }
 
+// Accepted reads the broker's first answer on a data or dial connection
+// and fails the test unless it took conn as a spare of replica brokerID.
+func Accepted(t *testing.T, conn *tls.Conn, brokerID string) *tls.Conn {
+	t.Helper()
+	if id, err := wire.ReadAccepted(conn); err != nil || id != brokerID {
+		t.Fatalf("the broker answered a spare with %q, %v; want its id %q", id, err, brokerID)
+	}
+	return conn
+}
+
 // dispatched opens a connection as the identity path whose handshake picks
 // the ALPN protocol proto.
 func (s *Server) dispatched(t *testing.T, path, proto string) *tls.Conn {

@@ -19,11 +19,7 @@ import (
 // spare opens a data connection as path and reads the broker's accept.
 func (b *broker) spare(t *testing.T, path string) *tls.Conn {
 	t.Helper()
-	conn := b.DataConn(t, path)
-	if id, err := wire.ReadAccepted(conn); err != nil || id != brokerID {
-		t.Fatalf("the broker answered a spare with %q, %v; want its id %q", id, err, brokerID)
-	}
-	return conn
+	return brokertest.Accepted(t, b.DataConn(t, path), brokerID)
 }
 
 // openData opens a data connection as path for dialID and returns it with

@@ -29,10 +29,7 @@ func (b *broker) spareDial(t *testing.T, path string) *tls.Conn {
 	t.Helper()
 	conn := b.DialConn(t, path)
 	_ = conn.SetDeadline(time.Now().Add(testutil.WaitLong))
-	if id, err := wire.ReadAccepted(conn); err != nil || id != brokerID {
-		t.Fatalf("the broker answered a spare with %q, %v; want its id %q", id, err, brokerID)
-	}
-	return conn
+	return brokertest.Accepted(t, conn, brokerID)
 }
 
 // writeDial writes a dial of target with earlyData on conn, and then, in
