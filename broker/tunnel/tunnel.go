@@ -121,15 +121,16 @@ func Open(r *registry.Registry, dialID uint64, agentID spiffeid.ID, stream tunne
 // once the agent has named its dial there: the claim's result is the
 // broker's answer, the connection's first bytes, and the connection is the
 // agent's leg until the tunnel ends. It closes the connection: with a
-// close_notify after a clean end or a refusal, with a reset after a
-// failure.
+// close_notify after a clean end or a refusal (once the target's bytes the
+// agent sent behind its open are read, wire.CloseRefused), with a reset
+// after a failure.
 func OpenConn(r *registry.Registry, dialID uint64, agentID spiffeid.ID, conn net.Conn) error {
 	claim, err := r.Claim(dialID, agentID)
 	// An answer that cannot be written fails the tunnel at its first
 	// read or write, as a stream that breaks would.
 	_ = wire.WriteOpenResult(conn, err)
 	if err != nil {
-		conn.Close()
+		wire.CloseRefused(conn)
 		return err
 	}
 	c := newConnStream(conn)

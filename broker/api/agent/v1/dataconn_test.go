@@ -1,11 +1,13 @@
 package agent
 
 import (
+	"bytes"
 	"context"
 	"crypto/tls"
 	"errors"
 	"io"
 	"testing"
+	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -133,6 +135,30 @@ func TestADataConnectionForADialNotPendingIsNotFound(t *testing.T) {
 	b.ConnectAgent(t, agentA, "a", "root")
 	_, err := b.openData(t, agentA, 12345)
 	if status.Code(err) != codes.NotFound {
+		t.Fatalf("open of an unknown dial: %v, want NotFound", err)
+	}
+}
+
+func TestAnAgentStillWritingWhenItsOpenIsRefusedReadsWhy(t *testing.T) {
+	b := startBroker(t, config{})
+	b.ConnectAgent(t, agentA, "a", "root")
+	conn := b.spare(t, agentA)
+	// The agent sends its target's first bytes right behind the open,
+	// without waiting for the answer.
+	if err := wire.WriteOpen(conn, 12345); err != nil {
+		t.Fatal(err)
+	}
+	bytesFromTarget := bytes.Repeat([]byte("x"), 16<<10)
+	if _, err := conn.Write(bytesFromTarget); err != nil {
+		t.Fatal(err)
+	}
+	// Had the broker closed the socket with them unread, it would have
+	// sent a reset by now, which fails the agent's next write.
+	time.Sleep(200 * time.Millisecond)
+	if _, err := conn.Write(bytesFromTarget[:1024]); err != nil {
+		t.Fatalf("the agent's write after the refusal: %v; want the broker to read and drop it", err)
+	}
+	if err := wire.ReadOpenResult(conn); status.Code(err) != codes.NotFound {
 		t.Fatalf("open of an unknown dial: %v, want NotFound", err)
 	}
 }

@@ -42,12 +42,12 @@ func (s *Service) ServeConn(conn net.Conn, peer identity.AuthInfo) {
 		return
 	}
 	if err := s.checkDial(first, caller, wire.DialProtocol); err != nil {
-		refuse(conn, err)
+		refuseDial(conn, err)
 		return
 	}
 	release, err := s.holdTunnel(caller)
 	if err != nil {
-		refuse(conn, err)
+		refuseDial(conn, err)
 		return
 	}
 	defer release()
@@ -55,13 +55,13 @@ func (s *Service) ServeConn(conn net.Conn, peer identity.AuthInfo) {
 	// expires; a spare has none.
 	end, err := peer.Begin()
 	if err != nil {
-		refuse(conn, err)
+		refuseDial(conn, err)
 		return
 	}
 	defer end()
 	t, log, err := s.open(s.stopping(), first, caller)
 	if err != nil {
-		refuse(conn, err)
+		refuseDial(conn, err)
 		return
 	}
 	if err := wire.WriteDialResult(conn, t.ID, nil); err != nil {
@@ -152,9 +152,18 @@ func (s *Service) spliceConn(conn net.Conn, t *tunnel.Tunnel, release func(), lo
 	s.ended(t, callerStatus, agentStatus, log)
 }
 
-// refuse answers a dial connection with err, the dial's failure, and
-// closes it with a close_notify.
+// refuse answers a spare dial connection with err, and closes it with a
+// close_notify. Before its dial the caller sends nothing, and a dial that
+// did not decode is a protocol error: what follows it is not read.
 func refuse(conn net.Conn, err error) {
 	_ = wire.WriteDialResult(conn, "", err)
 	conn.Close()
+}
+
+// refuseDial answers a dial with err, its failure, and closes the
+// connection once what the caller sent behind its dial is read
+// (wire.CloseRefused), so that the caller reads why and not a reset.
+func refuseDial(conn net.Conn, err error) {
+	_ = wire.WriteDialResult(conn, "", err)
+	wire.CloseRefused(conn)
 }

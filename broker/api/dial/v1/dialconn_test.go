@@ -185,6 +185,33 @@ func TestADialConnectionsDialOutsideItsCallersClustersIsPermissionDenied(t *test
 		codes.PermissionDenied, `spiffe://example.org/shard may not dial logical cluster "root"`)
 }
 
+func TestACallerStillWritingWhenItsDialFailsReadsWhy(t *testing.T) {
+	b := startBroker(t, config{timeout: 100 * time.Millisecond})
+	a := b.connectAgent(t, "silent", "root")
+	conn := b.spareDial(t, kcpPath)
+	writeDial(t, conn, brokertest.Target("root"), []byte("client hello"), "")
+	a.Order(t, brokertest.Target("root")) // the broker has read the dial
+	// The caller's request goes on without waiting for the answer, and the
+	// broker does not read it while the dial waits.
+	request := bytes.Repeat([]byte("x"), 4096)
+	if _, err := conn.Write(request); err != nil {
+		t.Fatal(err)
+	}
+	// Past the dial timeout, the broker has refused the dial. Had it
+	// closed the socket with the request unread, the socket would have
+	// sent a reset, which fails the caller's next write (kcpplugin then
+	// reports the write's error, not the refusal it has not read yet).
+	time.Sleep(500 * time.Millisecond)
+	if _, err := conn.Write(request); err != nil {
+		t.Fatalf("the caller's write after the refusal: %v; want the broker to read and drop it", err)
+	}
+	_, err := wire.ReadDialResult(conn)
+	testutil.CheckStatus(t, "dial", err, codes.DeadlineExceeded, "did not connect in time")
+	if n, err := conn.Read(make([]byte, 1)); n != 0 || !errors.Is(err, io.EOF) {
+		t.Fatalf("after the refusal the caller read %d, %v; want the broker's close_notify", n, err)
+	}
+}
+
 func TestADialConnectionsDialIsCheckedAsADialStreamsTarget(t *testing.T) {
 	b := startBroker(t, config{})
 	b.connectAgent(t, "a", "root")
