@@ -140,6 +140,8 @@ func parseFlags() (*options, error) {
 	flag.Int64Var(&c.Limits.MaxPendingPerCluster, "max-pending-dials-per-cluster", registry.DefaultMaxPendingPerCluster, "dials one agent may have waiting for one logical cluster; other clusters' dials never count against it (0: no limit)")
 	flag.Int64Var(&c.Limits.MaxTunnelsPerAgent, "max-tunnels-per-agent", registry.DefaultMaxTunnelsPerAgent, "tunnels one agent may carry, counting the pending dials of the cluster being dialed (0: no limit)")
 	flag.Int64Var(&c.MaxTunnelsPerCaller, "max-tunnels-per-caller", dialv1.DefaultMaxTunnelsPerCaller, "tunnels one caller SPIFFE ID may hold (0: no limit)")
+	flag.Int64Var(&c.MaxEarlyDataPerCaller, "max-early-data-per-caller", dialv1.DefaultMaxEarlyDataPerCaller, "bytes of early data one caller SPIFFE ID's pending dials may hold (0: no limit)")
+	flag.Int64Var(&c.MaxEarlyData, "max-early-data", dialv1.DefaultMaxEarlyData, "bytes of early data all callers' pending dials may hold (0: no limit)")
 	flag.IntVar(&c.MaxMessageSize, "max-message-size", server.DefaultMaxMessageSize, "largest gRPC message accepted, in bytes")
 	flag.Int64Var(&c.MaxOpeningStreamsPerPeer, "max-opening-streams-per-peer", opening.DefaultMaxPerPeer, "streams one peer SPIFFE ID may have open that have not sent their first message (0: no limit)")
 	flag.Int64Var(&c.MaxOpeningStreams, "max-opening-streams", opening.DefaultMaxTotal, "streams all peers together may have open that have not sent their first message (0: no limit)")
@@ -176,7 +178,7 @@ func parseFlags() (*options, error) {
 	// A limit flag's 0 means no limit, and Config's the default.
 	noLimitIfZero(&c.Limits.MaxPendingPerCluster, &c.Limits.MaxTunnelsPerAgent, &c.MaxTunnelsPerCaller,
 		&c.MaxOpeningStreamsPerPeer, &c.MaxOpeningStreams, &c.MaxRegistrationsPerAgent, &c.MaxSparesPerPeer, &c.MaxSpares,
-		&c.MaxSpareDialsPerPeer, &c.MaxSpareDials)
+		&c.MaxSpareDialsPerPeer, &c.MaxSpareDials, &c.MaxEarlyDataPerCaller, &c.MaxEarlyData)
 	noLimitIfZero(&c.MaxClustersPerRegistration, &c.MaxHandshakes)
 	return o, nil
 }

@@ -104,6 +104,9 @@ type Config struct {
 	// caller identity (dial.DefaultMaxTunnelsPerCaller).
 	Limits              registry.Limits
 	MaxTunnelsPerCaller int64
+	// MaxEarlyDataPerCaller and MaxEarlyData bound the early data pending
+	// dials hold, per caller and in all (dial.DefaultMaxEarlyData...).
+	MaxEarlyDataPerCaller, MaxEarlyData int64
 	// MaxMessageSize bounds a received message (DefaultMaxMessageSize).
 	MaxMessageSize int
 	// MaxOpeningStreamsPerPeer and MaxOpeningStreams bound the streams
@@ -310,8 +313,9 @@ func (s *Server) dialService() *dialv1.Service {
 	cfg := s.cfg
 	return dialv1.New(dialv1.Config{
 		Registry: s.Registry, Policy: cfg.Policy, Timeout: cfg.DialTimeout,
-		MaxTunnelsPerCaller: cfg.MaxTunnelsPerCaller,
-		MaxSparesPerPeer:    cfg.MaxSpareDialsPerPeer, MaxSpares: cfg.MaxSpareDials,
+		MaxTunnelsPerCaller:   cfg.MaxTunnelsPerCaller,
+		MaxEarlyDataPerCaller: cfg.MaxEarlyDataPerCaller, MaxEarlyData: cfg.MaxEarlyData,
+		MaxSparesPerPeer: cfg.MaxSpareDialsPerPeer, MaxSpares: cfg.MaxSpareDials,
 		Tunnels:  tunnel.Config{IdleTimeout: cfg.IdleTimeout, Stopping: s.stopping, Clock: cfg.Clock, Table: s.Tunnels},
 		Draining: s.draining,
 		BrokerID: cfg.ID,

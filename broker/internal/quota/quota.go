@@ -35,27 +35,34 @@ const (
 // Take takes one for id unless a limit is reached. On Under, release gives it
 // back; it may be called more than once, and counts once.
 func (q *Quota) Take(id spiffeid.ID) (release func(), over Over) {
+	return q.TakeN(id, 1)
+}
+
+// TakeN takes n for id (bytes, say) unless that would put id past PerID or
+// all IDs past Total. On Under, release gives them back; it may be called
+// more than once, and counts once.
+func (q *Quota) TakeN(id spiffeid.ID, n int64) (release func(), over Over) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	switch {
-	case q.PerID > 0 && q.held[id] >= q.PerID:
+	case q.PerID > 0 && q.held[id]+n > q.PerID:
 		return nil, OverPerID
-	case q.Total > 0 && q.total >= q.Total:
+	case q.Total > 0 && q.total+n > q.Total:
 		return nil, OverTotal
 	}
 	if q.held == nil {
 		q.held = map[spiffeid.ID]int64{}
 	}
-	q.held[id]++
-	q.total++
-	return sync.OnceFunc(func() { q.release(id) }), Under
+	q.held[id] += n
+	q.total += n
+	return sync.OnceFunc(func() { q.release(id, n) }), Under
 }
 
-func (q *Quota) release(id spiffeid.ID) {
+func (q *Quota) release(id spiffeid.ID, n int64) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	q.total--
-	if q.held[id]--; q.held[id] <= 0 {
+	q.total -= n
+	if q.held[id] -= n; q.held[id] <= 0 {
 		delete(q.held, id)
 	}
 }

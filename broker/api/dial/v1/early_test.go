@@ -95,3 +95,44 @@ func TestEarlyDataAnywhereButBesideTheTargetIsInvalidArgument(t *testing.T) {
 	}
 	testutil.CheckStatus(t, "Dial", tun.CallerEnd(), codes.InvalidArgument, "after the target, a caller may only send non-empty data")
 }
+
+func TestEarlyDataOfACallersPendingDialsIsBounded(t *testing.T) {
+	b := startBroker(t, config{maxEarlyDataPerCaller: 20})
+	agent := b.connectAgent(t, "a", "root", "team-a")
+	root, team := brokertest.Target("root"), brokertest.Target("team-a")
+	hello := []byte("client hello") // 12 bytes
+
+	first, _ := b.StartDialWith(t, kcpPath, root, hello)
+	order := agent.Order(t, root) // pending, and counted
+	over, _ := b.StartDialWith(t, kcpPath, root, hello)
+	_, err := over.Recv()
+	testutil.CheckStatus(t, "a second dial with early data", err, codes.ResourceExhausted,
+		"the pending dials of spiffe://example.org/kcp hold 12 bytes of early data, and 12 more would pass its 20: dial without early data, or once fewer dials are pending")
+
+	// A dial without early data, and another caller's, count against
+	// nothing the first holds.
+	b.StartDialWith(t, kcpPath, root, nil)
+	agent.Order(t, root)
+	b.StartDialWith(t, shardPath, team, hello)
+	agent.Order(t, team)
+
+	// Once the first dial is answered, its early data is the target's.
+	agent.Open(t, order.GetDialId())
+	if msg, err := first.Recv(); err != nil || msg.GetEstablished() == nil {
+		t.Fatalf("the first dial got %v, %v, want established", msg, err)
+	}
+	b.StartDialWith(t, kcpPath, root, hello)
+	agent.Order(t, root)
+}
+
+func TestEarlyDataOfAllCallersPendingDialsIsBounded(t *testing.T) {
+	b := startBroker(t, config{maxEarlyData: 20})
+	agent := b.connectAgent(t, "a", "root", "team-a")
+	hello := []byte("client hello")
+	b.StartDialWith(t, kcpPath, brokertest.Target("root"), hello)
+	agent.Order(t, brokertest.Target("root"))
+	over, _ := b.StartDialWith(t, shardPath, brokertest.Target("team-a"), hello)
+	_, err := over.Recv()
+	testutil.CheckStatus(t, "another caller's dial with early data", err, codes.ResourceExhausted,
+		"the broker's pending dials hold 12 bytes of early data, and 12 more would pass its 20")
+}

@@ -51,6 +51,9 @@ type config struct {
 	maxTunnelsPerCaller int64
 	// maxSparesPerPeer and maxSpares bound spare dial connections.
 	maxSparesPerPeer, maxSpares int64
+	// maxEarlyDataPerCaller and maxEarlyData bound pending dials' early
+	// data.
+	maxEarlyDataPerCaller, maxEarlyData int64
 	// log, if set, takes the dial service's log as JSON lines.
 	log *brokertest.LogBuffer
 }
@@ -84,6 +87,7 @@ func startBroker(t *testing.T, cfg config) *broker {
 			Registry: s.Registry, Policy: s.Policy, Timeout: cfg.timeout,
 			MaxTunnelsPerCaller: cfg.maxTunnelsPerCaller,
 			MaxSparesPerPeer:    cfg.maxSparesPerPeer, MaxSpares: cfg.maxSpares,
+			MaxEarlyDataPerCaller: cfg.maxEarlyDataPerCaller, MaxEarlyData: cfg.maxEarlyData,
 			Tunnels:  tunnel.Config{Stopping: s.Stopping},
 			Draining: s.Draining, BrokerID: brokerID, Log: log,
 		})

@@ -5,6 +5,7 @@ package dial
 import (
 	"cmp"
 	"context"
+	"fmt"
 	"log/slog"
 	"sync/atomic"
 	"time"
@@ -36,6 +37,12 @@ const (
 	// DefaultMaxTunnelsPerCaller bounds the tunnels of one caller: kcp holds
 	// one per webhook call in flight.
 	DefaultMaxTunnelsPerCaller = 20000
+	// DefaultMaxEarlyDataPerCaller and DefaultMaxEarlyData bound the early
+	// data that pending dials hold, per caller and all callers together:
+	// 1024 dials with the most early data there may be (16 KiB) per caller.
+	// kcp's early data is a TLS ClientHello, under 2 KiB.
+	DefaultMaxEarlyDataPerCaller = 16 << 20
+	DefaultMaxEarlyData          = 64 << 20
 )
 
 // Config is what the dial service needs. As in every Config of the broker,
@@ -49,6 +56,10 @@ type Config struct {
 	// MaxTunnelsPerCaller bounds the tunnels one SPIFFE ID holds, its dials
 	// included from their stream's start; zero: DefaultMaxTunnelsPerCaller.
 	MaxTunnelsPerCaller int64
+	// MaxEarlyDataPerCaller and MaxEarlyData bound the bytes of early data
+	// that pending dials hold, of one SPIFFE ID and of all together; zero:
+	// DefaultMaxEarlyDataPerCaller and DefaultMaxEarlyData.
+	MaxEarlyDataPerCaller, MaxEarlyData int64
 	// MaxSparesPerPeer and MaxSpares bound the spare dial connections
 	// (dialconn.go) of one SPIFFE ID and of all together; zero:
 	// DefaultMaxSparesPerPeer and DefaultMaxSpares.
@@ -70,6 +81,7 @@ type Service struct {
 
 	cfg     Config
 	callers quota.Quota  // tunnels and dials, per caller SPIFFE ID
+	early   quota.Quota  // bytes of early data in pending dials
 	spares  spares.Bound // dial connections waiting for their dial
 	active  atomic.Int64
 }
@@ -84,6 +96,7 @@ func New(cfg Config) *Service {
 	return &Service{
 		cfg:     cfg,
 		callers: quota.Quota{PerID: cmp.Or(cfg.MaxTunnelsPerCaller, DefaultMaxTunnelsPerCaller)},
+		early:   quota.Quota{PerID: cmp.Or(cfg.MaxEarlyDataPerCaller, DefaultMaxEarlyDataPerCaller), Total: cmp.Or(cfg.MaxEarlyData, DefaultMaxEarlyData)},
 		spares: spares.Bound{Quota: quota.Quota{PerID: cmp.Or(cfg.MaxSparesPerPeer, DefaultMaxSparesPerPeer), Total: cmp.Or(cfg.MaxSpares, DefaultMaxSpares)},
 			Kind: "dial", Gauge: metrics.SpareDialConnections},
 	}
@@ -145,7 +158,12 @@ func (s *Service) open(ctx context.Context, first *tunnelv1.DialRequest, caller 
 	target := first.GetTarget()
 	log := s.cfg.Log.With("cluster", target.GetCluster(), "namespace", target.GetNamespace(),
 		"service", target.GetService(), "port", target.GetPort(), "caller", caller.String())
+	releaseEarly, err := s.holdEarlyData(caller, len(first.GetEarlyData()))
+	if err != nil {
+		return nil, nil, err
+	}
 	t, took, err := s.dial(ctx, target, first.GetEarlyData(), log)
+	releaseEarly()
 	if err != nil {
 		return nil, nil, err
 	}
@@ -166,6 +184,30 @@ func (s *Service) holdTunnel(caller spiffeid.ID) (release func(), err error) {
 	s.cfg.Log.Warn("dial refused: caller at its tunnel limit", "caller", caller.String(), "limit", s.callers.PerID)
 	metrics.Dials.WithLabelValues(codes.ResourceExhausted.String()).Inc()
 	return nil, status.Errorf(codes.ResourceExhausted, "%s already holds %d tunnels, the most a caller may", caller, s.callers.PerID)
+}
+
+// holdEarlyData counts a dial's n bytes of early data against its caller
+// while the dial is pending, unless that puts the caller or all callers
+// past their bound; release gives them back. Once the dial is answered the
+// early data is the target's, or the splice's first frame.
+func (s *Service) holdEarlyData(caller spiffeid.ID, n int) (release func(), err error) {
+	if n == 0 {
+		return func() {}, nil
+	}
+	release, over := s.early.TakeN(caller, int64(n))
+	if over == quota.Under {
+		return release, nil
+	}
+	limit := "early_data"
+	msg := fmt.Sprintf("the broker's pending dials hold %d bytes of early data, and %d more would pass its %d", s.early.TotalHeld(), n, s.early.Total)
+	if over == quota.OverPerID {
+		limit = "early_data_per_caller"
+		msg = fmt.Sprintf("the pending dials of %s hold %d bytes of early data, and %d more would pass its %d", caller, s.early.Held(caller), n, s.early.PerID)
+	}
+	metrics.LimitsHit.WithLabelValues(limit).Inc()
+	metrics.Dials.WithLabelValues(codes.ResourceExhausted.String()).Inc()
+	s.cfg.Log.Warn("dial refused: early data over its bound", "caller", caller.String(), "limit", limit)
+	return nil, status.Error(codes.ResourceExhausted, msg+": dial without early data, or once fewer dials are pending")
 }
 
 // receiveTarget receives the first message of a Dial stream and checks it
