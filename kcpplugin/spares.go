@@ -53,8 +53,8 @@ func WithDialConnections(dc DialConnections) Option {
 const sparesPerSecond = 10
 
 // spareHandshakeTimeout bounds a dial connection's connect, TLS handshake
-// and the broker's acceptance.
-const spareHandshakeTimeout = 10 * time.Second
+// and the broker's acceptance; a var so that tests can shorten it.
+var spareHandshakeTimeout = 10 * time.Second
 
 // The backoff after a spare could not be opened or was lost before use.
 const (
@@ -176,11 +176,7 @@ func (d *spareDialer) open(ctx context.Context) (*spare, error) {
 		return nil, errNotAccepted
 	}
 	conn = wire.CloseNotified(conn, sock)
-	deadline, _ := ctx.Deadline()
-	_ = sock.SetReadDeadline(deadline)
-	_, err = wire.ReadAccepted(conn)
-	_ = sock.SetReadDeadline(time.Time{})
-	if err != nil {
+	if _, err = wire.AwaitAccepted(ctx, conn, sock); err != nil {
 		conn.Close()
 		return nil, err
 	}

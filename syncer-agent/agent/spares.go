@@ -183,11 +183,7 @@ func (d *spareDialer) dial(ctx context.Context) (*spare, error) {
 	// The broker names its replica first. A spare that reached another
 	// replica than the control stream's (through a load balancer) could
 	// claim none of the session's dials.
-	if deadline, ok := ctx.Deadline(); ok {
-		_ = raw.SetReadDeadline(deadline)
-	}
-	id, err := wire.ReadAccepted(dc)
-	_ = raw.SetReadDeadline(time.Time{})
+	id, err := wire.AwaitAccepted(ctx, dc, raw)
 	if err != nil {
 		conn.Close()
 		return nil, err

@@ -1,10 +1,12 @@
 package wire
 
 import (
+	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
+	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -92,6 +94,20 @@ func WriteAccepted(w io.Writer, brokerID string) error {
 func ReadAccepted(r io.Reader) (brokerID string, err error) {
 	res, err := readResult(r, "a data connection")
 	return res.GetBrokerId(), err
+}
+
+// AwaitAccepted is ReadAccepted on conn, a new data or dial connection over
+// sock, for as long as ctx lasts: its deadline bounds the wait, and its
+// cancellation (the pool's close) ends it at once, as a read deadline alone
+// would not. A wait that ctx ended is ctx's error, and leaves sock's read
+// deadline in the past: close the connection.
+func AwaitAccepted(ctx context.Context, conn io.Reader, sock *Socket) (brokerID string, err error) {
+	stop := context.AfterFunc(ctx, func() { _ = sock.SetReadDeadline(time.Now()) })
+	brokerID, err = ReadAccepted(conn)
+	if !stop() {
+		return "", fmt.Errorf("waiting for the broker to accept the connection: %w", ctx.Err())
+	}
+	return brokerID, err
 }
 
 // ReadOpenResult reads the broker's answer to an open, and not a byte past

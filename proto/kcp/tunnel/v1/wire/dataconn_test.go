@@ -2,10 +2,12 @@ package wire
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"io"
 	"strings"
 	"testing"
+	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -122,5 +124,38 @@ func TestTheAcceptNamesTheReplicaAndARefusalItsStatus(t *testing.T) {
 	}
 	if _, err := ReadAccepted(&conn); status.Code(err) != codes.ResourceExhausted {
 		t.Fatalf("a refused spare read as %v", err)
+	}
+}
+
+func TestAwaitingTheAcceptEndsWithItsContext(t *testing.T) {
+	_, peer := tcpPair(t)
+	sock := &Socket{Conn: peer}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		_, err := AwaitAccepted(ctx, sock, sock)
+		done <- err
+	}()
+	// A broker that never answers: the pool's close ends the wait at once,
+	// without the handshake timeout.
+	cancel()
+	select {
+	case err := <-done:
+		if !errors.Is(err, context.Canceled) {
+			t.Fatalf("the wait ended with %v, want context.Canceled", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the cancelled wait for the accept did not end")
+	}
+}
+
+func TestAnAcceptWithinTheContextIsTheAccept(t *testing.T) {
+	broker, peer := tcpPair(t)
+	if err := WriteAccepted(broker, "broker-1"); err != nil {
+		t.Fatal(err)
+	}
+	sock := &Socket{Conn: peer}
+	if id, err := AwaitAccepted(context.Background(), sock, sock); err != nil || id != "broker-1" {
+		t.Fatalf("AwaitAccepted = %q, %v; want broker-1", id, err)
 	}
 }
