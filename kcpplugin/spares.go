@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
+	"log/slog"
 	"net"
 	"time"
 
@@ -37,6 +38,12 @@ type DialConnections struct {
 	// DefaultSpares). Each is a socket and a goroutine here, and holds one
 	// of the broker's --max-spare-dial-connections-per-peer.
 	Spares int
+	// Log, if set, hears why a spare could not be opened (the broker
+	// refused it, an older broker did not pick the dial protocol, the
+	// handshake failed) or was lost before use, once per attempt: the
+	// attempts back off to one in 30 s. Dials meanwhile go on Dial
+	// streams. kcp can pass slog.New(logr.ToSlogHandler(klog.Background())).
+	Log *slog.Logger
 }
 
 // Option configures a Dialer.
@@ -116,7 +123,13 @@ func newSpares(dc DialConnections) *spares {
 	}
 	return wire.NewSpares(context.Background(), wire.SparesConfig[*spare, error]{
 		Want: want,
-		Open: d.open,
+		Open: func(ctx context.Context) (*spare, error) {
+			s, err := d.open(ctx)
+			if err != nil && ctx.Err() == nil && dc.Log != nil {
+				dc.Log.Info("kcpplugin: could not open a dial connection; dials go on Dial streams meanwhile", "address", dc.Address, "error", err)
+			}
+			return s, err
+		},
 		// The broker's answer to the dial: nil, and the tunnel's bytes
 		// follow, or why not.
 		Read: func(s *spare) error {
@@ -124,7 +137,12 @@ func newSpares(dc DialConnections) *spares {
 			return err
 		},
 		Close: func(s *spare) { s.conn.Close() },
-		Pace:  sparePace(want),
+		Lost: func(err error) {
+			if dc.Log != nil {
+				dc.Log.Info("kcpplugin: a spare dial connection ended before use", "address", dc.Address, "error", err)
+			}
+		},
+		Pace: sparePace(want),
 	})
 }
 
