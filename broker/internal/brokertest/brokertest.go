@@ -118,12 +118,18 @@ func StartWithCredentials(t *testing.T, pol policy.File, wrap func(credentials.T
 		grpc.WaitForHandlers(true),
 	}, opts...)...)
 	register(s, srv)
+	s.Addr = serve(t, srv)
+	return s
+}
 
+// serve serves srv on a loopback port until the test ends, and returns
+// the port's address.
+func serve(t *testing.T, srv *grpc.Server) string {
+	t.Helper()
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	s.Addr = lis.Addr().String()
 	served := make(chan struct{})
 	go func() {
 		defer close(served)
@@ -133,7 +139,7 @@ func StartWithCredentials(t *testing.T, pol policy.File, wrap func(credentials.T
 		srv.Stop()
 		<-served
 	})
-	return s
+	return lis.Addr().String()
 }
 
 // Drain ends Draining: the broker begins to shut down.

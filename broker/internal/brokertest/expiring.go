@@ -16,7 +16,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
-// ExpiringPort serves the connections of ALPN protocol with serve on a port
+// ExpiringPort serves the connections of ALPN protocol with handle on a port
 // of their own, whose credentials close a connection once its peer's SVID
 // has expired, as the broker's server assembles them (broker/server:
 // identity.CloseExpiredPeers under wire.CoalesceWrites and
@@ -24,7 +24,7 @@ import (
 // peers. A tunnel there has an hour's grace, which outlasts any test: a
 // connection that closes at the expiry had none. It returns the port's
 // address.
-func (s *Server) ExpiringPort(t *testing.T, protocol string, serve func(net.Conn, identity.AuthInfo)) string {
+func (s *Server) ExpiringPort(t *testing.T, protocol string, handle func(net.Conn, identity.AuthInfo)) string {
 	t.Helper()
 	src, err := s.CA.Source(devca.Leaf{SPIFFEID: BrokerPath})
 	if err != nil {
@@ -32,21 +32,7 @@ func (s *Server) ExpiringPort(t *testing.T, protocol string, serve func(net.Conn
 	}
 	creds := wire.CoalesceWrites(identity.ServerCredentials(src, tlsconfig.AuthorizeAny(),
 		identity.Protocols(protocol), identity.CloseExpiredPeers(time.Hour)))
-	srv := grpc.NewServer(grpc.Creds(identity.Dispatch(creds, map[string]func(net.Conn, identity.AuthInfo){protocol: serve})))
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	served := make(chan struct{})
-	go func() {
-		defer close(served)
-		_ = srv.Serve(lis)
-	}()
-	t.Cleanup(func() {
-		srv.Stop()
-		<-served
-	})
-	return lis.Addr().String()
+	return serve(t, grpc.NewServer(grpc.Creds(identity.Dispatch(creds, map[string]func(net.Conn, identity.AuthInfo){protocol: handle}))))
 }
 
 // ConnAs opens a connection of ALPN protocol to addr as src's identity. Its
