@@ -84,16 +84,16 @@ func (c *connStream) SendHeader(metadata.MD) error { return nil }
 func (c *connStream) SetTrailer(metadata.MD)       {}
 
 // RecvMsg reads what the connection has, up to wire.MaxFrame bytes, into a
-// data frame; the end of the connection's reading side is io.EOF, as a
+// data frame that owns its buffer (wire.ReadBuffer.ReadFrame); the end of the connection's reading side is io.EOF, as a
 // client's CloseSend is on a stream.
 func (c *connStream) RecvMsg(m any) error {
 	f, ok := m.(*wire.Frame)
 	if !ok {
 		return errors.New("a connection's leg receives only frames")
 	}
-	data, err := c.buf.Read(c.conn)
-	if len(data) > 0 {
-		*f = wire.NewDataFrame(data)
+	frame, err := c.buf.ReadFrame(c.conn)
+	if !frame.Empty() {
+		*f = frame
 		return nil
 	}
 	if err == nil {

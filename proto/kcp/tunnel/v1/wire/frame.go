@@ -63,6 +63,9 @@ func NewDataFrame(payload []byte) Frame {
 	return Frame{buf: mem.BufferSlice{mem.SliceBuffer(b[:n])}}
 }
 
+// Empty says that f holds nothing: the zero Frame.
+func (f *Frame) Empty() bool { return f.buf.Len() == 0 }
+
 // Decode decodes f into m, for frames that are not data.
 func (f *Frame) Decode(m proto.Message) error {
 	return proto.Unmarshal(f.buf.Materialize(), m)

@@ -2,6 +2,7 @@ package wire
 
 import (
 	"bytes"
+	"io"
 	"strings"
 	"testing"
 )
@@ -45,4 +46,53 @@ func TestReadBufferHoldsAPooledBufferOnlyWhileReadsAreLarge(t *testing.T) {
 		t.Fatalf("holding a big buffer after each read: %v; want only after reads that filled theirs", big)
 	}
 	b.Release()
+}
+
+func TestReadFramesOwnTheirBytes(t *testing.T) {
+	// Large reads, each a different byte: a frame that still shared the
+	// buffer of a later read would show that read's byte.
+	var src chunks
+	var want []string
+	for i := range 6 {
+		chunk := bytes.Repeat([]byte{byte('a' + i)}, MaxFrame)
+		src = append(src, chunk)
+		want = append(want, string(chunk))
+	}
+	src = append(src, []byte("pong"))
+	want = append(want, "pong")
+	var b ReadBuffer
+	var frames []Frame
+	var got strings.Builder
+	for len(src) > 0 {
+		f, err := b.ReadFrame(&src)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := f.DataLen(); err != nil {
+			t.Fatalf("ReadFrame's frame: %v", err)
+		}
+		frames = append(frames, f)
+	}
+	// Read only once every read is done, as gRPC sends a frame after the
+	// splice has read the next.
+	for i := range frames {
+		payload, err := io.ReadAll(&frames[i])
+		if err != nil {
+			t.Fatal(err)
+		}
+		got.Write(payload)
+		frames[i].Free()
+	}
+	if got.String() != strings.Join(want, "") {
+		t.Fatal("the frames' bytes are not the bytes read, in order")
+	}
+	b.Release()
+}
+
+func TestAnEmptyReadIsAnEmptyFrame(t *testing.T) {
+	var b ReadBuffer
+	f, err := b.ReadFrame(strings.NewReader(""))
+	if !f.Empty() || err != io.EOF {
+		t.Fatalf("ReadFrame at EOF = a frame (empty %v), %v; want an empty one and io.EOF", f.Empty(), err)
+	}
 }
