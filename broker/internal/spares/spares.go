@@ -6,6 +6,10 @@
 package spares
 
 import (
+	"context"
+	"errors"
+	"io"
+	"net"
 	"sync"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -15,6 +19,7 @@ import (
 
 	"github.com/kcp-dev/tunnel-broker/broker/internal/quota"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // Bound is one kind of spares' bounds: Quota's PerID for one SPIFFE ID and
@@ -45,4 +50,64 @@ func (b *Bound) Take(id spiffeid.ID) (release func(), err error) {
 		releaseQuota()
 		b.Gauge.Dec()
 	}), nil
+}
+
+// ErrDrained ends a spare that the broker's drain has answered and closed.
+var ErrDrained = errors.New("answered at the drain")
+
+// Await holds conn as one of id's spares within b's bounds while it waits
+// for the peer's first message: it answers the acceptance, naming the
+// replica brokerID, reads the message with read, and stops counting the
+// spare once read returns. A spare waits as long as its peer likes: what
+// bounds spares is their number. The drain (draining ending) refuses new
+// spares with Unavailable, and ends the wait of the others: it answers them
+// Unavailable and closes them (ErrDrained). A close, unlike a read
+// deadline, is not undone by gRPC clearing its handshake deadline on the
+// socket just after the connection was handed over.
+func Await[T any](b *Bound, conn net.Conn, id spiffeid.ID, brokerID string, draining context.Context, read func(io.Reader) (T, error)) (T, error) {
+	var none T
+	if draining.Err() != nil {
+		return none, errShuttingDown
+	}
+	release, err := b.Take(id)
+	if err != nil {
+		return none, err
+	}
+	defer release()
+	if err := wire.WriteAccepted(conn, brokerID); err != nil {
+		return none, err
+	}
+	answered := make(chan struct{})
+	stop := context.AfterFunc(draining, func() {
+		defer close(answered)
+		Refuse(conn, errShuttingDown)
+	})
+	first, err := read(conn)
+	if !stop() {
+		<-answered
+		return none, ErrDrained
+	}
+	return first, err
+}
+
+var errShuttingDown = status.Error(codes.Unavailable, "the broker is shutting down")
+
+// End ends a spare whose wait (Await) failed with err: it answers a status
+// with it, and closes a connection that failed or ended. The peer going
+// away and the drain are not worth a log line; anything else is (worthy).
+func End(conn net.Conn, err error) (worthy bool) {
+	if _, ok := status.FromError(err); ok {
+		Refuse(conn, err)
+		return false
+	}
+	conn.Close()
+	return !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) && !errors.Is(err, ErrDrained)
+}
+
+// Refuse answers a spare, or a tunnel's first message on it, with err's
+// status (an OpenResult, as data and dial connections answer alike), and
+// closes it with a close_notify.
+func Refuse(conn net.Conn, err error) {
+	_ = wire.WriteOpenResult(conn, err)
+	conn.Close()
 }

@@ -1,10 +1,9 @@
 package agent
 
 import (
-	"context"
-	"errors"
-	"io"
 	"net"
+
+	"github.com/kcp-dev/tunnel-broker/broker/internal/spares"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -36,30 +35,12 @@ func (s *Service) ServeData(conn net.Conn, peer identity.AuthInfo) {
 	if !s.cfg.Policy.IsAgent(id) {
 		metrics.Denied.WithLabelValues(wire.DataProtocol).Inc()
 		s.cfg.Log.Warn("permission denied", "peer", id.String(), "method", wire.DataProtocol)
-		refuse(conn, status.Errorf(codes.PermissionDenied, "%s may not open data connections", id))
+		spares.Refuse(conn, status.Errorf(codes.PermissionDenied, "%s may not open data connections", id))
 		return
 	}
-	release, err := s.spares.Take(id)
+	dialID, err := spares.Await(&s.spares, conn, id, s.cfg.BrokerID, s.cfg.Draining, wire.ReadOpen)
 	if err != nil {
-		refuse(conn, err)
-		return
-	}
-	// The replica's name tells an agent behind a load balancer that this
-	// spare reached another replica than its control stream.
-	if err := wire.WriteAccepted(conn, s.cfg.BrokerID); err != nil {
-		release()
-		conn.Close()
-		return
-	}
-	dialID, err := s.awaitOpen(conn)
-	release()
-	if err != nil {
-		if st, ok := status.FromError(err); ok {
-			refuse(conn, st.Err())
-		} else {
-			conn.Close()
-		}
-		if !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) {
+		if spares.End(conn, err) {
 			s.cfg.Log.Info("data connection ended before its open", "peer", id.String(), "error", err)
 		}
 		return
@@ -68,29 +49,11 @@ func (s *Service) ServeData(conn net.Conn, peer identity.AuthInfo) {
 	// expires; a spare has none.
 	end, err := peer.Begin()
 	if err != nil {
-		refuse(conn, err)
+		spares.Refuse(conn, err)
 		return
 	}
 	defer end()
 	if err := tunnel.OpenConn(s.cfg.Registry, dialID, id, conn); status.Code(err) == codes.NotFound {
 		s.cfg.Log.Info("data connection opened for a dial that is not pending", "peer", id.String(), "dial", dialID, "error", err)
 	}
-}
-
-// awaitOpen waits for the open of a spare. A spare waits as long as its
-// agent likes: what bounds spares is their number (Config.MaxSpares...).
-// The broker's drain closes them, since no dial will be ordered any more.
-func (s *Service) awaitOpen(conn net.Conn) (uint64, error) {
-	stop := context.AfterFunc(s.cfg.Draining, func() { conn.Close() })
-	dialID, err := wire.ReadOpen(conn)
-	if !stop() {
-		return 0, status.Error(codes.Unavailable, "the broker is shutting down")
-	}
-	return dialID, err
-}
-
-// refuse answers a data connection with err and closes it.
-func refuse(conn net.Conn, err error) {
-	_ = wire.WriteOpenResult(conn, err)
-	conn.Close()
 }

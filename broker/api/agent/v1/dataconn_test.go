@@ -223,15 +223,16 @@ func TestSparesOverTheirBoundAreResourceExhaustedAndFreedWhenUsed(t *testing.T) 
 	testutil.Eventually(t, "the new spare is counted", func() bool { return b.agents.spares.Held(brokertest.ID(agentA)) == 2 })
 }
 
-func TestSparesCloseWhenTheBrokerDrains(t *testing.T) {
+func TestSparesHearUnavailableWhenTheBrokerDrains(t *testing.T) {
 	b := startBroker(t, config{})
 	spare := b.spare(t, agentA)
 	testutil.Eventually(t, "the spare is not counted", func() bool { return b.agents.spares.Held(brokertest.ID(agentA)) == 1 })
 	b.Drain()
-	if err := wire.ReadOpenResult(spare); err == nil {
-		t.Fatal("a spare read an answer after the drain")
-	}
+	testutil.CheckStatus(t, "a spare at the drain", wire.ReadOpenResult(spare), codes.Unavailable, "the broker is shutting down")
 	testutil.Eventually(t, "the spare is still counted after the drain", func() bool { return b.agents.spares.TotalHeld() == 0 })
+	// And a new spare is refused at once.
+	_, err := wire.ReadAccepted(b.DataConn(t, agentA))
+	testutil.CheckStatus(t, "a spare after the drain", err, codes.Unavailable, "the broker is shutting down")
 }
 
 // pendingDial registers agent A for root and dials root as kcp: the

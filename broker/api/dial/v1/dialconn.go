@@ -2,8 +2,6 @@ package dial
 
 import (
 	"context"
-	"errors"
-	"io"
 	"log/slog"
 	"net"
 
@@ -11,6 +9,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/kcp-dev/tunnel-broker/broker/internal/spares"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
@@ -73,61 +72,20 @@ func (s *Service) ServeConn(conn net.Conn, peer identity.AuthInfo) {
 }
 
 // awaitDial takes conn as one of caller's spares, if the policy lets it
-// dial and the spares' bounds leave room, and waits for its dial. The
-// spare stops counting once its dial is read.
+// dial and the spares' bounds leave room, and waits for its dial
+// (spares.Await).
 func (s *Service) awaitDial(conn net.Conn, caller spiffeid.ID) (*tunnelv1.DialRequest, error) {
 	if !s.cfg.Policy.IsCaller(caller) {
 		metrics.Denied.WithLabelValues(wire.DialProtocol).Inc()
 		s.cfg.Log.Warn("permission denied", "peer", caller.String(), "method", wire.DialProtocol)
 		return nil, status.Errorf(codes.PermissionDenied, "%s may not open dial connections", caller)
 	}
-	// A spare would only be closed again at once.
-	if s.cfg.Draining.Err() != nil {
-		return nil, status.Error(codes.Unavailable, "the broker is shutting down")
-	}
-	release, err := s.spares.Take(caller)
-	if err != nil {
-		return nil, err
-	}
-	defer release()
-	if err := wire.WriteAccepted(conn, s.cfg.BrokerID); err != nil {
-		return nil, err
-	}
-	return s.readDial(conn)
+	return spares.Await(&s.spares, conn, caller, s.cfg.BrokerID, s.cfg.Draining, wire.ReadDial)
 }
 
-// errDrained ends a spare that the broker's drain has answered and closed.
-var errDrained = errors.New("answered at the drain")
-
-// readDial reads a spare's dial. A spare waits as long as its caller
-// likes: what bounds spares is their number (Config.MaxSpares...). The
-// broker's drain ends the wait, since no dial will be taken any more: it
-// tells the spare why and closes it. A close, unlike a read deadline, is
-// not undone by gRPC clearing its handshake deadline on the socket just
-// after the connection was handed over.
-func (s *Service) readDial(conn net.Conn) (*tunnelv1.DialRequest, error) {
-	answered := make(chan struct{})
-	stop := context.AfterFunc(s.cfg.Draining, func() {
-		defer close(answered)
-		refuse(conn, status.Error(codes.Unavailable, "the broker is shutting down"))
-	})
-	first, err := wire.ReadDial(conn)
-	if !stop() {
-		<-answered
-		return nil, errDrained
-	}
-	return first, err
-}
-
-// endSpare ends a spare that has no dial: it answers a refusal, and closes
-// a connection that failed or ended without a word.
+// endSpare ends a spare that has no dial (spares.End).
 func (s *Service) endSpare(conn net.Conn, caller spiffeid.ID, err error) {
-	if _, ok := status.FromError(err); ok {
-		refuse(conn, err)
-		return
-	}
-	conn.Close()
-	if !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) && !errors.Is(err, errDrained) {
+	if spares.End(conn, err) {
 		s.cfg.Log.Info("dial connection ended before its dial", "peer", caller.String(), "error", err)
 	}
 }
@@ -152,17 +110,11 @@ func (s *Service) spliceConn(conn net.Conn, t *tunnel.Tunnel, release func(), lo
 	s.ended(t, callerStatus, agentStatus, log)
 }
 
-// refuse answers a spare dial connection with err, and closes it with a
-// close_notify. Before its dial the caller sends nothing, and a dial that
-// did not decode is a protocol error: what follows it is not read.
-func refuse(conn net.Conn, err error) {
-	_ = wire.WriteDialResult(conn, "", err)
-	conn.Close()
-}
-
 // refuseDial answers a dial with err, its failure, and closes the
 // connection once what the caller sent behind its dial is read
-// (wire.CloseRefused), so that the caller reads why and not a reset.
+// (wire.CloseRefused), so that the caller reads why and not a reset. A
+// spare refused before its dial, whose caller sends nothing, or whose dial
+// did not decode, is closed at once (spares.Refuse).
 func refuseDial(conn net.Conn, err error) {
 	_ = wire.WriteDialResult(conn, "", err)
 	wire.CloseRefused(conn)
