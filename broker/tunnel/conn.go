@@ -84,8 +84,9 @@ func (c *connStream) SendHeader(metadata.MD) error { return nil }
 func (c *connStream) SetTrailer(metadata.MD)       {}
 
 // RecvMsg reads what the connection has, up to wire.MaxFrame bytes, into a
-// data frame that owns its buffer (wire.ReadBuffer.ReadFrame); the end of the connection's reading side is io.EOF, as a
-// client's CloseSend is on a stream.
+// data frame that owns its buffer (wire.ReadBuffer.ReadFrame); the end of
+// the connection's reading side is io.EOF, as a client's CloseSend is on a
+// stream.
 func (c *connStream) RecvMsg(m any) error {
 	f, ok := m.(*wire.Frame)
 	if !ok {

@@ -198,12 +198,11 @@ func (s *Service) holdEarlyData(caller spiffeid.ID, n int) (release func(), err 
 	if over == quota.Under {
 		return release, nil
 	}
-	limit := "early_data"
-	msg := fmt.Sprintf("the broker's pending dials hold %d bytes of early data, and %d more would pass its %d", s.early.TotalHeld(), n, s.early.Total)
+	limit, holder, held, bound := "early_data", "the broker's pending dials", s.early.TotalHeld(), s.early.Total
 	if over == quota.OverPerID {
-		limit = "early_data_per_caller"
-		msg = fmt.Sprintf("the pending dials of %s hold %d bytes of early data, and %d more would pass its %d", caller, s.early.Held(caller), n, s.early.PerID)
+		limit, holder, held, bound = "early_data_per_caller", "the pending dials of "+caller.String(), s.early.Held(caller), s.early.PerID
 	}
+	msg := fmt.Sprintf("%s hold %d bytes of early data, and %d more would pass its %d", holder, held, n, bound)
 	metrics.LimitsHit.WithLabelValues(limit).Inc()
 	metrics.Dials.WithLabelValues(codes.ResourceExhausted.String()).Inc()
 	s.cfg.Log.Warn("dial refused: early data over its bound", "caller", caller.String(), "limit", limit)
