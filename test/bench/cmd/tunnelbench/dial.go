@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"fmt"
+	"net"
 	"time"
 
 	"github.com/kcp-dev/tunnel-broker/test/bench"
@@ -38,20 +40,21 @@ func (r *runner) dialLatency(ctx context.Context) {
 	// About a millisecond a dial and path: the profile covers most dials.
 	stop := r.profile(ctx, "dial", time.Duration(r.cfg.dials*len(paths))*time.Millisecond)
 	msg, buf := make([]byte, msgSize), make([]byte, msgSize)
+	failed := 0 // the peer's
 	deadline := time.Now().Add(time.Duration(r.cfg.dials) * 50 * time.Millisecond)
 	for i := 0; i < r.cfg.dials && time.Now().Before(deadline); i++ {
 		for j := range paths {
 			p := paths[inTurn(i, j, len(paths))]
 			start := time.Now()
-			c := r.dialOrFatal(ctx, p, svcDial)
-			dialed := time.Since(start)
-			_ = c.SetDeadline(time.Now().Add(30 * time.Second))
-			if err := bench.RoundTrip(c, msg, buf); err != nil {
-				r.m.Fatalf("%s: first round trip: %v", p.name, err)
+			c, err := r.dialAndEcho(ctx, p, msg, buf)
+			if err != nil {
+				r.newConnectionFailed(p, err)
+				failed++
+				continue
 			}
 			firstEchoes[p.name] = append(firstEchoes[p.name], time.Since(start))
-			dials[p.name] = append(dials[p.name], dialed)
-			if rc, ok := c.(*relayConn); ok {
+			dials[p.name] = append(dials[p.name], c.dialed)
+			if rc, ok := c.Conn.(*relayConn); ok {
 				handshakes = append(handshakes, rc.handshake)
 			}
 			c.Close()
@@ -62,6 +65,34 @@ func (r *runner) dialLatency(ctx context.Context) {
 		r.logf("%s: %d dials", p.name, len(dials[p.name]))
 	}
 	r.reportDials(dials, firstEchoes, handshakes)
+	if r.peer != nil {
+		r.report.floorRow(peerName, "dial_first_echo_failed", none, float64(failed))
+	}
+}
+
+// echoedConn is a new connection after its first round trip, and how long
+// its dial took.
+type echoedConn struct {
+	net.Conn
+	dialed time.Duration
+}
+
+// dialAndEcho dials the echo service on p and makes one round trip of msg.
+func (r *runner) dialAndEcho(ctx context.Context, p path, msg, buf []byte) (echoedConn, error) {
+	start := time.Now()
+	dctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	c, err := p.dial(dctx, svcDial)
+	if err != nil {
+		return echoedConn{}, fmt.Errorf("dialing %s: %w", svcDial, err)
+	}
+	dialed := time.Since(start)
+	_ = c.SetDeadline(time.Now().Add(30 * time.Second))
+	if err := bench.RoundTrip(c, msg, buf); err != nil {
+		c.Close()
+		return echoedConn{}, fmt.Errorf("first round trip: %w", err)
+	}
+	return echoedConn{Conn: c, dialed: dialed}, nil
 }
 
 // reportDials prints the dial phase's rows: each path's dials and first

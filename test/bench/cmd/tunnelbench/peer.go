@@ -143,3 +143,16 @@ func peerWanted(cfg config) bool {
 	}
 	return false
 }
+
+// newConnectionFailed takes the failure of a new connection on path p in
+// a loop of them. The peer's is logged and its sample left out, and the
+// loop counts it as a figure of its own (peer_remotedialer_*_failed): a
+// peer that drops a connection under load is a finding, not the end of
+// the run. On every other path a failure ends the run, as any bug of
+// ours must.
+func (r *runner) newConnectionFailed(p path, err error) {
+	if p.name != peerName {
+		r.m.Fatalf("%s: %v", p.name, err)
+	}
+	r.logf("%s: %v (left out)", p.name, err)
+}

@@ -113,6 +113,7 @@ func (r *runner) webhookFirstRequest(ctx context.Context, body []byte) {
 		clients[i].Transport.(*http.Transport).DisableKeepAlives = true
 	}
 	samples := map[string]bench.Samples{}
+	failed := 0 // the peer's
 	deadline := time.Now().Add(time.Duration(r.cfg.dials) * 50 * time.Millisecond)
 	for i := 0; i < r.cfg.dials && time.Now().Before(deadline); i++ {
 		for k := range paths {
@@ -120,7 +121,9 @@ func (r *runner) webhookFirstRequest(ctx context.Context, body []byte) {
 			p := paths[j]
 			start := time.Now()
 			if err := r.postOnce(ctx, clients[j], body); err != nil {
-				r.m.Fatalf("%s webhook on a new connection: %v", p.name, err)
+				r.newConnectionFailed(p, fmt.Errorf("webhook on a new connection: %w", err))
+				failed++
+				continue
 			}
 			samples[p.name] = append(samples[p.name], time.Since(start))
 		}
@@ -145,6 +148,7 @@ func (r *runner) webhookFirstRequest(ctx context.Context, body []byte) {
 		pr := samples[peerName]
 		r.report.floorRow(peerName, name+"p50_us", us(d, 0.5), us(pr, 0.5))
 		r.report.floorRow(peerName, name+"p99_us", us(d, 0.99), us(pr, 0.99))
+		r.report.floorRow(peerName, name+"failed", none, float64(failed))
 	}
 	if st, ok := samples[streamName]; ok {
 		r.report.floorRow(streamName, name+"p50_us", us(d, 0.5), us(st, 0.5))
