@@ -39,6 +39,7 @@ func (r *runner) dialLatency(ctx context.Context) {
 	}
 	// About a millisecond a dial and path: the profile covers most dials.
 	stop := r.profile(ctx, "dial", time.Duration(r.cfg.dials*len(paths))*time.Millisecond)
+	cpu0 := r.cpu()
 	msg, buf := make([]byte, msgSize), make([]byte, msgSize)
 	failed := 0 // the peer's
 	deadline := time.Now().Add(time.Duration(r.cfg.dials) * 50 * time.Millisecond)
@@ -60,11 +61,13 @@ func (r *runner) dialLatency(ctx context.Context) {
 			c.Close()
 		}
 	}
+	used := r.cpu().sub(cpu0)
 	stop()
 	for _, p := range paths {
 		r.logf("%s: %d dials", p.name, len(dials[p.name]))
 	}
 	r.reportDials(dials, firstEchoes, handshakes)
+	r.reportDialCPU(used, dials)
 	if r.peer != nil {
 		r.report.floorRow(peerName, "dial_first_echo_failed", none, float64(failed))
 	}
@@ -93,6 +96,38 @@ func (r *runner) dialAndEcho(ctx context.Context, p path, msg, buf []byte) (echo
 		return echoedConn{}, fmt.Errorf("first round trip: %w", err)
 	}
 	return echoedConn{Conn: c, dialed: dialed}, nil
+}
+
+// reportDialCPU prints what a dial, its first round trip and its close
+// cost the middle processes, from their CPU over the whole loop: the
+// tunnel's over the dials of all its caller legs (the broker and agent
+// serve them all), the peer's over its own; the processes of the other
+// paths idle meanwhile but for their spares and pings, which a dial's
+// cost includes.
+func (r *runner) reportDialCPU(used cpuTimes, dials map[string]bench.Samples) {
+	perDial := func(d time.Duration, n int) float64 {
+		if n == 0 {
+			return none
+		}
+		return bench.Micros(d) / float64(n)
+	}
+	tunnelDials := 0
+	for _, name := range []string{"tunneled", earlyName, streamName, connectName} {
+		tunnelDials += len(dials[name])
+	}
+	m := used.middleOf("tunneled")
+	r.report.row("dial_first_echo_middle_cpu_us", none, perDial(m.used[0]+m.used[1], tunnelDials))
+	for i, name := range m.names {
+		r.report.row("dial_first_echo_"+name+"_cpu_us", none, perDial(m.used[i], tunnelDials))
+	}
+	if r.peer != nil {
+		m := used.middleOf(peerName)
+		n := len(dials[peerName])
+		r.report.floorRow(peerName, "dial_first_echo_middle_cpu_us", none, perDial(m.used[0]+m.used[1], n))
+		for i, name := range m.names {
+			r.report.floorRow(peerName, "dial_first_echo_"+name+"_cpu_us", none, perDial(m.used[i], n))
+		}
+	}
 }
 
 // reportDials prints the dial phase's rows: each path's dials and first
