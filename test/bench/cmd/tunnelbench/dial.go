@@ -14,7 +14,10 @@ import (
 // 64-byte round trip. A tunneled dial is DialService: the Dial RPC until the
 // broker's established, which comes after the agent connected to the
 // target, so the stream is usable; there is no TLS inside. A direct dial is
-// a TCP connect. Each connection is closed before the next dial.
+// a TCP connect. Each connection is closed before the next dial. With
+// -dial-pause, each round of dials (one per path) waits that long after
+// the last, so that the processes idle and the spares are replaced between
+// rounds, as they are between a webhook client's new connections.
 //
 // dial_first_echo_* times the dial and the first round trip together, which
 // is what every path can be compared on (early_dial_first_echo_* is the
@@ -42,8 +45,11 @@ func (r *runner) dialLatency(ctx context.Context) {
 	cpu0 := r.cpu()
 	msg, buf := make([]byte, msgSize), make([]byte, msgSize)
 	failed := 0 // the peer's
-	deadline := time.Now().Add(time.Duration(r.cfg.dials) * 50 * time.Millisecond)
+	deadline := time.Now().Add(time.Duration(r.cfg.dials) * (50*time.Millisecond + r.cfg.dialPause))
 	for i := 0; i < r.cfg.dials && time.Now().Before(deadline); i++ {
+		if i > 0 && !sleepCtx(ctx, r.cfg.dialPause) {
+			break
+		}
 		for j := range paths {
 			p := paths[inTurn(i, j, len(paths))]
 			start := time.Now()
@@ -70,6 +76,21 @@ func (r *runner) dialLatency(ctx context.Context) {
 	r.reportDialCPU(used, dials)
 	if r.peer != nil {
 		r.report.floorRow(peerName, "dial_first_echo_failed", none, float64(failed))
+	}
+}
+
+// sleepCtx waits d, or until ctx ends; it reports whether d has passed.
+func sleepCtx(ctx context.Context, d time.Duration) bool {
+	if d <= 0 {
+		return ctx.Err() == nil
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
 	}
 }
 

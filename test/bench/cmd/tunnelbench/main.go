@@ -40,6 +40,7 @@ type config struct {
 	duration     time.Duration // of each timed measurement
 	conns        int           // connections of the round-trips-per-second figure
 	dials        int           // dials per path
+	dialPause    time.Duration // between the dial phase's rounds
 	idle         []int         // idle tunnel counts
 	flood        int64         // bytes the stalled connection of the isolation figure is asked for
 	webhookConns int           // concurrent kept-alive connections of the webhook rate figure
@@ -112,6 +113,7 @@ func parseFlags() (config, time.Duration) {
 	flag.DurationVar(&cfg.duration, "duration", 5*time.Second, "length of each timed measurement (round trips, rates)")
 	flag.IntVar(&cfg.conns, "conns", 16, "connections for the round-trips-per-second figure")
 	flag.IntVar(&cfg.dials, "dials", 1000, "dials per path for the dial latency figure")
+	flag.DurationVar(&cfg.dialPause, "dial-pause", 0, "dial phase: pause after each round of dials (one per path), so that every dial finds the processes idle and the spares replaced, as new connections at a webhook client's pace do; 0: back to back")
 	flag.IntVar(&cfg.webhookConns, "webhook-conns", 16, "concurrent kept-alive connections for the webhook rate figure")
 	flag.StringVar(&cfg.profileDir, "profile-dir", "", "if set and the binaries serve pprof (--pprof-listen), save their CPU and heap profiles of the throughput, round-trip and dial runs here")
 	flag.BoolVar(&cfg.relay, "relay", true, "also measure the relay reference path (caller -mTLS-> relay -mTLS-> relay -TCP-> target, plain TLS copy processes) in the throughput, latency, rps and dial phases and for the webhook on new connections, as relay_* rows")

@@ -97,7 +97,7 @@ func runTiny(t *testing.T) []byte {
 	if err != nil {
 		t.Fatalf("building the remotedialer peer: %v\n%s", err, stderrOf(err))
 	}
-	cmd := exec.Command(bin, "-size", "8MiB", "-duration", "300ms", "-dials", "30", "-idle", "20",
+	cmd := exec.Command(bin, "-size", "8MiB", "-duration", "300ms", "-dials", "30", "-dial-pause", "5ms", "-idle", "20",
 		"-conns", "4", "-webhook-conns", "4", "-flood", "64MiB",
 		"-hostile-streams", "20", "-hostile-tunnels", "2", "-hostile-wait", "20s",
 		"-peer-remotedialer", strings.TrimSpace(string(peer)),
