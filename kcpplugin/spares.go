@@ -91,8 +91,9 @@ func (s *spare) abort() {
 }
 
 // spares keeps up to DialConnections.Spares dial connections open,
-// replacing each one taken or lost at once, one handshake at a time, and
-// after a failure no sooner than a backoff allows, until it is closed.
+// replacing each one lost at once and each one taken 20 ms later
+// (wire.ReplaceAfterTake), one handshake at a time, and after a failure
+// no sooner than a backoff allows, until it is closed.
 // Nil takes none.
 type spares = wire.Spares[*spare, error]
 
@@ -142,7 +143,8 @@ func newSpares(dc DialConnections) *spares {
 				dc.Log.Info("kcpplugin: a spare dial connection ended before use", "address", dc.Address, "error", err)
 			}
 		},
-		Pace: sparePace(want),
+		Pace:      sparePace(want),
+		AfterTake: wire.ReplaceAfterTake,
 	})
 }
 

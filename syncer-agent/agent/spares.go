@@ -100,14 +100,15 @@ func (r *agentRun) startSpares(ctx context.Context, stream tunnelv1.AgentService
 	d := &spareDialer{run: r, addr: addr, authority: authority, brokerID: confirmed.GetBrokerId(), log: r.Log.With("broker", r.Broker)}
 	clk := r.clock()
 	return wire.NewSpares(ctx, wire.SparesConfig[*spare, error]{
-		Want:  r.SpareDataConnections,
-		Open:  d.open,
-		Read:  func(s *spare) error { return wire.ReadOpenResult(s.conn) },
-		Close: func(s *spare) { s.conn.Close() },
-		Lost:  d.lost,
-		Pace:  sparePace(clk, r.SpareDataConnections),
-		After: clk.After,
-		Stop:  r.draining,
+		Want:      r.SpareDataConnections,
+		Open:      d.open,
+		Read:      func(s *spare) error { return wire.ReadOpenResult(s.conn) },
+		Close:     func(s *spare) { s.conn.Close() },
+		Lost:      d.lost,
+		Pace:      sparePace(clk, r.SpareDataConnections),
+		AfterTake: wire.ReplaceAfterTake,
+		After:     clk.After,
+		Stop:      r.draining,
 	})
 }
 

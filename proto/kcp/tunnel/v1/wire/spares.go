@@ -16,6 +16,18 @@ import (
 // it holds.
 var ErrSparesRefused = errors.New("the far end takes no spare connections")
 
+// ReplaceAfterTake is how long kcpplugin's and the agent's pools wait
+// after a spare is taken before they open its replacement. The
+// replacement is a TLS handshake, about 0.7 ms of CPU on each side, and
+// opened at once it runs while the connection that took the spare makes
+// its own start: the dial, the first bytes, the caller's TLS handshake with
+// the target through it. On two cores that made a new connection at a
+// webhook client's pace (dials half a second apart, each on spares) 1.6x
+// slower than remotedialer's; 20 ms later, once that start is over, it is
+// 0.8x (docs/perf-history.md, "Issue 18: spares replaced after the
+// connection that took them has started").
+const ReplaceAfterTake = 20 * time.Millisecond
+
 // SparesConfig is what a Spares pool needs of its user: how to open, read
 // and close a spare connection of type S whose first answer is an A, and
 // the pace, clock and stop signal of the filling. Open, Pace and After run
@@ -43,6 +55,10 @@ type SparesConfig[S, A any] struct {
 	// spare was taken since the last call, setback that the last Open
 	// failed or a spare was lost since. Nil never waits.
 	Pace func(taken, setback bool) time.Duration
+	// AfterTake holds back the Open that replaces a taken spare at least
+	// this long after the take, however short Pace's wait: see
+	// ReplaceAfterTake.
+	AfterTake time.Duration
 	// After is the clock Pace's waits use, as time.After, which nil
 	// means: tests give a fake one.
 	After func(time.Duration) <-chan time.Time
@@ -175,7 +191,11 @@ func (p *Spares[S, A]) fill() {
 	setback := false
 	for p.waitForRoom() {
 		lost, taken := p.news()
-		if !p.sleep(p.cfg.Pace(taken, setback || lost)) {
+		wait := p.cfg.Pace(taken, setback || lost)
+		if taken {
+			wait = max(wait, p.cfg.AfterTake)
+		}
+		if !p.sleep(wait) {
 			return
 		}
 		err := p.add()

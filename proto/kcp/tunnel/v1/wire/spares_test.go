@@ -232,6 +232,45 @@ func TestPaceHearsOfFailedOpensAndTakesAndItsWaitsUseAfter(t *testing.T) {
 	}
 }
 
+func TestATakenSpareIsReplacedNoSoonerThanAfterTake(t *testing.T) {
+	f := newFarEnd()
+	waits := make(chan time.Duration, 100)
+	tick := make(chan time.Time)
+	cfg := f.config(1)
+	cfg.AfterTake = time.Minute
+	cfg.After = func(d time.Duration) <-chan time.Time {
+		waits <- d
+		return tick
+	}
+	p := startPool(t, cfg)
+	eventually(t, "a full pool", p.Full)
+	wait(t, "a spare", f.opens)
+
+	s := p.Take()
+	s.OnAnswer(nil)
+	defer s.Conn().end()
+	if d := wait(t, "a wait", waits); d != time.Minute {
+		t.Errorf("after a take, the pool waited %v, want AfterTake's minute", d)
+	}
+	if n := f.count(); n != 1 {
+		t.Fatalf("%d spares opened before the wait was over, want 1", n)
+	}
+	tick <- time.Time{}
+	replacement := wait(t, "the taken spare's replacement", f.opens)
+
+	// A spare lost while idle is replaced without that wait: no
+	// connection is starting on it.
+	eventually(t, "a full pool again", p.Full)
+	replacement.end()
+	wait(t, "the loss", f.lost)
+	wait(t, "the lost spare's replacement", f.opens)
+	select {
+	case d := <-waits:
+		t.Errorf("the pool waited %v to replace a lost spare, want no wait", d)
+	default:
+	}
+}
+
 func TestAnOpenRefusedForGoodEndsTheFilling(t *testing.T) {
 	f := newFarEnd()
 	cfg := f.config(2)
