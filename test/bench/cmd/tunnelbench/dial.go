@@ -14,10 +14,7 @@ import (
 // 64-byte round trip. A tunneled dial is DialService: the Dial RPC until the
 // broker's established, which comes after the agent connected to the
 // target, so the stream is usable; there is no TLS inside. A direct dial is
-// a TCP connect. Each connection is closed before the next dial. With
-// -dial-pause, each round of dials (one per path) waits that long after
-// the last, so that the processes idle and the spares are replaced between
-// rounds, as they are between a webhook client's new connections.
+// a TCP connect. Each connection is closed before the next dial.
 //
 // dial_first_echo_* times the dial and the first round trip together, which
 // is what every path can be compared on (early_dial_first_echo_* is the
@@ -32,22 +29,63 @@ import (
 // rows say so (relay_dial_2handshakes_*), and relay_handshake_* is the
 // caller's TCP connect and handshake to relay 1 alone, from the same dials.
 func (r *runner) dialLatency(ctx context.Context) {
-	paths := r.newConnectionPaths()
-	dials := make(map[string]bench.Samples, len(paths))
-	firstEchoes := make(map[string]bench.Samples, len(paths))
-	var handshakes bench.Samples
+	run := dialRun{stem: "dial", rounds: r.cfg.dials}
+	s := r.dialLoop(ctx, r.newConnectionPaths(), run)
+	r.reportDials(s)
+	r.reportFirstEchoes(run.stem, s)
+	r.reportDialCPU(run.stem, s)
+}
+
+// pacedDials is the dial phase at a webhook client's pace: cfg.pacedDials
+// rounds of one dial and first round trip per path, with cfg.pacedPause
+// after each, so that every dial finds the processes idle and the spares
+// replaced, where back-to-back dials keep the processes busy and use the
+// spares up. Its rows are paced_dial_first_echo_* and the CPU a dial
+// costs; the relay, whose two handshakes a dial are no floor for either
+// case, is left out.
+func (r *runner) pacedDials(ctx context.Context) {
+	var paths []path
+	for _, p := range r.newConnectionPaths() {
+		if p.name != "relay" {
+			paths = append(paths, p)
+		}
+	}
+	run := dialRun{stem: "paced_dial", rounds: r.cfg.pacedDials, pause: r.cfg.pacedPause}
+	s := r.dialLoop(ctx, paths, run)
+	r.reportFirstEchoes(run.stem, s)
+	r.reportDialCPU(run.stem, s)
+}
+
+// dialRun is one loop of new connections: its rounds (a dial per path
+// each), the pause after each round, and the stem of its rows and profile.
+type dialRun struct {
+	stem   string
+	rounds int
+	pause  time.Duration
+}
+
+// dialSamples is what a dial loop measured, by path name.
+type dialSamples struct {
+	dials, firstEchoes map[string]bench.Samples
+	handshakes         bench.Samples // the relay's first handshakes
+	failed             int           // the peer's new connections that failed
+	cpu                cpuTimes      // over the loop
+}
+
+// dialLoop runs run over paths after a warm-up dial of each.
+func (r *runner) dialLoop(ctx context.Context, paths []path, run dialRun) dialSamples {
+	s := dialSamples{dials: make(map[string]bench.Samples, len(paths)), firstEchoes: make(map[string]bench.Samples, len(paths))}
 	// Warm up: the first dial of each path pays for lazy setup.
 	for _, p := range paths {
 		r.dialOrFatal(ctx, p, svcDial).Close()
 	}
 	// About a millisecond a dial and path: the profile covers most dials.
-	stop := r.profile(ctx, "dial", time.Duration(r.cfg.dials*len(paths))*time.Millisecond)
+	stop := r.profile(ctx, run.stem, time.Duration(run.rounds)*(time.Duration(len(paths))*time.Millisecond+run.pause))
 	cpu0 := r.cpu()
 	msg, buf := make([]byte, msgSize), make([]byte, msgSize)
-	failed := 0 // the peer's
-	deadline := time.Now().Add(time.Duration(r.cfg.dials) * (50*time.Millisecond + r.cfg.dialPause))
-	for i := 0; i < r.cfg.dials && time.Now().Before(deadline); i++ {
-		if i > 0 && !sleepCtx(ctx, r.cfg.dialPause) {
+	deadline := time.Now().Add(time.Duration(run.rounds) * (50*time.Millisecond + run.pause))
+	for i := 0; i < run.rounds && time.Now().Before(deadline); i++ {
+		if i > 0 && !sleepCtx(ctx, run.pause) {
 			break
 		}
 		for j := range paths {
@@ -56,27 +94,23 @@ func (r *runner) dialLatency(ctx context.Context) {
 			c, err := r.dialAndEcho(ctx, p, msg, buf)
 			if err != nil {
 				r.newConnectionFailed(p, err)
-				failed++
+				s.failed++
 				continue
 			}
-			firstEchoes[p.name] = append(firstEchoes[p.name], time.Since(start))
-			dials[p.name] = append(dials[p.name], c.dialed)
+			s.firstEchoes[p.name] = append(s.firstEchoes[p.name], time.Since(start))
+			s.dials[p.name] = append(s.dials[p.name], c.dialed)
 			if rc, ok := c.Conn.(*relayConn); ok {
-				handshakes = append(handshakes, rc.handshake)
+				s.handshakes = append(s.handshakes, rc.handshake)
 			}
 			c.Close()
 		}
 	}
-	used := r.cpu().sub(cpu0)
+	s.cpu = r.cpu().sub(cpu0)
 	stop()
 	for _, p := range paths {
-		r.logf("%s: %d dials", p.name, len(dials[p.name]))
+		r.logf("%s: %d dials", p.name, len(s.dials[p.name]))
 	}
-	r.reportDials(dials, firstEchoes, handshakes)
-	r.reportDialCPU(used, dials)
-	if r.peer != nil {
-		r.report.floorRow(peerName, "dial_first_echo_failed", none, float64(failed))
-	}
+	return s
 }
 
 // sleepCtx waits d, or until ctx ends; it reports whether d has passed.
@@ -124,8 +158,9 @@ func (r *runner) dialAndEcho(ctx context.Context, p path, msg, buf []byte) (echo
 // tunnel's over the dials of all its caller legs (the broker and agent
 // serve them all), the peer's over its own; the processes of the other
 // paths idle meanwhile but for their spares and pings, which a dial's
-// cost includes.
-func (r *runner) reportDialCPU(used cpuTimes, dials map[string]bench.Samples) {
+// cost includes. With the peer, it also prints how many of the peer's new
+// connections failed.
+func (r *runner) reportDialCPU(stem string, s dialSamples) {
 	perDial := func(d time.Duration, n int) float64 {
 		if n == 0 {
 			return none
@@ -134,63 +169,63 @@ func (r *runner) reportDialCPU(used cpuTimes, dials map[string]bench.Samples) {
 	}
 	tunnelDials := 0
 	for _, name := range []string{"tunneled", earlyName, streamName, connectName} {
-		tunnelDials += len(dials[name])
+		tunnelDials += len(s.dials[name])
 	}
-	m := used.middleOf("tunneled")
-	r.report.row("dial_first_echo_middle_cpu_us", none, perDial(m.used[0]+m.used[1], tunnelDials))
+	m := s.cpu.middleOf("tunneled")
+	r.report.row(stem+"_first_echo_middle_cpu_us", none, perDial(m.used[0]+m.used[1], tunnelDials))
 	for i, name := range m.names {
-		r.report.row("dial_first_echo_"+name+"_cpu_us", none, perDial(m.used[i], tunnelDials))
+		r.report.row(stem+"_first_echo_"+name+"_cpu_us", none, perDial(m.used[i], tunnelDials))
 	}
 	if r.peer != nil {
-		m := used.middleOf(peerName)
-		n := len(dials[peerName])
-		r.report.floorRow(peerName, "dial_first_echo_middle_cpu_us", none, perDial(m.used[0]+m.used[1], n))
+		m := s.cpu.middleOf(peerName)
+		n := len(s.dials[peerName])
+		r.report.floorRow(peerName, stem+"_first_echo_middle_cpu_us", none, perDial(m.used[0]+m.used[1], n))
 		for i, name := range m.names {
-			r.report.floorRow(peerName, "dial_first_echo_"+name+"_cpu_us", none, perDial(m.used[i], n))
+			r.report.floorRow(peerName, stem+"_first_echo_"+name+"_cpu_us", none, perDial(m.used[i], n))
 		}
+		r.report.floorRow(peerName, stem+"_first_echo_failed", none, float64(s.failed))
 	}
 }
 
-// reportDials prints the dial phase's rows: each path's dials and first
-// echoes against the direct path's.
-func (r *runner) reportDials(dials, firstEchoes map[string]bench.Samples, handshakes bench.Samples) {
+// reportDials prints the rows only the back-to-back dial phase has: the
+// dials alone, of the tunnel, the relay and the CONNECT front end, against
+// the direct path's, and the relay's first echoes.
+func (r *runner) reportDials(s dialSamples) {
 	us := func(s bench.Samples, q float64) float64 { return bench.Micros(s.Quantile(q)) }
-	d, t := dials["direct"], dials["tunneled"]
+	d, t := s.dials["direct"], s.dials["tunneled"]
 	r.report.row("dial_p50_us", us(d, 0.5), us(t, 0.5))
 	r.report.row("dial_p99_us", us(d, 0.99), us(t, 0.99))
-	de, te := firstEchoes["direct"], firstEchoes["tunneled"]
-	r.report.row("dial_first_echo_p50_us", us(de, 0.5), us(te, 0.5))
-	r.report.row("dial_first_echo_p99_us", us(de, 0.99), us(te, 0.99))
-	// With early data the dial returns at once: only its first echo says
-	// what it costs.
-	ee := firstEchoes[earlyName]
-	r.report.floorRow(earlyName, "dial_first_echo_p50_us", us(de, 0.5), us(ee, 0.5))
-	r.report.floorRow(earlyName, "dial_first_echo_p99_us", us(de, 0.99), us(ee, 0.99))
+	de := s.firstEchoes["direct"]
 	if r.relay != nil {
-		rl, rle := dials["relay"], firstEchoes["relay"]
+		rl, rle := s.dials["relay"], s.firstEchoes["relay"]
 		r.report.relayRow("dial_2handshakes_p50_us", us(d, 0.5), us(rl, 0.5))
 		r.report.relayRow("dial_2handshakes_p99_us", us(d, 0.99), us(rl, 0.99))
-		r.report.relayRow("handshake_p50_us", us(d, 0.5), us(handshakes, 0.5))
-		r.report.relayRow("handshake_p99_us", us(d, 0.99), us(handshakes, 0.99))
+		r.report.relayRow("handshake_p50_us", us(d, 0.5), us(s.handshakes, 0.5))
+		r.report.relayRow("handshake_p99_us", us(d, 0.99), us(s.handshakes, 0.99))
 		r.report.relayRow("dial_2handshakes_first_echo_p50_us", us(de, 0.5), us(rle, 0.5))
 		r.report.relayRow("dial_2handshakes_first_echo_p99_us", us(de, 0.99), us(rle, 0.99))
 	}
-	if r.peer != nil {
-		pe := firstEchoes[peerName]
-		r.report.floorRow(peerName, "dial_first_echo_p50_us", us(de, 0.5), us(pe, 0.5))
-		r.report.floorRow(peerName, "dial_first_echo_p99_us", us(de, 0.99), us(pe, 0.99))
-	}
-	if se, ok := firstEchoes[streamName]; ok {
-		r.report.floorRow(streamName, "dial_first_echo_p50_us", us(de, 0.5), us(se, 0.5))
-		r.report.floorRow(streamName, "dial_first_echo_p99_us", us(de, 0.99), us(se, 0.99))
-	}
-	if ce, ok := firstEchoes[connectName]; ok {
+	if c, ok := s.dials[connectName]; ok {
 		// A CONNECT's 200 comes once the tunnel is established, as a Dial's
 		// established does.
-		c := dials[connectName]
 		r.report.floorRow(connectName, "dial_p50_us", us(d, 0.5), us(c, 0.5))
 		r.report.floorRow(connectName, "dial_p99_us", us(d, 0.99), us(c, 0.99))
-		r.report.floorRow(connectName, "dial_first_echo_p50_us", us(de, 0.5), us(ce, 0.5))
-		r.report.floorRow(connectName, "dial_first_echo_p99_us", us(de, 0.99), us(ce, 0.99))
+	}
+}
+
+// reportFirstEchoes prints each path's dial and first round trip against
+// the direct path's, as stem_first_echo_p50_us and _p99_us.
+func (r *runner) reportFirstEchoes(stem string, s dialSamples) {
+	us := func(s bench.Samples, q float64) float64 { return bench.Micros(s.Quantile(q)) }
+	de := s.firstEchoes["direct"]
+	r.report.row(stem+"_first_echo_p50_us", us(de, 0.5), us(s.firstEchoes["tunneled"], 0.5))
+	r.report.row(stem+"_first_echo_p99_us", us(de, 0.99), us(s.firstEchoes["tunneled"], 0.99))
+	// With early data the dial returns at once: only its first echo says
+	// what it costs.
+	for _, name := range []string{earlyName, peerName, streamName, connectName} {
+		if e, ok := s.firstEchoes[name]; ok {
+			r.report.floorRow(name, stem+"_first_echo_p50_us", us(de, 0.5), us(e, 0.5))
+			r.report.floorRow(name, stem+"_first_echo_p99_us", us(de, 0.99), us(e, 0.99))
+		}
 	}
 }

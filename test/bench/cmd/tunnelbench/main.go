@@ -33,14 +33,15 @@ import (
 )
 
 // phases, in the order they run.
-var allPhases = []string{"throughput", "latency", "rps", "dial", "grpc", "isolation", "tenants", "webhook", "idle", "hostile", "scale"}
+var allPhases = []string{"throughput", "latency", "rps", "dial", "paced", "grpc", "isolation", "tenants", "webhook", "idle", "hostile", "scale"}
 
 type config struct {
 	size         int64         // bytes of each bulk transfer
 	duration     time.Duration // of each timed measurement
 	conns        int           // connections of the round-trips-per-second figure
 	dials        int           // dials per path
-	dialPause    time.Duration // between the dial phase's rounds
+	pacedDials   int           // rounds of the paced phase
+	pacedPause   time.Duration // after each of them
 	idle         []int         // idle tunnel counts
 	flood        int64         // bytes the stalled connection of the isolation figure is asked for
 	webhookConns int           // concurrent kept-alive connections of the webhook rate figure
@@ -108,12 +109,13 @@ func parseFlags() (config, time.Duration) {
 		idle   = flag.String("idle", "1000,10000", "idle tunnel counts, comma-separated")
 		flood  = flag.String("flood", "4GiB", "bytes the stalled connection of the isolation figure asks for")
 		phases = flag.String("phases", strings.Join(allPhases, ","), "phases to run, comma-separated: "+strings.Join(allPhases, ","))
-		quick  = flag.Bool("quick", false, "small sizes and short durations, for a smoke run (overrides -size, -duration, -dials, -idle)")
+		quick  = flag.Bool("quick", false, "small sizes and short durations, for a smoke run (overrides -size, -duration, -dials, -paced-dials, -idle)")
 	)
 	flag.DurationVar(&cfg.duration, "duration", 5*time.Second, "length of each timed measurement (round trips, rates)")
 	flag.IntVar(&cfg.conns, "conns", 16, "connections for the round-trips-per-second figure")
 	flag.IntVar(&cfg.dials, "dials", 1000, "dials per path for the dial latency figure")
-	flag.DurationVar(&cfg.dialPause, "dial-pause", 0, "dial phase: pause after each round of dials (one per path), so that every dial finds the processes idle and the spares replaced, as new connections at a webhook client's pace do; 0: back to back")
+	flag.IntVar(&cfg.pacedDials, "paced-dials", 100, "paced phase: dials per path at a webhook client's pace")
+	flag.DurationVar(&cfg.pacedPause, "paced-pause", 500*time.Millisecond, "paced phase: pause after each round of dials (one per path), so that every dial finds the processes idle and the spares replaced")
 	flag.IntVar(&cfg.webhookConns, "webhook-conns", 16, "concurrent kept-alive connections for the webhook rate figure")
 	flag.StringVar(&cfg.profileDir, "profile-dir", "", "if set and the binaries serve pprof (--pprof-listen), save their CPU and heap profiles of the throughput, round-trip and dial runs here")
 	flag.BoolVar(&cfg.relay, "relay", true, "also measure the relay reference path (caller -mTLS-> relay -mTLS-> relay -TCP-> target, plain TLS copy processes) in the throughput, latency, rps and dial phases and for the webhook on new connections, as relay_* rows")
@@ -142,6 +144,7 @@ func parseFlags() (config, time.Duration) {
 		cfg.size = 64 << 20
 		cfg.duration = time.Second
 		cfg.dials = 200
+		cfg.pacedDials = 20
 		cfg.idle = []int{100, 1000}
 	}
 	return cfg, *maxTime
@@ -219,6 +222,8 @@ func (r *runner) runPhase(ctx context.Context, p string) {
 		r.roundTripRate(ctx)
 	case "dial":
 		r.dialLatency(ctx)
+	case "paced":
+		r.pacedDials(ctx)
 	case "grpc":
 		r.grpcFloor(ctx)
 	case "isolation":

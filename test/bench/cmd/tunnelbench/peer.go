@@ -137,7 +137,7 @@ func peerWanted(cfg config) bool {
 	}
 	for _, p := range cfg.phases {
 		switch p {
-		case "throughput", "latency", "rps", "dial", "isolation", "webhook":
+		case "throughput", "latency", "rps", "dial", "paced", "isolation", "webhook":
 			return true
 		}
 	}

@@ -66,6 +66,10 @@ var tinyRunFigures = []string{
 	"hostile_tunnel_unfinished_broker_rss_MiB_peak", "hostile_tunnel_stalled_small_MiB_sent_per_tunnel",
 	// Every path's new-connection figures, and the peer's of each phase.
 	"dial_first_echo_p50_us", "relay_dial_2handshakes_first_echo_p99_us", "throughput_upload_middle_cpu_s_per_GiB",
+	"paced_dial_first_echo_p50_us", "early_paced_dial_first_echo_p99_us", "connect_paced_dial_first_echo_p50_us",
+	"stream_paced_dial_first_echo_p99_us", "paced_dial_first_echo_agent_cpu_us",
+	"peer_remotedialer_paced_dial_first_echo_p50_us", "peer_remotedialer_paced_dial_first_echo_middle_cpu_us",
+	"peer_remotedialer_paced_dial_first_echo_failed",
 	"webhook_dial_tls_first_request_p50_us", "relay_webhook_dial_tls_first_request_p99_us",
 	"early_dial_first_echo_p50_us", "early_webhook_dial_tls_first_request_p99_us", "dial_first_echo_broker_cpu_us",
 	"connect_rtt64_p50_us", "connect_rtt64_broker_cpu_us_per_rt", "connect_rtt64_4conns_per_s", "connect_dial_first_echo_p99_us",
@@ -97,7 +101,7 @@ func runTiny(t *testing.T) []byte {
 	if err != nil {
 		t.Fatalf("building the remotedialer peer: %v\n%s", err, stderrOf(err))
 	}
-	cmd := exec.Command(bin, "-size", "8MiB", "-duration", "300ms", "-dials", "30", "-dial-pause", "5ms", "-idle", "20",
+	cmd := exec.Command(bin, "-size", "8MiB", "-duration", "300ms", "-dials", "30", "-paced-dials", "5", "-paced-pause", "5ms", "-idle", "20",
 		"-conns", "4", "-webhook-conns", "4", "-flood", "64MiB",
 		"-hostile-streams", "20", "-hostile-tunnels", "2", "-hostile-wait", "20s",
 		"-peer-remotedialer", strings.TrimSpace(string(peer)),
