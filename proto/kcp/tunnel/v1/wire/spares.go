@@ -22,10 +22,10 @@ var ErrSparesRefused = errors.New("the far end takes no spare connections")
 // opened at once it runs while the connection that took the spare makes
 // its own start: the dial, the first bytes, the caller's TLS handshake with
 // the target through it. On two cores that made a new connection at a
-// webhook client's pace (dials half a second apart, each on spares) 1.6x
-// slower than remotedialer's; 20 ms later, once that start is over, it is
-// 0.8x (docs/perf-history.md, "Issue 18: spares replaced after the
-// connection that took them has started").
+// webhook client's pace (dials half a second apart, each on spares)
+// 1.4-1.6x as slow as remotedialer's; 20 ms later, once that start is
+// over, 0.83-0.94x (docs/perf-history.md, "Issue 18: spares replaced after
+// the connection that took them has started").
 const ReplaceAfterTake = 20 * time.Millisecond
 
 // SparesConfig is what a Spares pool needs of its user: how to open, read
