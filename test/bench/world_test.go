@@ -46,7 +46,9 @@ var world struct {
 	tunnel     *kcpplugin.Dialer
 	dialConn   *kcpplugin.Dialer // on dial connections
 	early      *kcpplugin.Dialer // tunnel's connection, with EarlyData
-	fake       *kcpplugin.Dialer
+	// dialConnEarly is dialConn's connection and spares, with EarlyData.
+	dialConnEarly *kcpplugin.Dialer
+	fake          *kcpplugin.Dialer
 }
 
 const (
@@ -97,6 +99,9 @@ func runMain(m *testing.M) int {
 	early := *world.tunnel
 	early.EarlyData = true
 	world.early = &early
+	dialConnEarly := *world.dialConn
+	dialConnEarly.EarlyData = true
+	world.dialConnEarly = &dialConnEarly
 
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -255,6 +260,11 @@ var paths = []benchPath{
 // first round trip measures it.
 var earlyPath = benchPath{"tunnel_early", func(ctx context.Context, svc string) (net.Conn, error) {
 	return world.early.DialService(ctx, benchCluster, benchNamespace, svc, 80)
+}}
+
+// dialConnEarlyPath is the tunnel on dial connections with EarlyData.
+var dialConnEarlyPath = benchPath{"tunnel_dialconn_early", func(ctx context.Context, svc string) (net.Conn, error) {
+	return world.dialConnEarly.DialService(ctx, benchCluster, benchNamespace, svc, 80)
 }}
 
 func dial(b *testing.B, d func(context.Context, string) (net.Conn, error), svc string) net.Conn {
