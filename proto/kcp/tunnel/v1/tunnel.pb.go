@@ -1365,7 +1365,7 @@ type OpenResult struct {
 	// A google.rpc.Code. OK: the spare is taken, or the tunnel's bytes
 	// follow the answer to the open or the dial. Anything else: the broker
 	// refused the connection, the open or the dial, and closes the
-	// connection.
+	// connection. In a ConnFrame's end, the status the tunnel ended with.
 	Code int32 `protobuf:"varint,1,opt,name=code,proto3" json:"code,omitempty"`
 	// Why, for a refusal.
 	Message string `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
@@ -1436,6 +1436,116 @@ func (x *OpenResult) GetTunnelId() string {
 	return ""
 }
 
+// ConnFrame is one frame of a tunnel on a data or dial connection
+// (docs/protocol.md §3.7), once the broker has answered its open or dial
+// with OK: each frame is one ConnFrame with one field set, encoded on its
+// own and sent with no length prefix (its one field's tag and length
+// delimit it). A data frame is encoded as the data frames of DialRequest,
+// DialResponse, TunnelRequest and TunnelResponse are.
+type ConnFrame struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Frame:
+	//
+	//	*ConnFrame_Data
+	//	*ConnFrame_CloseWrite
+	//	*ConnFrame_End
+	Frame         isConnFrame_Frame `protobuf_oneof:"frame"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ConnFrame) Reset() {
+	*x = ConnFrame{}
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[18]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ConnFrame) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ConnFrame) ProtoMessage() {}
+
+func (x *ConnFrame) ProtoReflect() protoreflect.Message {
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[18]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ConnFrame.ProtoReflect.Descriptor instead.
+func (*ConnFrame) Descriptor() ([]byte, []int) {
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{18}
+}
+
+func (x *ConnFrame) GetFrame() isConnFrame_Frame {
+	if x != nil {
+		return x.Frame
+	}
+	return nil
+}
+
+func (x *ConnFrame) GetData() []byte {
+	if x != nil {
+		if x, ok := x.Frame.(*ConnFrame_Data); ok {
+			return x.Data
+		}
+	}
+	return nil
+}
+
+func (x *ConnFrame) GetCloseWrite() *CloseWrite {
+	if x != nil {
+		if x, ok := x.Frame.(*ConnFrame_CloseWrite); ok {
+			return x.CloseWrite
+		}
+	}
+	return nil
+}
+
+func (x *ConnFrame) GetEnd() *OpenResult {
+	if x != nil {
+		if x, ok := x.Frame.(*ConnFrame_End); ok {
+			return x.End
+		}
+	}
+	return nil
+}
+
+type isConnFrame_Frame interface {
+	isConnFrame_Frame()
+}
+
+type ConnFrame_Data struct {
+	// Bytes of the tunnel, in order: 1 to 32752 of them (wire.MaxFrame).
+	Data []byte `protobuf:"bytes,2,opt,name=data,proto3,oneof"`
+}
+
+type ConnFrame_CloseWrite struct {
+	// The sender's direction of the tunnel ends (TCP half-close).
+	CloseWrite *CloseWrite `protobuf:"bytes,3,opt,name=close_write,json=closeWrite,proto3,oneof"`
+}
+
+type ConnFrame_End struct {
+	// The sender is done with the tunnel, with this code and message: it
+	// sends nothing more of it and reads nothing more of it. Once each
+	// side has sent its end and read the other's, the connection is idle
+	// and carries the next tunnel. At most 512 bytes.
+	End *OpenResult `protobuf:"bytes,4,opt,name=end,proto3,oneof"`
+}
+
+func (*ConnFrame_Data) isConnFrame_Frame() {}
+
+func (*ConnFrame_CloseWrite) isConnFrame_Frame() {}
+
+func (*ConnFrame_End) isConnFrame_Frame() {}
+
 // DialOrder asks the agent to connect to a target.
 type DialOrder struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1454,7 +1564,7 @@ type DialOrder struct {
 
 func (x *DialOrder) Reset() {
 	*x = DialOrder{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[18]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1466,7 +1576,7 @@ func (x *DialOrder) String() string {
 func (*DialOrder) ProtoMessage() {}
 
 func (x *DialOrder) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[18]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1479,7 +1589,7 @@ func (x *DialOrder) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DialOrder.ProtoReflect.Descriptor instead.
 func (*DialOrder) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{18}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *DialOrder) GetDialId() uint64 {
@@ -1531,7 +1641,7 @@ type DialFailure struct {
 
 func (x *DialFailure) Reset() {
 	*x = DialFailure{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[19]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1543,7 +1653,7 @@ func (x *DialFailure) String() string {
 func (*DialFailure) ProtoMessage() {}
 
 func (x *DialFailure) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[19]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1556,7 +1666,7 @@ func (x *DialFailure) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DialFailure.ProtoReflect.Descriptor instead.
 func (*DialFailure) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{19}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *DialFailure) GetDialId() uint64 {
@@ -1600,7 +1710,7 @@ type TunnelRequest struct {
 
 func (x *TunnelRequest) Reset() {
 	*x = TunnelRequest{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[20]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1612,7 +1722,7 @@ func (x *TunnelRequest) String() string {
 func (*TunnelRequest) ProtoMessage() {}
 
 func (x *TunnelRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[20]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1625,7 +1735,7 @@ func (x *TunnelRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelRequest.ProtoReflect.Descriptor instead.
 func (*TunnelRequest) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{20}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *TunnelRequest) GetFrame() isTunnelRequest_Frame {
@@ -1684,7 +1794,7 @@ type TunnelResponse struct {
 
 func (x *TunnelResponse) Reset() {
 	*x = TunnelResponse{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[21]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1696,7 +1806,7 @@ func (x *TunnelResponse) String() string {
 func (*TunnelResponse) ProtoMessage() {}
 
 func (x *TunnelResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[21]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1709,7 +1819,7 @@ func (x *TunnelResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelResponse.ProtoReflect.Descriptor instead.
 func (*TunnelResponse) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{21}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *TunnelResponse) GetFrame() isTunnelResponse_Frame {
@@ -1765,7 +1875,7 @@ type TunnelOpen struct {
 
 func (x *TunnelOpen) Reset() {
 	*x = TunnelOpen{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[22]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1777,7 +1887,7 @@ func (x *TunnelOpen) String() string {
 func (*TunnelOpen) ProtoMessage() {}
 
 func (x *TunnelOpen) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[22]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1790,7 +1900,7 @@ func (x *TunnelOpen) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelOpen.ProtoReflect.Descriptor instead.
 func (*TunnelOpen) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{22}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *TunnelOpen) GetDialId() uint64 {
@@ -1906,7 +2016,13 @@ const file_kcp_tunnel_v1_tunnel_proto_rawDesc = "" +
 	"\x04code\x18\x01 \x01(\x05R\x04code\x12\x18\n" +
 	"\amessage\x18\x02 \x01(\tR\amessage\x12\x1b\n" +
 	"\tbroker_id\x18\x03 \x01(\tR\bbrokerId\x12\x1b\n" +
-	"\ttunnel_id\x18\x04 \x01(\tR\btunnelId\"\x91\x01\n" +
+	"\ttunnel_id\x18\x04 \x01(\tR\btunnelId\"\x97\x01\n" +
+	"\tConnFrame\x12\x14\n" +
+	"\x04data\x18\x02 \x01(\fH\x00R\x04data\x12<\n" +
+	"\vclose_write\x18\x03 \x01(\v2\x19.kcp.tunnel.v1.CloseWriteH\x00R\n" +
+	"closeWrite\x12-\n" +
+	"\x03end\x18\x04 \x01(\v2\x19.kcp.tunnel.v1.OpenResultH\x00R\x03endB\a\n" +
+	"\x05frame\"\x91\x01\n" +
 	"\tDialOrder\x12\x17\n" +
 	"\adial_id\x18\x01 \x01(\x04R\x06dialId\x12-\n" +
 	"\x06target\x18\x02 \x01(\v2\x15.kcp.tunnel.v1.TargetR\x06target\x12\x1d\n" +
@@ -1953,7 +2069,7 @@ func file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP() []byte {
 	return file_kcp_tunnel_v1_tunnel_proto_rawDescData
 }
 
-var file_kcp_tunnel_v1_tunnel_proto_msgTypes = make([]protoimpl.MessageInfo, 23)
+var file_kcp_tunnel_v1_tunnel_proto_msgTypes = make([]protoimpl.MessageInfo, 24)
 var file_kcp_tunnel_v1_tunnel_proto_goTypes = []any{
 	(*ListAgentsRequest)(nil),     // 0: kcp.tunnel.v1.ListAgentsRequest
 	(*ListAgentsResponse)(nil),    // 1: kcp.tunnel.v1.ListAgentsResponse
@@ -1973,54 +2089,57 @@ var file_kcp_tunnel_v1_tunnel_proto_goTypes = []any{
 	(*Register)(nil),              // 15: kcp.tunnel.v1.Register
 	(*Registered)(nil),            // 16: kcp.tunnel.v1.Registered
 	(*OpenResult)(nil),            // 17: kcp.tunnel.v1.OpenResult
-	(*DialOrder)(nil),             // 18: kcp.tunnel.v1.DialOrder
-	(*DialFailure)(nil),           // 19: kcp.tunnel.v1.DialFailure
-	(*TunnelRequest)(nil),         // 20: kcp.tunnel.v1.TunnelRequest
-	(*TunnelResponse)(nil),        // 21: kcp.tunnel.v1.TunnelResponse
-	(*TunnelOpen)(nil),            // 22: kcp.tunnel.v1.TunnelOpen
-	(*timestamppb.Timestamp)(nil), // 23: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 24: google.protobuf.Duration
+	(*ConnFrame)(nil),             // 18: kcp.tunnel.v1.ConnFrame
+	(*DialOrder)(nil),             // 19: kcp.tunnel.v1.DialOrder
+	(*DialFailure)(nil),           // 20: kcp.tunnel.v1.DialFailure
+	(*TunnelRequest)(nil),         // 21: kcp.tunnel.v1.TunnelRequest
+	(*TunnelResponse)(nil),        // 22: kcp.tunnel.v1.TunnelResponse
+	(*TunnelOpen)(nil),            // 23: kcp.tunnel.v1.TunnelOpen
+	(*timestamppb.Timestamp)(nil), // 24: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 25: google.protobuf.Duration
 }
 var file_kcp_tunnel_v1_tunnel_proto_depIdxs = []int32{
 	2,  // 0: kcp.tunnel.v1.ListAgentsResponse.agents:type_name -> kcp.tunnel.v1.AgentInfo
-	23, // 1: kcp.tunnel.v1.AgentInfo.connected_since:type_name -> google.protobuf.Timestamp
-	23, // 2: kcp.tunnel.v1.AgentInfo.last_probe:type_name -> google.protobuf.Timestamp
-	24, // 3: kcp.tunnel.v1.AgentInfo.last_probe_rtt:type_name -> google.protobuf.Duration
+	24, // 1: kcp.tunnel.v1.AgentInfo.connected_since:type_name -> google.protobuf.Timestamp
+	24, // 2: kcp.tunnel.v1.AgentInfo.last_probe:type_name -> google.protobuf.Timestamp
+	25, // 3: kcp.tunnel.v1.AgentInfo.last_probe_rtt:type_name -> google.protobuf.Duration
 	5,  // 4: kcp.tunnel.v1.ListTunnelsResponse.tunnels:type_name -> kcp.tunnel.v1.TunnelInfo
 	6,  // 5: kcp.tunnel.v1.TunnelInfo.target:type_name -> kcp.tunnel.v1.Target
-	23, // 6: kcp.tunnel.v1.TunnelInfo.established:type_name -> google.protobuf.Timestamp
-	24, // 7: kcp.tunnel.v1.TunnelInfo.age:type_name -> google.protobuf.Duration
-	24, // 8: kcp.tunnel.v1.TunnelInfo.idle:type_name -> google.protobuf.Duration
+	24, // 6: kcp.tunnel.v1.TunnelInfo.established:type_name -> google.protobuf.Timestamp
+	25, // 7: kcp.tunnel.v1.TunnelInfo.age:type_name -> google.protobuf.Duration
+	25, // 8: kcp.tunnel.v1.TunnelInfo.idle:type_name -> google.protobuf.Duration
 	6,  // 9: kcp.tunnel.v1.DialRequest.target:type_name -> kcp.tunnel.v1.Target
 	9,  // 10: kcp.tunnel.v1.DialResponse.established:type_name -> kcp.tunnel.v1.Established
 	10, // 11: kcp.tunnel.v1.DialResponse.close_write:type_name -> kcp.tunnel.v1.CloseWrite
 	15, // 12: kcp.tunnel.v1.ConnectRequest.register:type_name -> kcp.tunnel.v1.Register
-	19, // 13: kcp.tunnel.v1.ConnectRequest.dial_failure:type_name -> kcp.tunnel.v1.DialFailure
+	20, // 13: kcp.tunnel.v1.ConnectRequest.dial_failure:type_name -> kcp.tunnel.v1.DialFailure
 	14, // 14: kcp.tunnel.v1.ConnectRequest.drain:type_name -> kcp.tunnel.v1.Drain
 	13, // 15: kcp.tunnel.v1.ConnectRequest.probe:type_name -> kcp.tunnel.v1.Probe
 	16, // 16: kcp.tunnel.v1.ConnectResponse.registered:type_name -> kcp.tunnel.v1.Registered
-	18, // 17: kcp.tunnel.v1.ConnectResponse.dial_order:type_name -> kcp.tunnel.v1.DialOrder
+	19, // 17: kcp.tunnel.v1.ConnectResponse.dial_order:type_name -> kcp.tunnel.v1.DialOrder
 	14, // 18: kcp.tunnel.v1.ConnectResponse.drain:type_name -> kcp.tunnel.v1.Drain
 	13, // 19: kcp.tunnel.v1.ConnectResponse.probe:type_name -> kcp.tunnel.v1.Probe
-	23, // 20: kcp.tunnel.v1.Registered.since:type_name -> google.protobuf.Timestamp
-	6,  // 21: kcp.tunnel.v1.DialOrder.target:type_name -> kcp.tunnel.v1.Target
-	22, // 22: kcp.tunnel.v1.TunnelRequest.open:type_name -> kcp.tunnel.v1.TunnelOpen
-	10, // 23: kcp.tunnel.v1.TunnelResponse.close_write:type_name -> kcp.tunnel.v1.CloseWrite
-	7,  // 24: kcp.tunnel.v1.DialService.Dial:input_type -> kcp.tunnel.v1.DialRequest
-	0,  // 25: kcp.tunnel.v1.AdminService.ListAgents:input_type -> kcp.tunnel.v1.ListAgentsRequest
-	3,  // 26: kcp.tunnel.v1.AdminService.ListTunnels:input_type -> kcp.tunnel.v1.ListTunnelsRequest
-	11, // 27: kcp.tunnel.v1.AgentService.Connect:input_type -> kcp.tunnel.v1.ConnectRequest
-	20, // 28: kcp.tunnel.v1.AgentService.Tunnel:input_type -> kcp.tunnel.v1.TunnelRequest
-	8,  // 29: kcp.tunnel.v1.DialService.Dial:output_type -> kcp.tunnel.v1.DialResponse
-	1,  // 30: kcp.tunnel.v1.AdminService.ListAgents:output_type -> kcp.tunnel.v1.ListAgentsResponse
-	4,  // 31: kcp.tunnel.v1.AdminService.ListTunnels:output_type -> kcp.tunnel.v1.ListTunnelsResponse
-	12, // 32: kcp.tunnel.v1.AgentService.Connect:output_type -> kcp.tunnel.v1.ConnectResponse
-	21, // 33: kcp.tunnel.v1.AgentService.Tunnel:output_type -> kcp.tunnel.v1.TunnelResponse
-	29, // [29:34] is the sub-list for method output_type
-	24, // [24:29] is the sub-list for method input_type
-	24, // [24:24] is the sub-list for extension type_name
-	24, // [24:24] is the sub-list for extension extendee
-	0,  // [0:24] is the sub-list for field type_name
+	24, // 20: kcp.tunnel.v1.Registered.since:type_name -> google.protobuf.Timestamp
+	10, // 21: kcp.tunnel.v1.ConnFrame.close_write:type_name -> kcp.tunnel.v1.CloseWrite
+	17, // 22: kcp.tunnel.v1.ConnFrame.end:type_name -> kcp.tunnel.v1.OpenResult
+	6,  // 23: kcp.tunnel.v1.DialOrder.target:type_name -> kcp.tunnel.v1.Target
+	23, // 24: kcp.tunnel.v1.TunnelRequest.open:type_name -> kcp.tunnel.v1.TunnelOpen
+	10, // 25: kcp.tunnel.v1.TunnelResponse.close_write:type_name -> kcp.tunnel.v1.CloseWrite
+	7,  // 26: kcp.tunnel.v1.DialService.Dial:input_type -> kcp.tunnel.v1.DialRequest
+	0,  // 27: kcp.tunnel.v1.AdminService.ListAgents:input_type -> kcp.tunnel.v1.ListAgentsRequest
+	3,  // 28: kcp.tunnel.v1.AdminService.ListTunnels:input_type -> kcp.tunnel.v1.ListTunnelsRequest
+	11, // 29: kcp.tunnel.v1.AgentService.Connect:input_type -> kcp.tunnel.v1.ConnectRequest
+	21, // 30: kcp.tunnel.v1.AgentService.Tunnel:input_type -> kcp.tunnel.v1.TunnelRequest
+	8,  // 31: kcp.tunnel.v1.DialService.Dial:output_type -> kcp.tunnel.v1.DialResponse
+	1,  // 32: kcp.tunnel.v1.AdminService.ListAgents:output_type -> kcp.tunnel.v1.ListAgentsResponse
+	4,  // 33: kcp.tunnel.v1.AdminService.ListTunnels:output_type -> kcp.tunnel.v1.ListTunnelsResponse
+	12, // 34: kcp.tunnel.v1.AgentService.Connect:output_type -> kcp.tunnel.v1.ConnectResponse
+	22, // 35: kcp.tunnel.v1.AgentService.Tunnel:output_type -> kcp.tunnel.v1.TunnelResponse
+	31, // [31:36] is the sub-list for method output_type
+	26, // [26:31] is the sub-list for method input_type
+	26, // [26:26] is the sub-list for extension type_name
+	26, // [26:26] is the sub-list for extension extendee
+	0,  // [0:26] is the sub-list for field type_name
 }
 
 func init() { file_kcp_tunnel_v1_tunnel_proto_init() }
@@ -2049,11 +2168,16 @@ func file_kcp_tunnel_v1_tunnel_proto_init() {
 		(*ConnectResponse_Drain)(nil),
 		(*ConnectResponse_Probe)(nil),
 	}
-	file_kcp_tunnel_v1_tunnel_proto_msgTypes[20].OneofWrappers = []any{
+	file_kcp_tunnel_v1_tunnel_proto_msgTypes[18].OneofWrappers = []any{
+		(*ConnFrame_Data)(nil),
+		(*ConnFrame_CloseWrite)(nil),
+		(*ConnFrame_End)(nil),
+	}
+	file_kcp_tunnel_v1_tunnel_proto_msgTypes[21].OneofWrappers = []any{
 		(*TunnelRequest_Open)(nil),
 		(*TunnelRequest_Data)(nil),
 	}
-	file_kcp_tunnel_v1_tunnel_proto_msgTypes[21].OneofWrappers = []any{
+	file_kcp_tunnel_v1_tunnel_proto_msgTypes[22].OneofWrappers = []any{
 		(*TunnelResponse_Data)(nil),
 		(*TunnelResponse_CloseWrite)(nil),
 	}
@@ -2063,7 +2187,7 @@ func file_kcp_tunnel_v1_tunnel_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kcp_tunnel_v1_tunnel_proto_rawDesc), len(file_kcp_tunnel_v1_tunnel_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   23,
+			NumMessages:   24,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

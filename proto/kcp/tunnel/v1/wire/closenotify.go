@@ -7,9 +7,11 @@ import (
 	"sync/atomic"
 )
 
-// ErrNoCloseNotify is a data connection that ended without a TLS
-// close_notify: its sender's direction did not end cleanly
-// (docs/protocol.md §3.5).
+// ErrNoCloseNotify is a data or dial connection that ended without a TLS
+// close_notify: its peer did not close it cleanly, but crashed, was reset,
+// or lost the network. Inside a tunnel frames say how it ends
+// (docs/protocol.md §3.7); outside one, the close_notify is a clean close:
+// a refusal's (wire.CloseRefused), or a pool's that holds enough spares.
 var ErrNoCloseNotify = errors.New("the connection ended without a close_notify")
 
 // Socket is the connection under a data connection's TLS: it remembers

@@ -102,8 +102,9 @@ func (c *coalescingConn) Write(p []byte) (int, error) {
 	return n, err
 }
 
-// CloseWrite is the TLS connection's: a close_notify, which half-closes a
-// data connection (docs/protocol.md §3.5). gRPC never calls it.
+// CloseWrite is the TLS connection's: a close_notify, which a refusal
+// sends before it reads what followed the open or dial (CloseRefused).
+// gRPC never calls it.
 func (c *coalescingConn) CloseWrite() error {
 	cw, ok := c.Conn.(interface{ CloseWrite() error })
 	if !ok {

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"time"
 
 	"google.golang.org/grpc/codes"
@@ -18,9 +19,10 @@ import (
 )
 
 // DataProtocol is the ALPN protocol of a data connection
-// (docs/protocol.md §3.5): a TLS connection to the broker's gRPC port that
-// carries one tunnel's bytes as they are, without gRPC. The broker offers
-// it beside gRPC's "h2" on the same port and with the same mTLS.
+// (docs/protocol.md §3.5): an agent's TLS connection to the broker's gRPC
+// port that carries its leg of one tunnel after another without gRPC
+// (§3.7). The broker offers it beside gRPC's "h2" on the same port and
+// with the same mTLS.
 const DataProtocol = "kcp-tunnel-data/1"
 
 // The bounds of a data connection's two messages, in bytes, without their
@@ -58,29 +60,40 @@ func WriteOpenResult(w io.Writer, err error) error {
 	return writeResult(w, &tunnelv1.OpenResult{}, err)
 }
 
-// writeResult writes res with err's status: its code, and its message cut
-// to fit the bound a reader applies.
+// writeResult writes res with err's status (resultOf).
 func writeResult(w io.Writer, res *tunnelv1.OpenResult, err error) error {
+	return writeDelimited(w, resultOf(res, err))
+}
+
+// resultOf is res with err's status: its code, and its message cut to fit
+// the bound a reader applies.
+func resultOf(res *tunnelv1.OpenResult, err error) *tunnelv1.OpenResult {
 	st := status.Convert(err)
 	msg := st.Message()
 	if room := maxOpenResult - 16 - len(res.GetTunnelId()); len(msg) > room {
 		msg = msg[:room]
 	}
 	res.Code, res.Message = int32(st.Code()), msg
-	return writeDelimited(w, res)
+	return res
 }
 
 // writeDelimited writes m length-delimited with one Write: one TLS record,
 // where protodelim.MarshalTo would make two.
 func writeDelimited(w io.Writer, m proto.Message) error {
-	size := proto.Size(m)
-	buf := protowire.AppendVarint(make([]byte, 0, size+binary.MaxVarintLen64), uint64(size))
-	buf, err := proto.MarshalOptions{UseCachedSize: true}.MarshalAppend(buf, m)
+	buf, err := appendDelimited(nil, m)
 	if err != nil {
 		return err
 	}
 	_, err = w.Write(buf)
 	return err
+}
+
+// appendDelimited appends m to buf, after its length as a varint.
+func appendDelimited(buf []byte, m proto.Message) ([]byte, error) {
+	size := proto.Size(m)
+	buf = slices.Grow(buf, size+binary.MaxVarintLen64)
+	buf = protowire.AppendVarint(buf, uint64(size))
+	return proto.MarshalOptions{UseCachedSize: true}.MarshalAppend(buf, m)
 }
 
 // WriteAccepted tells the agent of a new data connection that the broker

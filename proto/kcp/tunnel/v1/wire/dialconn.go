@@ -13,9 +13,9 @@ import (
 
 // DialProtocol is the ALPN protocol of a dial connection (docs/protocol.md
 // §3.6): a caller's TLS connection to the broker's gRPC port that carries
-// one tunnel's bytes as they are, without gRPC, as a data connection
-// carries the agent's. The broker offers it beside "h2" and DataProtocol,
-// on the same port and with the same mTLS.
+// the caller's leg of one tunnel after another without gRPC (§3.7), as a
+// data connection carries the agent's. The broker offers it beside "h2"
+// and DataProtocol, on the same port and with the same mTLS.
 const DialProtocol = "kcp-tunnel-dial/1"
 
 // maxDial bounds a dial's message without its length prefix: its early
@@ -25,8 +25,8 @@ const maxDial = MaxEarlyData + 1<<10
 // AppendDial appends a dial to buf: the length-delimited
 // DialRequest{target, early_data}, which the caller sends once the broker
 // has taken the connection (ReadAccepted). The tunnel's bytes MAY follow at
-// once. Written with one Write, the dial and its early data leave in one
-// TLS record, a ClientHello included.
+// once, in data frames (§3.7). Written with one Write, the dial and its
+// early data leave in one TLS record, a ClientHello included.
 func AppendDial(buf []byte, target *tunnelv1.Target, earlyData []byte) ([]byte, error) {
 	req := &tunnelv1.DialRequest{Frame: &tunnelv1.DialRequest_Target{Target: target}, EarlyData: earlyData}
 	size := proto.Size(req)
@@ -38,7 +38,7 @@ func AppendDial(buf []byte, target *tunnelv1.Target, earlyData []byte) ([]byte, 
 }
 
 // ReadDial reads a dial, and not a byte past it: what follows is the
-// tunnel's. A message that is not a dial (a target, and no data frame) is
+// tunnel's frames. A message that is not a dial (a target, and no data frame) is
 // an InvalidArgument status; the target and the early data are the
 // caller's to validate. A connection that ends first is the read's error:
 // io.EOF if it ended before the dial's first byte.
@@ -54,7 +54,7 @@ func ReadDial(r io.Reader) (*tunnelv1.DialRequest, error) {
 }
 
 // WriteDialResult answers a dial: OK (err nil) with the tunnel's id, and
-// the tunnel's bytes follow; or err's status, and the broker closes the
+// the tunnel's frames follow; or err's status, and the broker closes the
 // connection.
 func WriteDialResult(w io.Writer, tunnelID string, err error) error {
 	return writeResult(w, &tunnelv1.OpenResult{TunnelId: tunnelID}, err)

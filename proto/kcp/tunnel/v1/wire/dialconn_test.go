@@ -101,9 +101,16 @@ func TestOneMessageIsOneWrite(t *testing.T) {
 	}
 }
 
-type countingWriter struct{ writes int }
+// countingWriter keeps what is written, and counts the Writes.
+type countingWriter struct {
+	bytes.Buffer
+	writes int
+}
 
-func (c *countingWriter) Write(p []byte) (int, error) { c.writes++; return len(p), nil }
+func (w *countingWriter) Write(p []byte) (int, error) {
+	w.writes++
+	return w.Buffer.Write(p)
+}
 
 func TestAMalformedAnswerIsTheBrokersMistake(t *testing.T) {
 	for name, answer := range map[string][]byte{

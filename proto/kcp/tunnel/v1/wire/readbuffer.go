@@ -1,7 +1,6 @@
 package wire
 
 import (
-	"encoding/binary"
 	"io"
 	"sync"
 
@@ -12,7 +11,11 @@ import (
 // small: a webhook's request or answer, a TLS handshake message.
 const smallRead = 2 << 10
 
-var bigReads = sync.Pool{New: func() any { b := make([]byte, MaxFrame); return &b }}
+// bigReads are the pooled buffers of large reads: MaxFrame bytes, after
+// the room for a frame's head (its tag and a 3-byte length), so that a
+// frame made of a read is its encoding in one piece, which a connection's
+// leg writes with one Write (WriteFrame).
+var bigReads = sync.Pool{New: func() any { b := make([]byte, maxFrameHead+MaxFrame); return &b }}
 
 // ReadBuffer is the buffer of one connection's reads, sized for what the
 // connection carries. A goroutine blocked in Read holds its buffer for as
@@ -31,25 +34,38 @@ type ReadBuffer struct {
 // Read reads from r once. The bytes it returns are valid until the next
 // Read or Release.
 func (b *ReadBuffer) Read(r io.Reader) ([]byte, error) {
-	buf := b.small[:]
-	if b.large {
-		if b.big == nil {
-			b.big = bigReads.Get().(*[]byte)
-		}
-		buf = *b.big
+	n, err := r.Read(b.next())
+	return b.took(n), err
+}
+
+// next is the buffer the next read goes into.
+func (b *ReadBuffer) next() []byte {
+	if !b.large {
+		return b.small[:]
 	}
-	n, err := r.Read(buf)
-	data := buf[:n]
-	switch {
-	case !b.large && n == len(buf):
-		b.big, b.large = bigReads.Get().(*[]byte), true
-	case b.large && n < smallRead && n > 0:
+	if b.big == nil {
+		b.big = bigReads.Get().(*[]byte)
+	}
+	return (*b.big)[maxFrameHead:]
+}
+
+// took is what a read of n bytes into next brought, and sizes the buffer
+// of the reads after it.
+func (b *ReadBuffer) took(n int) []byte {
+	if !b.large {
+		if n == smallRead {
+			b.big, b.large = bigReads.Get().(*[]byte), true
+		}
+		return b.small[:n]
+	}
+	data := (*b.big)[maxFrameHead : maxFrameHead+n]
+	if n < smallRead && n > 0 {
 		// Small again: the bytes move to the small buffer, and the big
 		// one goes back to the pool.
 		data = append(b.small[:0], data...)
 		b.Release()
 	}
-	return data, err
+	return data
 }
 
 // ReadFrame is Read, with what it read as a data frame that owns its
@@ -60,16 +76,36 @@ func (b *ReadBuffer) Read(r io.Reader) ([]byte, error) {
 // empty read is an empty Frame.
 func (b *ReadBuffer) ReadFrame(r io.Reader) (Frame, error) {
 	data, err := b.Read(r)
+	return b.frame(data), err
+}
+
+// ReadData is ReadFrame for a connection that carries frames (docs/
+// protocol.md §3.7): it reads what it can of the current data frame's
+// payload, which frames has read the head of, as a data frame of its own.
+func (b *ReadBuffer) ReadData(src io.Reader, frames *FrameReader) (Frame, error) {
+	n, err := frames.Read(src, b.next())
+	return b.frame(b.took(n)), err
+}
+
+// frame is data, just read, as a data frame that owns its bytes.
+func (b *ReadBuffer) frame(data []byte) Frame {
 	if len(data) == 0 {
-		return Frame{}, err
+		return Frame{}
 	}
-	if b.big == nil || &(*b.big)[0] != &data[0] {
-		return NewDataFrame(data), err
+	if b.big == nil || &(*b.big)[maxFrameHead] != &data[0] {
+		return NewDataFrame(data)
 	}
-	payload := b.big
+	buf := b.big
 	b.big = nil
-	*payload = data
-	return dataFrame(mem.NewBuffer(payload, readPool{})), err
+	// The head goes in the room before the payload, its length as a
+	// varint of three bytes however small (protobuf reads a varint with
+	// more bytes than it needs as well), so that it ends where the
+	// payload starts.
+	head := (*buf)[:maxFrameHead]
+	n := len(data)
+	head[0], head[1], head[2], head[3] = dataTag, byte(n)|0x80, byte(n>>7)|0x80, byte(n>>14)
+	*buf = (*buf)[:maxFrameHead+n]
+	return Frame{buf: mem.BufferSlice{mem.NewBuffer(buf, readPool{})}}
 }
 
 // Release returns the pooled buffer, if any.
@@ -96,18 +132,9 @@ func (readPool) Get(length int) *[]byte {
 }
 
 func (readPool) Put(b *[]byte) {
-	if cap(*b) != MaxFrame {
+	if cap(*b) != maxFrameHead+MaxFrame {
 		return
 	}
-	*b = (*b)[:MaxFrame]
+	*b = (*b)[:cap(*b)]
 	bigReads.Put(b)
-}
-
-// dataFrame is a data frame of payload, which it owns: its encoding's
-// prefix in a small buffer of its own, then payload as it is.
-func dataFrame(payload mem.Buffer) Frame {
-	head := make([]byte, 1, 1+binary.MaxVarintLen64)
-	head[0] = dataTag
-	head = binary.AppendUvarint(head, uint64(payload.Len()))
-	return Frame{buf: mem.BufferSlice{mem.SliceBuffer(head), payload}}
 }

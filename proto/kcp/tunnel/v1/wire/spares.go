@@ -17,15 +17,18 @@ import (
 var ErrSparesRefused = errors.New("the far end takes no spare connections")
 
 // ReplaceAfterTake is how long kcpplugin's and the agent's pools wait
-// after a spare is taken before they open its replacement. The
-// replacement is a TLS handshake, about 0.7 ms of CPU on each side, and
-// opened at once it runs while the connection that took the spare makes
-// its own start: the dial, the first bytes, the caller's TLS handshake with
-// the target through it. On two cores that made a new connection at a
-// webhook client's pace (dials half a second apart, each on spares)
-// 1.4-1.6x as slow as remotedialer's; 20 ms later, once that start is
-// over, 0.83-0.94x (docs/perf-history.md, "Issue 18: spares replaced after
-// the connection that took them has started").
+// after a spare is taken before they open its replacement, and so how
+// long a tunnel may take to give its connection back (Spares.Return)
+// without costing a handshake. The replacement is a TLS handshake, about
+// 0.7 ms of CPU on each side, and opened at once it runs while the
+// connection that took the spare makes its own start: the dial, the first
+// bytes, the caller's TLS handshake with the target through it. On two
+// cores that made a new connection at a webhook client's pace (dials half
+// a second apart, each on spares) 1.4-1.6x as slow as remotedialer's;
+// 20 ms later, once that start is over, 0.83-0.94x (docs/perf-history.md,
+// "Issue 18: spares replaced after the connection that took them has
+// started"). A short tunnel (a dial, a webhook call, its close) is back
+// well within it, and is replaced by nothing.
 const ReplaceAfterTake = 20 * time.Millisecond
 
 // SparesConfig is what a Spares pool needs of its user: how to open, read
@@ -55,9 +58,9 @@ type SparesConfig[S, A any] struct {
 	// spare was taken since the last call, setback that the last Open
 	// failed or a spare was lost since. Nil never waits.
 	Pace func(taken, setback bool) time.Duration
-	// AfterTake holds back the Open that replaces a taken spare at least
-	// this long after the take, however short Pace's wait: see
-	// ReplaceAfterTake.
+	// AfterTake holds back the Open that replaces a taken spare this long
+	// after the take, and opens none if the spare has come back by then
+	// (Return): see ReplaceAfterTake.
 	AfterTake time.Duration
 	// After is the clock Pace's waits use, as time.After, which nil
 	// means: tests give a fake one.
@@ -72,8 +75,9 @@ type SparesConfig[S, A any] struct {
 // not wait for a handshake: up to Want of them idle, each watched by a
 // goroutine of its own that reads its first answer. Before a spare is
 // taken, that read ending means the far end lost it, and the pool replaces
-// it; after, the answer is the taker's (Spare.OnAnswer). A nil *Spares
-// holds none.
+// it; after, the answer is the taker's (Spare.OnAnswer). A connection
+// whose tunnel has ended and left it idle comes back (Return). A nil
+// *Spares holds none.
 type Spares[S, A any] struct {
 	cfg      SparesConfig[S, A]
 	ctx      context.Context
@@ -87,6 +91,10 @@ type Spares[S, A any] struct {
 	closed bool
 	// lost and taken say what happened since fill last looked.
 	lost, taken bool
+	// takes numbers the takes; out holds the spares taken and not yet
+	// returned that fill still expects back (see roomAfter).
+	takes uint64
+	out   map[*Spare[S, A]]struct{}
 }
 
 // Where a spare is in its life: idle in the pool, taken, or lost (ended
@@ -101,6 +109,7 @@ const (
 // and the hand-off of the first answer its watching goroutine reads.
 type Spare[S, A any] struct {
 	conn  S
+	seq   uint64 // which take took it
 	state atomic.Int32
 	// to hands the watching goroutine whoever takes the answer.
 	to chan func(A)
@@ -125,7 +134,8 @@ func NewSpares[S, A any](ctx context.Context, cfg SparesConfig[S, A]) *Spares[S,
 		cfg.Pace = func(bool, bool) time.Duration { return 0 }
 	}
 	ctx, cancel := context.WithCancel(ctx)
-	p := &Spares[S, A]{cfg: cfg, ctx: ctx, cancel: cancel, wake: make(chan struct{}, 1), done: make(chan struct{})}
+	p := &Spares[S, A]{cfg: cfg, ctx: ctx, cancel: cancel, wake: make(chan struct{}, 1), done: make(chan struct{}),
+		out: map[*Spare[S, A]]struct{}{}}
 	go p.fill()
 	return p
 }
@@ -157,6 +167,9 @@ func (p *Spares[S, A]) Take() *Spare[S, A] {
 		// A spare whose far end just closed it is being lost: skip it.
 		if s.state.CompareAndSwap(spareIdle, spareTaken) {
 			p.taken = true
+			p.takes++
+			s.seq = p.takes
+			p.out[s] = struct{}{}
 			p.signal()
 			return s
 		}
@@ -175,6 +188,22 @@ func (p *Spares[S, A]) Full() bool {
 	return len(p.idle) >= p.cfg.Want
 }
 
+// Return gives back a spare taken from the pool whose connection is idle
+// again, its tunnel over (docs/protocol.md §3.7): the pool keeps it as an
+// idle spare, watched anew, or closes it if it holds Want already or is
+// closed. The taker no longer uses the connection either way.
+func (p *Spares[S, A]) Return(s *Spare[S, A]) {
+	p.mu.Lock()
+	delete(p.out, s)
+	if p.closed || len(p.idle) >= p.cfg.Want {
+		p.mu.Unlock()
+		p.cfg.Close(s.conn)
+		return
+	}
+	p.idleLocked(s.conn)
+	p.mu.Unlock()
+}
+
 func (p *Spares[S, A]) signal() {
 	select {
 	case p.wake <- struct{}{}:
@@ -184,26 +213,56 @@ func (p *Spares[S, A]) signal() {
 
 // fill opens spares while there are fewer than wanted, waiting before each
 // as Pace says, until the pool stops or the far end refuses spares for
-// good. Then it closes the spares left.
+// good. Then it closes the spares left. While spares are out, it first
+// waits AfterTake, and opens none if those it expects back fill the pool.
 func (p *Spares[S, A]) fill() {
 	defer close(p.done)
 	defer p.closeAll()
-	setback := false
+	setback, lost, taken := false, false, false
 	for p.waitForRoom() {
-		lost, taken := p.news()
-		wait := p.cfg.Pace(taken, setback || lost)
-		if taken {
-			wait = max(wait, p.cfg.AfterTake)
+		l, t := p.news()
+		lost, taken = lost || l, taken || t
+		if mark, out := p.mark(); taken || out {
+			if !p.sleep(p.cfg.AfterTake) {
+				return
+			}
+			if !p.roomAfter(mark) {
+				continue
+			}
 		}
-		if !p.sleep(wait) {
+		if !p.sleep(p.cfg.Pace(taken, setback || lost)) {
 			return
 		}
+		lost, taken = false, false
 		err := p.add()
 		if p.ctx.Err() != nil || errors.Is(err, ErrSparesRefused) {
 			return
 		}
 		setback = err != nil
 	}
+}
+
+// mark is the number of the last take, and whether any spare is out.
+func (p *Spares[S, A]) mark() (uint64, bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.takes, len(p.out) > 0
+}
+
+// roomAfter says whether the pool has room for another spare, counting
+// the spares taken after the take numbered mark, and not yet returned, as
+// on their way back: fill took mark at least AfterTake ago. The spares
+// taken before it that are still out carry long tunnels, and it forgets
+// them.
+func (p *Spares[S, A]) roomAfter(mark uint64) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for s := range p.out {
+		if s.seq <= mark {
+			delete(p.out, s)
+		}
+	}
+	return len(p.idle)+len(p.out) < p.cfg.Want
 }
 
 // news reads and clears what happened to the spares since the last call.
@@ -263,17 +322,22 @@ func (p *Spares[S, A]) add() error {
 	if err != nil {
 		return err
 	}
-	s := &Spare[S, A]{conn: conn, to: make(chan func(A), 1)}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.closed {
 		p.cfg.Close(conn)
 		return nil
 	}
+	p.idleLocked(conn)
+	return nil
+}
+
+// idleLocked puts conn in the pool as an idle spare, watched. Under mu.
+func (p *Spares[S, A]) idleLocked(conn S) {
+	s := &Spare[S, A]{conn: conn, to: make(chan func(A), 1)}
 	p.idle = append(p.idle, s)
 	p.watchers.Add(1)
 	go p.watch(s)
-	return nil
 }
 
 // watch waits for the far end's answer on s. Before s is taken, the read

@@ -425,3 +425,100 @@ func TestCloseWaitsForATakenSparesAnswerOrItsTakersClose(t *testing.T) {
 	s.Conn().end()
 	wait(t, "Close to return", closed)
 }
+
+// heldPool is a pool of one fake spare whose AfterTake waits for tick, and
+// the waits it asked of After.
+func heldPool(t *testing.T, f *farEnd) (p *Spares[*fakeSpare, string], waits chan time.Duration, tick chan time.Time) {
+	waits, tick = make(chan time.Duration, 100), make(chan time.Time)
+	cfg := f.config(1)
+	cfg.AfterTake = time.Minute
+	cfg.After = func(d time.Duration) <-chan time.Time {
+		waits <- d
+		return tick
+	}
+	p = startPool(t, cfg)
+	eventually(t, "a full pool", p.Full)
+	wait(t, "a spare", f.opens)
+	return p, waits, tick
+}
+
+func TestAReturnedSpareIsIdleAgainAndItsNextAnswerGoesToItsNextTaker(t *testing.T) {
+	f := newFarEnd()
+	p, _, _ := heldPool(t, f)
+	s := p.Take()
+	s.Conn().answers <- "first"
+	got := make(chan string, 1)
+	s.OnAnswer(func(a string) { got <- a })
+	if a := wait(t, "the first answer", got); a != "first" {
+		t.Fatalf("the taker got %q", a)
+	}
+	p.Return(s)
+	eventually(t, "the returned spare to be idle", p.Full)
+	again := p.Take()
+	if again == nil || again.Conn() != s.Conn() {
+		t.Fatalf("took %v, want the returned connection", again)
+	}
+	again.Conn().answers <- "second"
+	again.OnAnswer(func(a string) { got <- a })
+	if a := wait(t, "the second answer", got); a != "second" {
+		t.Fatalf("the second taker got %q", a)
+	}
+	again.Conn().end()
+	if n := f.count(); n != 1 {
+		t.Errorf("%d spares opened, want the one", n)
+	}
+}
+
+func TestASpareReturnedWithinAfterTakeIsNotReplaced(t *testing.T) {
+	f := newFarEnd()
+	p, waits, tick := heldPool(t, f)
+	s := p.Take()
+	s.OnAnswer(nil)
+	wait(t, "the wait after the take", waits)
+	p.Return(s)
+	tick <- time.Time{}
+	// A second take makes the pool wait again, which it does only once it
+	// has decided about the first: by then it would have opened a spare.
+	s = p.Take()
+	s.OnAnswer(nil)
+	defer s.Conn().end()
+	wait(t, "the wait after the second take", waits)
+	if n := f.count(); n != 1 {
+		t.Fatalf("%d spares opened, want none in place of the one returned in time", n)
+	}
+}
+
+func TestAReturnToAFullOrClosedPoolClosesTheConnection(t *testing.T) {
+	f := newFarEnd()
+	p := startPool(t, f.config(1))
+	eventually(t, "a full pool", p.Full)
+	s := p.Take()
+	s.OnAnswer(nil)
+	// AfterTake is zero: the taken spare is replaced at once.
+	wait(t, "a spare", f.opens)
+	wait(t, "the replacement", f.opens)
+	eventually(t, "a full pool again", p.Full)
+	p.Return(s)
+	if !s.Conn().closed.Load() {
+		t.Error("a spare returned to a full pool was not closed")
+	}
+
+	// Close waits for the taken spare's watcher, which its return frees.
+	s = p.Take()
+	s.OnAnswer(nil)
+	closed := make(chan struct{})
+	go func() {
+		p.Close()
+		close(closed)
+	}()
+	eventually(t, "the pool to close", func() bool {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		return p.closed
+	})
+	p.Return(s)
+	if !s.Conn().closed.Load() {
+		t.Error("a spare returned to a closed pool was not closed")
+	}
+	wait(t, "the pool's Close", closed)
+}
