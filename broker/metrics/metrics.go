@@ -66,6 +66,15 @@ var (
 		Help: "Dial connections of callers that wait for their dial.",
 	})
 
+	// ConnectionTunnelsEnded counts the tunnels that ended on a data or
+	// dial connection, by whether the end exchange left the connection
+	// idle for the next tunnel or it was reset (docs/protocol.md §3.7):
+	// each reset costs its peer a new TLS handshake.
+	ConnectionTunnelsEnded = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: ns, Name: "connection_tunnels_ended_total",
+		Help: "Tunnels ended on data and dial connections, by leg (data_connection, dial_connection) and by what became of the connection (idle, reset).",
+	}, []string{"leg", "connection"})
+
 	// Bytes counts tunneled bytes; up is caller to target.
 	Bytes = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: ns, Name: "tunnel_bytes_total",
@@ -144,7 +153,7 @@ func CountRefusedHandshake(reason identity.Reason) {
 func init() {
 	Registry.MustRegister(GRPC, Denied, Dials, DialSeconds, Tunnels, Bytes, LimitsHit,
 		Registrations, ProbeRTT, ProbeSuccess, Reachable, HandshakesRefused, ConnectionsClosed,
-		EgressRequests, EgressTunnels, SpareDataConnections, SpareDialConnections, TunnelsOpened)
+		EgressRequests, EgressTunnels, SpareDataConnections, SpareDialConnections, TunnelsOpened, ConnectionTunnelsEnded)
 	for _, r := range identity.Reasons {
 		HandshakesRefused.WithLabelValues(string(r))
 	}

@@ -28,15 +28,13 @@ func (t *Tunnel) SpliceConn(conn net.Conn, cfg Config, ended func()) (callerStat
 	return t.Splice(c, cfg, ended)
 }
 
-// connStream is a connection dressed as a server stream, for either leg:
-// it receives data frames read from the connection and writes the payload
-// of the frames it is sent. Its context carries a transport stream whose
-// WriteStatus closes the connection, so package abortable's End frees a
-// blocked read, as it frees a blocked gRPC Recv.
+// connStream is a connection that carries a tunnel's bytes as they are (the
+// CONNECT front end's client), dressed as a server stream: it receives data
+// frames read from the connection and writes the payload of the frames it
+// is sent. A failure closes it.
 type connStream struct {
-	conn   net.Conn
-	ctx    context.Context
-	cancel context.CancelFunc
+	legContext
+	conn net.Conn
 	// buf holds 2 KiB while reads are small, so that an idle tunnel
 	// holds no more, and at most a data frame's worth (wire.MaxFrame,
 	// what kcpplugin and the agent send at most) while they are large.
@@ -46,8 +44,7 @@ type connStream struct {
 
 func newConnStream(conn net.Conn) *connStream {
 	c := &connStream{conn: conn}
-	ctx, cancel := context.WithCancel(context.Background())
-	c.ctx, c.cancel = grpc.NewContextWithServerTransportStream(ctx, connTransport{c}), cancel
+	c.legContext = newLegContext(c.end)
 	return c
 }
 
@@ -77,11 +74,6 @@ func abort(conn net.Conn) {
 	}
 	sock.Close()
 }
-
-func (c *connStream) Context() context.Context     { return c.ctx }
-func (c *connStream) SetHeader(metadata.MD) error  { return nil }
-func (c *connStream) SendHeader(metadata.MD) error { return nil }
-func (c *connStream) SetTrailer(metadata.MD)       {}
 
 // RecvMsg reads what the connection has, up to wire.MaxFrame bytes, into a
 // data frame that owns its buffer (wire.ReadBuffer.ReadFrame); the end of
@@ -134,15 +126,35 @@ func (c *connStream) SendMsg(m any) error {
 	return errors.New("a connection's leg sends only data and close_write")
 }
 
-// connTransport is the grpc.ServerTransportStream of a connStream's
-// context, for package abortable: its WriteStatus ends the connection.
-type connTransport struct{ c *connStream }
+// legContext dresses a connection as a server stream for the splice: its
+// context carries a transport stream whose WriteStatus calls end, so that
+// package abortable's End frees a read or write blocked on the connection,
+// as it frees a blocked gRPC Recv or Send; and a connection has no headers
+// or trailers.
+type legContext struct {
+	ctx    context.Context
+	cancel context.CancelFunc
+}
+
+func newLegContext(end func(*status.Status)) legContext {
+	ctx, cancel := context.WithCancel(context.Background())
+	return legContext{ctx: grpc.NewContextWithServerTransportStream(ctx, connTransport{end}), cancel: cancel}
+}
+
+func (l legContext) Context() context.Context     { return l.ctx }
+func (l legContext) SetHeader(metadata.MD) error  { return nil }
+func (l legContext) SendHeader(metadata.MD) error { return nil }
+func (l legContext) SetTrailer(metadata.MD)       {}
+
+// connTransport is the grpc.ServerTransportStream of a leg's context, for
+// package abortable: its WriteStatus ends the leg.
+type connTransport struct{ end func(*status.Status) }
 
 func (connTransport) Method() string               { return "CONNECT" }
 func (connTransport) SetHeader(metadata.MD) error  { return nil }
 func (connTransport) SendHeader(metadata.MD) error { return nil }
 func (connTransport) SetTrailer(metadata.MD) error { return nil }
 func (t connTransport) WriteStatus(st *status.Status) error {
-	t.c.end(st)
+	t.end(st)
 	return nil
 }

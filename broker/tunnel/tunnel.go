@@ -3,8 +3,10 @@
 //
 // A tunnel is two gRPC streams, each served by its own RPC handler: the
 // caller's Dial stream and the agent's Tunnel stream. Either may instead be
-// a connection dressed as a stream (conn.go): the CONNECT front end's
-// client for the caller, a data connection for the agent. The agent's handler
+// a connection dressed as a stream: a dial connection's leg for the caller
+// or a data connection's for the agent (connleg.go), which carry one
+// tunnel after another in frames, or the CONNECT front end's client, which
+// carries one tunnel's bytes as they are (conn.go). The agent's handler
 // claims the dial with Open and waits. The dial's handler gets the tunnel
 // from Dial, tells its caller, and calls Splice, which copies each direction
 // in one of the two handlers: the dial's handler copies up, from the caller
@@ -24,7 +26,6 @@ package tunnel
 import (
 	"context"
 	"errors"
-	"net"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -55,8 +56,8 @@ type Tunnel struct {
 	Established time.Time
 
 	claim  *registry.Claim
-	agent  grpc.ServerStream // a Tunnel stream, or a data connection (OpenConn)
-	caller grpc.ServerStream // set by Splice: a Dial stream, or a connection (SpliceConn)
+	agent  grpc.ServerStream // a Tunnel stream, or a data connection's leg (OpenConn)
+	caller grpc.ServerStream // set by Splice: a Dial stream, a dial connection's leg, or a connection (SpliceConn)
 	// earlyData is the caller's early data that its agent's order did not
 	// carry: the splice sends it to the agent first.
 	earlyData []byte
@@ -119,23 +120,21 @@ func Open(r *registry.Registry, dialID uint64, agentID spiffeid.ID, stream tunne
 
 // OpenConn is Open for an agent's data connection (docs/protocol.md §3.5),
 // once the agent has named its dial there: the claim's result is the
-// broker's answer, the connection's first bytes, and the connection is the
-// agent's leg until the tunnel ends. It closes the connection: with a
-// close_notify after a clean end or a refusal (once the target's bytes the
-// agent sent behind its open are read, wire.CloseRefused), with a reset
-// after a failure.
-func OpenConn(r *registry.Registry, dialID uint64, agentID spiffeid.ID, conn net.Conn) error {
+// broker's answer on the connection, and leg is the agent's leg until the
+// tunnel ends. A refusal closes the connection, once the target's bytes
+// the agent sent behind its open are read (wire.CloseRefused); after a
+// tunnel, the end exchange is leg.Finish's.
+func OpenConn(r *registry.Registry, dialID uint64, agentID spiffeid.ID, leg *ConnLeg) error {
 	claim, err := r.Claim(dialID, agentID)
 	// An answer that cannot be written fails the tunnel at its first
 	// read or write, as a stream that breaks would.
-	_ = wire.WriteOpenResult(conn, err)
+	_ = wire.WriteOpenResult(leg.conn, err)
 	if err != nil {
-		wire.CloseRefused(conn)
+		leg.closed = true
+		wire.CloseRefused(leg.conn)
 		return err
 	}
-	c := newConnStream(conn)
-	defer c.end(nil)
-	return open(claim, c)
+	return open(claim, leg)
 }
 
 // open hands the claimed dial's tunnel, whose agent's leg is agent, to the

@@ -56,15 +56,17 @@ func (b *Bound) Take(id spiffeid.ID) (release func(), err error) {
 var ErrDrained = errors.New("answered at the drain")
 
 // Await holds conn as one of id's spares within b's bounds while it waits
-// for the peer's first message: it answers the acceptance, naming the
-// replica brokerID, reads the message with read, and stops counting the
-// spare once read returns. A spare waits as long as its peer likes: what
-// bounds spares is their number. The drain (draining ending) refuses new
-// spares with Unavailable, and ends the wait of the others: it answers them
-// Unavailable and closes them (ErrDrained). A close, unlike a read
-// deadline, is not undone by gRPC clearing its handshake deadline on the
-// socket just after the connection was handed over.
-func Await[T any](b *Bound, conn net.Conn, id spiffeid.ID, brokerID string, draining context.Context, read func(io.Reader) (T, error)) (T, error) {
+// for the peer's first message: it answers a new connection's acceptance,
+// naming the replica brokerID (a connection idle again after a tunnel,
+// docs/protocol.md §3.7, hears none), reads the message with read, and
+// stops counting the spare once read returns. A spare waits as long as its
+// peer likes: what bounds spares is their number. The drain (draining
+// ending) refuses new spares with Unavailable, and ends the wait of the
+// others: it answers them Unavailable and closes them (ErrDrained). A
+// close, unlike a read deadline, is not undone by gRPC clearing its
+// handshake deadline on the socket just after the connection was handed
+// over.
+func Await[T any](b *Bound, conn net.Conn, id spiffeid.ID, brokerID string, fresh bool, draining context.Context, read func(io.Reader) (T, error)) (T, error) {
 	var none T
 	if draining.Err() != nil {
 		return none, errShuttingDown
@@ -74,8 +76,10 @@ func Await[T any](b *Bound, conn net.Conn, id spiffeid.ID, brokerID string, drai
 		return none, err
 	}
 	defer release()
-	if err := wire.WriteAccepted(conn, brokerID); err != nil {
-		return none, err
+	if fresh {
+		if err := wire.WriteAccepted(conn, brokerID); err != nil {
+			return none, err
+		}
 	}
 	answered := make(chan struct{})
 	stop := context.AfterFunc(draining, func() {

@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
+	"fmt"
 	"io"
 	"testing"
 	"time"
@@ -62,27 +63,27 @@ func TestRegisteredSaysTheBrokerTakesDataConnections(t *testing.T) {
 
 func TestADataConnectionCarriesItsDialsTunnelBothWays(t *testing.T) {
 	b := startBroker(t, config{})
-	caller, _, conn := b.establishData(t)
+	caller, _, _, leg := b.establishData(t)
 
-	// Up: the caller's frames arrive as bytes, and its half-close as a
-	// close_notify.
+	// Up: the caller's frames arrive as data frames, and its half-close as
+	// a close_write.
 	if err := caller.Send(brokertest.DataUp([]byte("hello "))); err != nil {
 		t.Fatal(err)
 	}
 	if err := caller.Send(brokertest.DataUp([]byte("agent"))); err != nil {
 		t.Fatal(err)
 	}
-	readFull(t, conn, "hello agent")
+	readFull(t, leg, "hello agent")
 	if err := caller.CloseSend(); err != nil {
 		t.Fatal(err)
 	}
-	if n, err := conn.Read(make([]byte, 1)); n != 0 || !errors.Is(err, io.EOF) {
+	if n, err := leg.Read(make([]byte, 1)); n != 0 || !errors.Is(err, io.EOF) {
 		t.Fatalf("after the caller's half-close the agent read %d, %v; want EOF", n, err)
 	}
 
-	// Down: bytes become the caller's frames, and the agent's half-close
-	// its close_write; then the Dial ends OK.
-	if _, err := conn.Write([]byte("hello kcp")); err != nil {
+	// Down: data frames become the caller's, and the agent's half-close
+	// its close_write; then the Dial ends OK, and the broker's end says so.
+	if _, err := leg.Write([]byte("hello kcp")); err != nil {
 		t.Fatal(err)
 	}
 	var got []byte
@@ -96,7 +97,7 @@ func TestADataConnectionCarriesItsDialsTunnelBothWays(t *testing.T) {
 	if string(got) != "hello kcp" {
 		t.Fatalf("caller read %q", got)
 	}
-	if err := conn.CloseWrite(); err != nil {
+	if err := leg.CloseWrite(); err != nil {
 		t.Fatal(err)
 	}
 	if msg, err := caller.Recv(); err != nil || msg.GetCloseWrite() == nil {
@@ -105,18 +106,24 @@ func TestADataConnectionCarriesItsDialsTunnelBothWays(t *testing.T) {
 	if _, err := caller.Recv(); !errors.Is(err, io.EOF) {
 		t.Fatalf("the Dial ended with %v, want OK", err)
 	}
+	if err := leg.AwaitEnd(); err != nil {
+		t.Fatalf("the broker ended the tunnel with %v, want OK", err)
+	}
+	if !leg.Finish() {
+		t.Fatal("the data connection is not idle after the end exchange")
+	}
 }
 
 func TestAnAgentsBytesRightAfterItsOpenReachTheCaller(t *testing.T) {
 	b := startBroker(t, config{})
 	caller, _, order := b.pendingDial(t)
 	conn := b.spare(t, agentA)
-	// The open and the target's first bytes in one write, as a server
-	// that speaks first would have them.
+	// The open and the target's first bytes at once, as a server that
+	// speaks first would have them.
 	if err := wire.WriteOpen(conn, order.GetDialId()); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := conn.Write([]byte("220 ready")); err != nil {
+	if _, err := conn.Write(wire.AppendData(nil, []byte("220 ready"))); err != nil {
 		t.Fatal(err)
 	}
 	if err := wire.ReadOpenResult(conn); err != nil {
@@ -127,6 +134,76 @@ func TestAnAgentsBytesRightAfterItsOpenReachTheCaller(t *testing.T) {
 	}
 	if msg, err := caller.Recv(); err != nil || string(msg.GetData()) != "220 ready" {
 		t.Fatalf("caller got %v, %v; want the agent's first bytes", msg, err)
+	}
+}
+
+func TestADataConnectionCarriesOneTunnelAfterAnother(t *testing.T) {
+	b := startBroker(t, config{})
+	a := b.ConnectAgent(t, agentA, "a", "root")
+	conn := b.spare(t, agentA)
+	for i := range 3 {
+		target := brokertest.Target("root")
+		caller, cancel := b.StartDial(t, kcpPath, target)
+		leg := openOn(t, conn, a.Order(t, target).GetDialId())
+		if msg, err := caller.Recv(); err != nil || msg.GetEstablished() == nil {
+			t.Fatalf("tunnel %d: caller got %v, %v; want established", i, msg, err)
+		}
+		msg := fmt.Sprintf("hello %d", i)
+		if err := caller.Send(brokertest.DataUp([]byte(msg))); err != nil {
+			t.Fatal(err)
+		}
+		readFull(t, leg, msg)
+		// kcp goes away: the broker's end says so, and the exchange
+		// leaves the connection idle for the next open.
+		cancel()
+		if _, err := leg.Read(make([]byte, 1)); status.Code(err) != codes.Canceled {
+			t.Fatalf("tunnel %d: the agent read %v, want the broker's end with Canceled", i, err)
+		}
+		if !leg.Finish() {
+			t.Fatalf("tunnel %d: the data connection is not idle after the end exchange", i)
+		}
+		testutil.Eventually(t, "the idle connection to count as a spare", func() bool { return b.agents.spares.Held(brokertest.ID(agentA)) == 1 })
+	}
+}
+
+// openOn opens dial dialID on conn, an idle data connection, and returns
+// the agent's leg of the tunnel.
+func openOn(t *testing.T, conn *tls.Conn, dialID uint64) *wire.Leg {
+	t.Helper()
+	if err := wire.WriteOpen(conn, dialID); err != nil {
+		t.Fatal(err)
+	}
+	if err := wire.ReadOpenResult(conn); err != nil {
+		t.Fatalf("the open of dial %d: %v", dialID, err)
+	}
+	return wire.NewLeg(conn)
+}
+
+func TestAnAgentsEndIsTheCallersUnavailableWithItsMessage(t *testing.T) {
+	b := startBroker(t, config{})
+	caller, _, _, leg := b.establishData(t)
+	if err := leg.End(status.Error(codes.Unavailable, "reading from target 10.0.0.7:8443: connection reset by peer")); err != nil {
+		t.Fatal(err)
+	}
+	// The caller hears why, without the address behind the tunnel.
+	_, err := caller.Recv()
+	testutil.CheckStatus(t, "the Dial after the agent's end", err, codes.Unavailable, "reading from target <address>: connection reset by peer")
+	if !leg.Finish() {
+		t.Fatal("the data connection is not idle after the end exchange")
+	}
+}
+
+func TestAFrameTheProtocolDoesNotAllowFromTheAgentIsUnavailableAndResetsTheConnection(t *testing.T) {
+	b := startBroker(t, config{})
+	caller, _, conn, _ := b.establishData(t)
+	// Field 6, a tag no frame has.
+	if _, err := conn.Write([]byte{6<<3 | 2, 1, 'x'}); err != nil {
+		t.Fatal(err)
+	}
+	_, err := caller.Recv()
+	testutil.CheckStatus(t, "the Dial", err, codes.Unavailable, "tunnel lost on the agent's side")
+	if n, err := conn.Read(make([]byte, 1)); n != 0 || err == nil || errors.Is(err, io.EOF) {
+		t.Fatalf("after its protocol error the agent read %d, %v; want a reset", n, err)
 	}
 }
 
@@ -245,8 +322,9 @@ func (b *broker) pendingDial(t *testing.T) (tunnelv1.DialService_DialClient, con
 	return caller, cancel, a.Order(t, target)
 }
 
-// establishData is a tunnel whose agent leg is a data connection.
-func (b *broker) establishData(t *testing.T) (tunnelv1.DialService_DialClient, context.CancelFunc, *tls.Conn) {
+// establishData is a tunnel whose agent leg is a data connection: the
+// caller's stream, the data connection and the agent's leg on it.
+func (b *broker) establishData(t *testing.T) (tunnelv1.DialService_DialClient, context.CancelFunc, *tls.Conn, *wire.Leg) {
 	t.Helper()
 	caller, cancel, order := b.pendingDial(t)
 	conn, err := b.openData(t, agentA, order.GetDialId())
@@ -256,13 +334,13 @@ func (b *broker) establishData(t *testing.T) (tunnelv1.DialService_DialClient, c
 	if msg, err := caller.Recv(); err != nil || msg.GetEstablished() == nil {
 		t.Fatalf("caller got %v, %v; want established", msg, err)
 	}
-	return caller, cancel, conn
+	return caller, cancel, conn, wire.NewLeg(conn)
 }
 
-func TestADataConnectionClosedWithoutCloseNotifyIsAFailureNotAHalfClose(t *testing.T) {
+func TestADataConnectionThatEndsMidTunnelIsAFailureNotAHalfClose(t *testing.T) {
 	b := startBroker(t, config{})
-	caller, _, conn := b.establishData(t)
-	// The agent's socket closes under its TLS: no close_notify.
+	caller, _, conn, _ := b.establishData(t)
+	// The agent's socket closes under its TLS: no end.
 	conn.NetConn().Close()
 	msg, err := caller.Recv()
 	if msg.GetCloseWrite() != nil {
@@ -273,12 +351,18 @@ func TestADataConnectionClosedWithoutCloseNotifyIsAFailureNotAHalfClose(t *testi
 	}
 }
 
-func TestATunnelThatFailsResetsItsDataConnection(t *testing.T) {
+func TestAnAgentThatDoesNotAnswerTheBrokersEndIsReset(t *testing.T) {
 	b := startBroker(t, config{})
-	_, cancel, conn := b.establishData(t)
+	_, cancel, conn, leg := b.establishData(t)
 	cancel()
+	if _, err := leg.Read(make([]byte, 1)); status.Code(err) != codes.Canceled {
+		t.Fatalf("the agent read %v, want the broker's end with Canceled", err)
+	}
+	// No end from the agent: after wire.EndTimeout the broker resets the
+	// connection rather than keep it for another tunnel.
 	n, err := conn.Read(make([]byte, 1))
 	if n != 0 || err == nil || errors.Is(err, io.EOF) {
-		t.Fatalf("after the caller went away the agent read %d, %v; want a reset, not EOF", n, err)
+		t.Fatalf("after the broker's end the agent read %d, %v; want a reset", n, err)
 	}
+	testutil.Eventually(t, "no spare to count", func() bool { return b.agents.spares.TotalHeld() == 0 })
 }

@@ -2,7 +2,6 @@ package dial
 
 import (
 	"context"
-	"log/slog"
 	"net"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
@@ -31,23 +30,36 @@ const (
 // ServeConn serves one dial connection (docs/protocol.md §3.6), already
 // verified by the TLS handshake: it accepts it as a spare, naming the
 // replica, waits for its caller's dial, dials as a Dial stream's first
-// message does, and then carries the tunnel until it ends. It closes the
-// connection. A refusal or a failed dial is the connection's last message.
+// message does, and then carries the tunnel until it ends, and so on for
+// one dial after another while the connection is left idle after each
+// tunnel (§3.7). A refusal or a failed dial is the connection's last
+// message.
 func (s *Service) ServeConn(conn net.Conn, peer identity.AuthInfo) {
-	caller := peer.ID
-	first, err := s.awaitDial(conn, caller)
-	if err != nil {
-		s.endSpare(conn, caller, err)
-		return
+	for fresh := true; ; fresh = false {
+		first, err := s.awaitDial(conn, peer.ID, fresh)
+		if err != nil {
+			s.endSpare(conn, peer.ID, err)
+			return
+		}
+		if !s.serveDial(conn, peer, first) {
+			return
+		}
 	}
+}
+
+// serveDial dials as first says and carries the tunnel on conn, and says
+// whether the connection is idle after it; a refused or failed dial
+// closes it.
+func (s *Service) serveDial(conn net.Conn, peer identity.AuthInfo, first *tunnelv1.DialRequest) (idle bool) {
+	caller := peer.ID
 	if err := s.checkDial(first, caller, wire.DialProtocol); err != nil {
 		refuseDial(conn, err)
-		return
+		return false
 	}
 	release, err := s.holdTunnel(caller)
 	if err != nil {
 		refuseDial(conn, err)
-		return
+		return false
 	}
 	defer release()
 	// A tunnel has the grace of an RPC in flight when its peer's SVID
@@ -55,32 +67,36 @@ func (s *Service) ServeConn(conn net.Conn, peer identity.AuthInfo) {
 	end, err := peer.Begin()
 	if err != nil {
 		refuseDial(conn, err)
-		return
+		return false
 	}
 	defer end()
 	t, log, err := s.open(s.stopping(), first, caller)
 	if err != nil {
 		refuseDial(conn, err)
-		return
+		return false
 	}
 	if err := wire.WriteDialResult(conn, t.ID, nil); err != nil {
 		t.End(status.Error(codes.Canceled, "caller went away"))
 		conn.Close()
-		return
+		return false
 	}
-	s.spliceConn(conn, t, release, log)
+	leg := tunnel.NewConnLeg(conn, "dial_connection")
+	metrics.TunnelsOpened.WithLabelValues("dial_connection").Inc()
+	callerStatus, agentStatus := t.Splice(leg, s.cfg.Tunnels, s.spliced(release))
+	s.ended(t, callerStatus, agentStatus, log)
+	return leg.Finish(callerStatus)
 }
 
 // awaitDial takes conn as one of caller's spares, if the policy lets it
-// dial and the spares' bounds leave room, and waits for its dial
-// (spares.Await).
-func (s *Service) awaitDial(conn net.Conn, caller spiffeid.ID) (*tunnelv1.DialRequest, error) {
+// dial (it may have changed since the connection's last tunnel) and the
+// spares' bounds leave room, and waits for its dial (spares.Await).
+func (s *Service) awaitDial(conn net.Conn, caller spiffeid.ID, fresh bool) (*tunnelv1.DialRequest, error) {
 	if !s.cfg.Policy.IsCaller(caller) {
 		metrics.Denied.WithLabelValues(wire.DialProtocol).Inc()
 		s.cfg.Log.Warn("permission denied", "peer", caller.String(), "method", wire.DialProtocol)
 		return nil, status.Errorf(codes.PermissionDenied, "%s may not open dial connections", caller)
 	}
-	return spares.Await(&s.spares, conn, caller, s.cfg.BrokerID, s.cfg.Draining, wire.ReadDial)
+	return spares.Await(&s.spares, conn, caller, s.cfg.BrokerID, fresh, s.cfg.Draining, wire.ReadDial)
 }
 
 // endSpare ends a spare that has no dial (spares.End).
@@ -99,15 +115,6 @@ func (s *Service) stopping() context.Context {
 		return context.Background()
 	}
 	return s.cfg.Tunnels.Stopping
-}
-
-// spliceConn carries the established tunnel t on the caller's dial
-// connection until the tunnel ends, counted, audited and logged as a Dial
-// stream's tunnel is.
-func (s *Service) spliceConn(conn net.Conn, t *tunnel.Tunnel, release func(), log *slog.Logger) {
-	metrics.TunnelsOpened.WithLabelValues("dial_connection").Inc()
-	callerStatus, agentStatus := t.SpliceConn(conn, s.cfg.Tunnels, s.spliced(release))
-	s.ended(t, callerStatus, agentStatus, log)
 }
 
 // refuseDial answers a dial with err, its failure, and closes the

@@ -11,10 +11,12 @@ import (
 	"testing"
 	"time"
 
+	promtestutil "github.com/prometheus/client_golang/prometheus/testutil"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
 	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
+	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
@@ -33,14 +35,17 @@ func (b *broker) spareDial(t *testing.T, path string) *tls.Conn {
 }
 
 // writeDial writes a dial of target with earlyData on conn, and then, in
-// the same write, the caller's first bytes.
+// the same write, the caller's first bytes as a data frame.
 func writeDial(t *testing.T, conn *tls.Conn, target *tunnelv1.Target, earlyData []byte, then string) {
 	t.Helper()
 	msg, err := wire.AppendDial(nil, target, earlyData)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := conn.Write(append(msg, then...)); err != nil {
+	if then != "" {
+		msg = wire.AppendData(msg, []byte(then))
+	}
+	if _, err := conn.Write(msg); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -84,12 +89,21 @@ func readFull(t *testing.T, r io.Reader, want string) {
 	}
 }
 
-// establishConn dials the root webhook as kcp on a dial connection with
-// early data "client hello" and the bytes " and more" right after the dial,
-// through agent, and checks the broker's answer.
-func (b *broker) establishConn(t *testing.T, agent *brokertest.Agent) (*tls.Conn, tunnelv1.AgentService_TunnelClient, func()) {
+// establishConn dials the root webhook as kcp on a new dial connection
+// (establishOn).
+func (b *broker) establishConn(t *testing.T, agent *brokertest.Agent) (*tls.Conn, *wire.Leg, tunnelv1.AgentService_TunnelClient, func()) {
 	t.Helper()
 	conn := b.spareDial(t, kcpPath)
+	leg, tun, cancel := establishOn(t, conn, agent)
+	return conn, leg, tun, cancel
+}
+
+// establishOn dials the root webhook as kcp on conn, with early data
+// "client hello" and the bytes " and more" right after the dial, through
+// agent, and checks the broker's answer: the caller's leg of the tunnel,
+// and the agent's Tunnel stream.
+func establishOn(t *testing.T, conn *tls.Conn, agent *brokertest.Agent) (*wire.Leg, tunnelv1.AgentService_TunnelClient, func()) {
+	t.Helper()
 	target := brokertest.Target("root")
 	writeDial(t, conn, target, []byte("client hello"), " and more")
 	order := agent.Order(t, target)
@@ -98,38 +112,44 @@ func (b *broker) establishConn(t *testing.T, agent *brokertest.Agent) (*tls.Conn
 	if want := fmt.Sprintf("%016x", order.GetDialId()); err != nil || id != want {
 		t.Fatalf("the dial got %q, %v; want tunnel %q", id, err, want)
 	}
-	return conn, tun, cancel
+	return wire.NewLeg(conn), tun, cancel
 }
 
 func TestADialConnectionCarriesItsTunnelBothWays(t *testing.T) {
 	logs := &brokertest.LogBuffer{}
 	b := startBroker(t, config{log: logs})
-	conn, tun, _ := b.establishConn(t, b.connectAgent(t, "a", "root"))
+	_, leg, tun, _ := b.establishConn(t, b.connectAgent(t, "a", "root"))
 
 	// Up: the early data first, then what followed the dial; the caller's
-	// close_notify is the agent's close_write.
+	// close_write is the agent's.
 	upstream(t, tun, "client hello and more")
-	if err := conn.CloseWrite(); err != nil {
+	if err := leg.CloseWrite(); err != nil {
 		t.Fatal(err)
 	}
 	if msg, err := tun.Recv(); err != nil || msg.GetCloseWrite() == nil {
 		t.Fatalf("agent got %v, %v; want close_write", msg, err)
 	}
 
-	// Down: the agent's frames as bytes, and its half-close as a
-	// close_notify; then the tunnel has ended OK.
+	// Down: the agent's frames, and its half-close as a close_write;
+	// then the tunnel has ended OK, and the broker says so with its end.
 	if err := tun.Send(brokertest.DataDown([]byte("server hello"))); err != nil {
 		t.Fatal(err)
 	}
-	readFull(t, conn, "server hello")
+	readFull(t, leg, "server hello")
 	if err := tun.CloseSend(); err != nil {
 		t.Fatal(err)
 	}
-	if n, err := conn.Read(make([]byte, 1)); n != 0 || !errors.Is(err, io.EOF) {
+	if n, err := leg.Read(make([]byte, 1)); n != 0 || !errors.Is(err, io.EOF) {
 		t.Fatalf("after the agent's half-close the caller read %d, %v; want EOF", n, err)
+	}
+	if err := leg.AwaitEnd(); err != nil {
+		t.Fatalf("the broker ended the tunnel with %v, want OK", err)
 	}
 	if _, err := tun.Recv(); !errors.Is(err, io.EOF) {
 		t.Fatalf("the agent's Tunnel ended with %v, want OK", err)
+	}
+	if !leg.Finish() {
+		t.Fatal("the connection is not idle after the end exchange")
 	}
 	audit := auditLine(t, logs)
 	want := map[string]any{"caller": brokertest.ID(kcpPath).String(), "cluster": "root", "agent": "a",
@@ -140,6 +160,36 @@ func TestADialConnectionCarriesItsTunnelBothWays(t *testing.T) {
 		}
 	}
 	testutil.Eventually(t, "the tunnel to stop counting", func() bool { return b.dial.Active() == 0 })
+}
+
+func TestADialConnectionCarriesOneTunnelAfterAnother(t *testing.T) {
+	idle := metrics.ConnectionTunnelsEnded.WithLabelValues("dial_connection", "idle")
+	before := promtestutil.ToFloat64(idle)
+	b := startBroker(t, config{})
+	agent := b.connectAgent(t, "a", "root")
+	conn := b.spareDial(t, kcpPath)
+	for i := range 3 {
+		leg, tun, _ := establishOn(t, conn, agent)
+		upstream(t, tun, "client hello and more")
+		msg := fmt.Sprintf("answer %d", i)
+		if err := tun.Send(brokertest.DataDown([]byte(msg))); err != nil {
+			t.Fatal(err)
+		}
+		readFull(t, leg, msg)
+		// The caller closes without a half-close: its end, answered by
+		// the broker's, leaves the connection idle for the next dial.
+		if !leg.Finish() {
+			t.Fatalf("tunnel %d: the connection is not idle after the end exchange", i)
+		}
+		if _, err := tun.Recv(); status.Code(err) != codes.Canceled {
+			t.Fatalf("tunnel %d: the agent's Tunnel ended with %v, want Canceled (the caller went away)", i, err)
+		}
+		// Idle again, it counts as a spare of its caller.
+		testutil.Eventually(t, "the idle connection to count as a spare", func() bool { return b.dial.spares.Held(brokertest.ID(kcpPath)) == 1 })
+	}
+	if n := promtestutil.ToFloat64(idle) - before; n != 3 {
+		t.Errorf("%v tunnels counted as leaving their dial connection idle, want 3", n)
+	}
 }
 
 // auditLine waits for the first audit line in logs and returns its fields.
@@ -162,14 +212,115 @@ func auditLine(t *testing.T, logs *brokertest.LogBuffer) map[string]any {
 	return audit
 }
 
-func TestATunnelThatFailsResetsItsDialConnection(t *testing.T) {
+func TestATunnelThatFailsEndsWithTheCallersStatusAndLeavesTheConnectionIdle(t *testing.T) {
 	b := startBroker(t, config{})
-	conn, _, cancelAgent := b.establishConn(t, b.connectAgent(t, "a", "root"))
+	agent := b.connectAgent(t, "a", "root")
+	conn, leg, _, cancelAgent := b.establishConn(t, agent)
 	cancelAgent()
+	_, err := leg.Read(make([]byte, 1))
+	testutil.CheckStatus(t, "the caller's read after the agent went away", err, codes.Unavailable, "tunnel lost on the agent's side")
+	if !leg.Finish() {
+		t.Fatal("the connection is not idle after the end exchange")
+	}
+	// And it carries the next dial.
+	leg, tun, _ := establishOn(t, conn, agent)
+	upstream(t, tun, "client hello and more")
+	leg.Finish()
+}
+
+func TestACallerThatDoesNotAnswerTheBrokersEndIsReset(t *testing.T) {
+	reset := metrics.ConnectionTunnelsEnded.WithLabelValues("dial_connection", "reset")
+	before := promtestutil.ToFloat64(reset)
+	b := startBroker(t, config{})
+	conn, leg, _, cancelAgent := b.establishConn(t, b.connectAgent(t, "a", "root"))
+	cancelAgent()
+	if _, err := leg.Read(make([]byte, 1)); status.Code(err) != codes.Unavailable {
+		t.Fatalf("the caller read %v, want the broker's end with Unavailable", err)
+	}
+	// The caller sends no end: after wire.EndTimeout the broker resets the
+	// connection rather than keep it for another tunnel.
+	start := time.Now()
 	n, err := conn.Read(make([]byte, 1))
 	if n != 0 || err == nil || errors.Is(err, io.EOF) {
-		t.Fatalf("after the agent went away the caller read %d, %v; want a reset, not EOF", n, err)
+		t.Fatalf("after the broker's end the caller read %d, %v; want a reset", n, err)
 	}
+	if waited := time.Since(start); waited < wire.EndTimeout/2 {
+		t.Fatalf("reset after %v, want about wire.EndTimeout", waited)
+	}
+	testutil.Eventually(t, "no spare to count", func() bool { return b.dial.spares.TotalHeld() == 0 })
+	if n := promtestutil.ToFloat64(reset) - before; n != 1 {
+		t.Errorf("%v tunnels counted as resetting their dial connection, want 1", n)
+	}
+}
+
+func TestAFrameTheProtocolDoesNotAllowIsTheCallersProtocolErrorAndResetsTheConnection(t *testing.T) {
+	b := startBroker(t, config{})
+	conn, _, tun, _ := b.establishConn(t, b.connectAgent(t, "a", "root"))
+	upstream(t, tun, "client hello and more")
+	// Field 6, a tag no frame has.
+	if _, err := conn.Write([]byte{6<<3 | 2, 1, 'x'}); err != nil {
+		t.Fatal(err)
+	}
+	testutil.CheckStatus(t, "the agent's Tunnel", recvErr(tun), codes.Canceled, "caller broke the protocol")
+	n, err := conn.Read(make([]byte, 1))
+	if n != 0 || err == nil || errors.Is(err, io.EOF) {
+		t.Fatalf("after its protocol error the caller read %d, %v; want a reset", n, err)
+	}
+}
+
+// recvErr receives from tun until it ends, and returns how.
+func recvErr(tun tunnelv1.AgentService_TunnelClient) error {
+	for {
+		if _, err := tun.Recv(); err != nil {
+			return err
+		}
+	}
+}
+
+func TestTheBrokerDropsAtMostEndDrainOfACallersDataBeforeItsEnd(t *testing.T) {
+	b := startBroker(t, config{})
+	conn, leg, _, cancelAgent := b.establishConn(t, b.connectAgent(t, "a", "root"))
+	cancelAgent()
+	if _, err := leg.Read(make([]byte, 1)); status.Code(err) != codes.Unavailable {
+		t.Fatalf("the caller read %v, want the broker's end with Unavailable", err)
+	}
+	// A caller that goes on sending without its end: past wire.EndDrain
+	// bytes the broker resets the connection.
+	frame := wire.AppendData(nil, bytes.Repeat([]byte("x"), wire.MaxFrame))
+	for sent := 0; sent <= 4*wire.EndDrain; sent += wire.MaxFrame {
+		if _, err := conn.Write(frame); err != nil {
+			return // reset, as it should be
+		}
+	}
+	t.Fatalf("the broker read %d bytes after its end without resetting the connection", 4*wire.EndDrain)
+}
+
+func TestAnIdleDialConnectionOverTheSparesBoundIsResourceExhausted(t *testing.T) {
+	b := startBroker(t, config{maxSparesPerPeer: 1})
+	agent := b.connectAgent(t, "a", "root")
+	conn, leg, _, _ := b.establishConn(t, agent)
+	// The connection carries a tunnel, so another spare fits the bound.
+	b.spareDial(t, kcpPath)
+	testutil.Eventually(t, "the other spare to count", func() bool { return b.dial.spares.Held(brokertest.ID(kcpPath)) == 1 })
+	if !leg.Finish() {
+		t.Fatal("the connection is not idle after the end exchange")
+	}
+	// Idle again it is a spare too many: the broker refuses it as it
+	// refuses a new one.
+	_, err := wire.ReadDialResult(conn)
+	testutil.CheckStatus(t, "the idle connection over the bound", err, codes.ResourceExhausted, "spare_dial_connections_per_peer")
+}
+
+func TestAnIdleDialConnectionHearsUnavailableWhenTheBrokerDrains(t *testing.T) {
+	b := startBroker(t, config{})
+	conn, leg, _, _ := b.establishConn(t, b.connectAgent(t, "a", "root"))
+	if !leg.Finish() {
+		t.Fatal("the connection is not idle after the end exchange")
+	}
+	testutil.Eventually(t, "the idle connection to count as a spare", func() bool { return b.dial.spares.Held(brokertest.ID(kcpPath)) == 1 })
+	b.Drain()
+	_, err := wire.ReadDialResult(conn)
+	testutil.CheckStatus(t, "an idle connection at the drain", err, codes.Unavailable, "the broker is shutting down")
 }
 
 func TestOnlyCallersMayOpenDialConnections(t *testing.T) {
