@@ -62,8 +62,9 @@ func NewDialer(conn grpc.ClientConnInterface, opts ...Option) *Dialer {
 
 // Close closes the Dialer's dial connections: those it keeps ahead of its
 // dials, and those its tunnels ride on, which end as the tunnels on the
-// gRPC connection's streams end when that connection closes. The gRPC
-// connection is its owner's to close.
+// gRPC connection's streams end when that connection closes (a reset, even
+// for a tunnel whose end exchange is under way). It returns once nothing
+// of them runs. The gRPC connection is its owner's to close.
 func (d *Dialer) Close() error {
 	d.live.closeAll()
 	d.spares.Close()
@@ -111,7 +112,7 @@ type dialingConn interface {
 // one, else on a Dial stream.
 func (d *Dialer) open(ctx context.Context, target *tunnelv1.Target, timeout time.Duration) (dialingConn, error) {
 	if s := d.spares.Take(); s != nil {
-		c := newDirectConn(s, target, timeout)
+		c := newDirectConn(s, target, timeout, d.spares, d.live)
 		if !d.live.add(c) {
 			c.Close()
 			return nil, status.Error(codes.Canceled, "the dialer is closed")

@@ -28,19 +28,31 @@ func noStreams(t *testing.T) dialHandler {
 	}
 }
 
-// echoTunnel answers OK and echoes until the caller half-closes, then
-// half-closes too.
-func echoTunnel(conn net.Conn, req *tunnelv1.DialRequest) {
-	if wire.WriteDialResult(conn, "t1", nil) != nil {
-		return
+// echoTunnel answers OK and echoes, the early data first, until the caller
+// half-closes; it then half-closes too, which ends the tunnel with OK. A
+// caller that ends the tunnel first (its Close) gets Canceled, the status
+// a cancelled Dial stream ends with. Either way the connection is idle
+// once the caller's end and the broker's have crossed.
+func echoTunnel(bt *brokerTunnel) bool {
+	if bt.answer(nil) != nil || bt.send(bt.req.GetEarlyData()) != nil {
+		return false
 	}
-	if _, err := conn.Write(req.GetEarlyData()); err != nil {
-		return
+	for {
+		f, err := bt.next()
+		if err != nil {
+			return false
+		}
+		switch f.kind {
+		case wire.FrameData:
+			if bt.send(f.data) != nil {
+				return false
+			}
+		case wire.FrameCloseWrite:
+			return bt.closeWrite() == nil && bt.end(nil) == nil && bt.awaitEnd()
+		case wire.FrameEnd:
+			return bt.end(status.Error(codes.Canceled, "the caller went away")) == nil
+		}
 	}
-	if _, err := io.Copy(conn, conn); err != nil {
-		return
-	}
-	_ = conn.(interface{ CloseWrite() error }).CloseWrite()
 }
 
 // waitForSpares waits until b has accepted n spares in all and d holds
@@ -68,9 +80,9 @@ func dialTest(t *testing.T, d *Dialer) net.Conn {
 
 func TestDialConnectionCarriesTheDialItsEarlyDataAndBothHalfCloses(t *testing.T) {
 	var got *tunnelv1.DialRequest
-	b := startDialConnBroker(t, func(conn net.Conn, req *tunnelv1.DialRequest) {
-		got = req
-		echoTunnel(conn, req)
+	b := startDialConnBroker(t, func(bt *brokerTunnel) bool {
+		got = bt.req
+		return echoTunnel(bt)
 	})
 	d := b.dialer(t, 1, noStreams(t))
 	d.EarlyData = true
@@ -96,12 +108,12 @@ func TestDialConnectionCarriesTheDialItsEarlyDataAndBothHalfCloses(t *testing.T)
 
 func TestDialConnectionWaitsForTheBrokerWithoutEarlyData(t *testing.T) {
 	answer := make(chan struct{})
-	b := startDialConnBroker(t, func(conn net.Conn, req *tunnelv1.DialRequest) {
-		if len(req.GetEarlyData()) != 0 {
-			t.Errorf("early data %q without EarlyData", req.GetEarlyData())
+	b := startDialConnBroker(t, func(bt *brokerTunnel) bool {
+		if len(bt.req.GetEarlyData()) != 0 {
+			t.Errorf("early data %q without EarlyData", bt.req.GetEarlyData())
 		}
 		<-answer
-		echoTunnel(conn, req)
+		return echoTunnel(bt)
 	})
 	d := b.dialer(t, 1, noStreams(t))
 	waitForSpares(t, d, b, 1)
@@ -126,8 +138,9 @@ func TestDialConnectionWaitsForTheBrokerWithoutEarlyData(t *testing.T) {
 
 func TestDialConnectionRefusalIsTheDialsStatusOnDialOrFirstRead(t *testing.T) {
 	refusal := status.Error(codes.PermissionDenied, "spiffe://test/kcp may not dial root")
-	b := startDialConnBroker(t, func(conn net.Conn, _ *tunnelv1.DialRequest) {
-		_ = wire.WriteDialResult(conn, "", refusal)
+	b := startDialConnBroker(t, func(bt *brokerTunnel) bool {
+		_ = bt.answer(refusal)
+		return false
 	})
 	d := b.dialer(t, 2, noStreams(t))
 	waitForSpares(t, d, b, 2)
@@ -150,8 +163,9 @@ func TestDialConnectionRefusalIsTheDialsStatusOnDialOrFirstRead(t *testing.T) {
 }
 
 func TestDialConnectionUnansweredTimesOut(t *testing.T) {
-	b := startDialConnBroker(t, func(conn net.Conn, _ *tunnelv1.DialRequest) {
-		_, _ = io.Copy(io.Discard, conn) // never answers
+	b := startDialConnBroker(t, func(bt *brokerTunnel) bool {
+		_, _ = io.Copy(io.Discard, bt.conn) // never answers
+		return false
 	})
 	d := b.dialer(t, 1, noStreams(t))
 	d.Timeout = 100 * time.Millisecond
@@ -164,9 +178,9 @@ func TestDialConnectionUnansweredTimesOut(t *testing.T) {
 
 func TestDialConnectionReadDeadlineBoundsTheWaitButNotTheAnswer(t *testing.T) {
 	answer := make(chan struct{})
-	b := startDialConnBroker(t, func(conn net.Conn, req *tunnelv1.DialRequest) {
+	b := startDialConnBroker(t, func(bt *brokerTunnel) bool {
 		<-answer
-		echoTunnel(conn, req)
+		return echoTunnel(bt)
 	})
 	d := b.dialer(t, 1, noStreams(t))
 	d.EarlyData = true
@@ -181,14 +195,14 @@ func TestDialConnectionReadDeadlineBoundsTheWaitButNotTheAnswer(t *testing.T) {
 	roundTrip(t, c, "after")
 }
 
-func TestDialsUseSparesAndTheDialerReplacesThem(t *testing.T) {
+// The tunnels stay open: a tunnel that gives its connection back has it
+// carry the next dial instead (TestDialsInARowRideOneDialConnection).
+func TestDialsUseSparesAndTheDialerReplacesThoseTheirTunnelsKeep(t *testing.T) {
 	b := startDialConnBroker(t, echoTunnel)
 	d := b.dialer(t, 2, noStreams(t))
 	for i := range 5 {
 		waitForSpares(t, d, b, int32(2+i))
-		c := dialTest(t, d)
-		roundTrip(t, c, "x")
-		c.Close()
+		roundTrip(t, dialTest(t, d), "x")
 	}
 	if n := b.dials.Load(); n != 5 {
 		t.Fatalf("the broker read %d dials on dial connections, want 5", n)
@@ -233,9 +247,9 @@ func roundTrip(t *testing.T, c net.Conn, msg string) {
 
 func TestClosingTheDialerEndsItsTunnelsOnDialConnections(t *testing.T) {
 	ended := make(chan struct{})
-	b := startDialConnBroker(t, func(conn net.Conn, req *tunnelv1.DialRequest) {
-		echoTunnel(conn, req)
-		close(ended)
+	b := startDialConnBroker(t, func(bt *brokerTunnel) bool {
+		defer close(ended)
+		return echoTunnel(bt)
 	})
 	d := b.dialer(t, 1, noStreams(t))
 	waitForSpares(t, d, b, 1)
@@ -255,8 +269,9 @@ func TestClosingTheDialerEndsItsTunnelsOnDialConnections(t *testing.T) {
 }
 
 func TestABrokersMalformedAnswerIsInternal(t *testing.T) {
-	b := startDialConnBroker(t, func(conn net.Conn, _ *tunnelv1.DialRequest) {
-		_, _ = conn.Write([]byte{3, 0xff, 0xff, 0xff}) // not an OpenResult
+	b := startDialConnBroker(t, func(bt *brokerTunnel) bool {
+		_, _ = bt.conn.Write([]byte{3, 0xff, 0xff, 0xff}) // not an OpenResult
+		return false
 	})
 	d := b.dialer(t, 1, noStreams(t))
 	waitForSpares(t, d, b, 1)

@@ -77,14 +77,17 @@ var errNotAccepted = errors.New("the broker's TLS handshake did not pick " + wir
 // goroutine watching it (wire.Spares) is blocked reading the broker's
 // answer to a dial not sent yet: the broker sends nothing before it, so a
 // read that ends while the spare is idle means it is lost, and after the
-// spare is taken the read is the dial's answer.
+// spare is taken the read is the dial's answer. A connection whose tunnel
+// has left it idle comes back (Spares.Return), watched anew for the next
+// dial's answer.
 type spare struct {
-	conn net.Conn     // TLS; its CloseWrite sends close_notify
+	conn net.Conn     // TLS, under wire.CloseNotified
 	sock *wire.Socket // under conn: to reset it
 }
 
-// abort resets the connection: no close_notify, which would say that the
-// caller's direction ended cleanly.
+// abort resets the connection, which then carries nothing more: a
+// broker that reads it mid-tunnel fails the tunnel at once, with no end
+// exchange (docs/protocol.md §3.7), and a dial still unanswered at once.
 func (s *spare) abort() {
 	_ = s.sock.SetLinger(0)
 	_ = s.sock.Close()
@@ -92,10 +95,16 @@ func (s *spare) abort() {
 
 // spares keeps up to DialConnections.Spares dial connections open,
 // replacing each one lost at once and each one taken 20 ms later
-// (wire.ReplaceAfterTake), one handshake at a time, and after a failure
-// no sooner than a backoff allows, until it is closed.
+// (wire.ReplaceAfterTake) unless its tunnel has given it back by then,
+// one handshake at a time, and after a failure no sooner than a backoff
+// allows, until it is closed.
 // Nil takes none.
 type spares = wire.Spares[*spare, error]
+
+// spareReplaceAfterTake is the pool's wire.SparesConfig.AfterTake; a var
+// so that tests can lengthen it, and see a tunnel give its connection
+// back before any replacement is opened.
+var spareReplaceAfterTake = wire.ReplaceAfterTake
 
 // spareDialer opens dial connections to the broker.
 type spareDialer struct {
@@ -144,7 +153,7 @@ func newSpares(dc DialConnections) *spares {
 			}
 		},
 		Pace:      sparePace(want),
-		AfterTake: wire.ReplaceAfterTake,
+		AfterTake: spareReplaceAfterTake,
 	})
 }
 
