@@ -38,15 +38,16 @@ type Agent struct {
 	// by ALPN, with coalesced writes. Nil: tunnels go on Tunnel streams
 	// only.
 	DataCredentials credentials.TransportCredentials
-	// SpareDataConnections is how many spare data connections each
+	// SpareDataConnections is how many idle spare data connections each
 	// session keeps open to a broker that accepts them, so that a dial is
 	// carried on one without waiting for a handshake; 0 means none, and
-	// every tunnel goes on a Tunnel stream.
+	// every tunnel goes on a Tunnel stream. A tunnel that ends gives its
+	// connection back, and the pool keeps it up to this many.
 	SpareDataConnections int
 	// StalledWriteTimeout ends a tunnel on a data connection whose target
-	// takes no byte for so long (zero: DefaultStalledWriteTimeout). Once
-	// the broker ends such a tunnel nothing reads the data connection, so
-	// nothing else would free the write.
+	// takes no byte for so long (zero: DefaultStalledWriteTimeout). The
+	// copier blocked in that write reads neither the broker's end nor a
+	// reset, so nothing else would free it.
 	StalledWriteTimeout time.Duration
 	// Name is shown in the broker's logs and listings.
 	Name     string

@@ -38,8 +38,9 @@ import (
 // with, and small helpers. The fake is a real gRPC server on loopback with
 // SPIFFE mTLS from a throwaway CA; it hands each Connect and Tunnel stream
 // to the test, which plays the broker's side of the protocol. Its port also
-// takes data connections (ALPN wire.DataProtocol), whose opens it hands to
-// the test too.
+// takes data connections (ALPN wire.DataProtocol), and hands the test each
+// tunnel opened on one (dataleg_test.go), one after another on a
+// connection.
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
@@ -129,11 +130,12 @@ type fakeBroker struct {
 	// otherReplica, if set, is the broker_id the data connections'
 	// accept names instead of id: a load balancer led them elsewhere.
 	otherReplica string
-	// dataLegs receives each data connection whose open arrived.
+	// dataLegs receives each tunnel whose open arrived on a data
+	// connection.
 	dataLegs chan *dataLeg
-	// spares counts the data connections waiting for their open now;
+	// spares counts the data connections waiting for an open now;
 	// dataAccepted all those the broker took, sparesClosed those that
-	// ended before an open.
+	// ended while they waited for an open.
 	spares, dataAccepted, sparesClosed atomic.Int32
 	dataMu                             sync.Mutex
 	dataStopped                        bool
@@ -455,24 +457,10 @@ func (b *fakeBroker) noTunnel(t *testing.T) {
 	}
 }
 
-// dataLeg is the broker's side of one data connection, after its open.
-// dispatchedConn is what identity.Dispatch hands a broker.
-type dispatchedConn interface {
-	net.Conn
-	CloseWrite() error
-	NetConn() net.Conn
-}
-
-type dataLeg struct {
-	// conn is what identity.Dispatch hands the broker: TLS, with the
-	// socket under it.
-	conn   dispatchedConn
-	peer   spiffeid.ID
-	dialID uint64
-}
-
-// serveData serves one data connection: it waits for the open, then hands
-// the connection to the test.
+// serveData serves one data connection: once it has accepted it as a
+// spare, it hands each tunnel whose open arrives to the test (a dataLeg),
+// and reads the next open once the test says that the tunnel left the
+// connection idle (dataLeg.reused).
 func (b *fakeBroker) serveData(conn net.Conn, info identity.AuthInfo) {
 	b.dataMu.Lock()
 	if b.dataStopped {
@@ -484,7 +472,7 @@ func (b *fakeBroker) serveData(conn net.Conn, info identity.AuthInfo) {
 	b.dataServers.Add(1)
 	b.dataMu.Unlock()
 	defer b.dataServers.Done()
-	b.dataAccepted.Add(1)
+	connNo := b.dataAccepted.Add(1)
 	if b.refuseSpares.Add(-1) >= 0 {
 		_ = wire.WriteOpenResult(conn, status.Error(codes.ResourceExhausted, "too many spare data connections"))
 		b.sparesClosed.Add(1)
@@ -496,18 +484,39 @@ func (b *fakeBroker) serveData(conn net.Conn, info identity.AuthInfo) {
 		conn.Close()
 		return
 	}
+	for {
+		id, ok := b.awaitOpen(conn)
+		if !ok {
+			return
+		}
+		leg := &dataLeg{conn: conn.(dispatchedConn), peer: info.ID, dialID: id, connNo: connNo, done: make(chan struct{})}
+		select {
+		case b.dataLegs <- leg:
+		case <-b.dataDone:
+			return
+		}
+		select {
+		case <-leg.done:
+		case <-b.dataDone:
+			return
+		}
+	}
+}
+
+// awaitOpen reads the next open on conn, a spare until then; false if the
+// connection ended first, which closes it.
+func (b *fakeBroker) awaitOpen(conn net.Conn) (dialID uint64, ok bool) {
+	// The deadline of the tunnel before, if any (nextDataLeg).
+	_ = conn.SetDeadline(time.Time{})
 	b.setIdle(conn, true)
 	id, err := wire.ReadOpen(conn)
 	b.setIdle(conn, false)
 	if err != nil {
 		b.sparesClosed.Add(1)
 		conn.Close()
-		return
+		return 0, false
 	}
-	select {
-	case b.dataLegs <- &dataLeg{conn: conn.(dispatchedConn), peer: info.ID, dialID: id}:
-	case <-b.dataDone:
-	}
+	return id, true
 }
 
 // acceptAs is the replica a data connection's accept names.
@@ -574,17 +583,6 @@ func (b *fakeBroker) nextDataLeg(t *testing.T) *dataLeg {
 	return l
 }
 
-// answer answers the open: nil is OK.
-func (l *dataLeg) answer(t *testing.T, err error) {
-	t.Helper()
-	if err := wire.WriteOpenResult(l.conn, err); err != nil {
-		t.Fatalf("answering the open: %v", err)
-	}
-}
-
-// reset ends the data connection without a close_notify.
-func (l *dataLeg) reset() { l.conn.NetConn().Close() }
-
 // waitForSpares waits until the agent holds n spare data connections to b.
 func (b *fakeBroker) waitForSpares(t *testing.T, n int32) {
 	t.Helper()
@@ -597,7 +595,13 @@ func (b *fakeBroker) waitForSpares(t *testing.T, n int32) {
 // taken or lost.
 func (b *fakeBroker) waitForFullPool(t *testing.T) {
 	t.Helper()
-	b.waitForSpares(t, 2)
+	b.waitForPoolOf(t, 2)
+}
+
+// waitForPoolOf is waitForFullPool for an agent that keeps n spares.
+func (b *fakeBroker) waitForPoolOf(t *testing.T, n int32) {
+	t.Helper()
+	b.waitForSpares(t, n)
 	testutil.Eventually(t, "the agent's pool to be full", func() bool {
 		buf := make([]byte, 1<<20)
 		buf = buf[:runtime.Stack(buf, true)]

@@ -2,17 +2,23 @@ package agent
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
+	"fmt"
 	"io"
 	"net"
+	"os"
 	"slices"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
 
 	promtestutil "github.com/prometheus/client_golang/prometheus/testutil"
+	"go.uber.org/goleak"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
@@ -59,8 +65,8 @@ func TestATunnelGoesOnADataConnectionWhenTheBrokerAcceptsThem(t *testing.T) {
 	}
 	leg.answer(t, nil)
 
-	// Both directions at once, each larger than a TLS record and than a
-	// read buffer, each ending with its half-close.
+	// Both directions at once, each larger than a TLS record, a read
+	// buffer and a frame, each ending with its half-close.
 	up, down := randomBytes(t, 300<<10), randomBytes(t, 300<<10)
 	errs := make(chan error, 3)
 	targetGot, brokerGot := make(chan []byte, 1), make(chan []byte, 1)
@@ -77,18 +83,14 @@ func TestATunnelGoesOnADataConnectionWhenTheBrokerAcceptsThem(t *testing.T) {
 		errs <- err
 	}()
 	go func() {
-		b, err := io.ReadAll(leg.conn) // to the close_notify
+		b, err := leg.recvAll() // to the close_write
 		brokerGot <- b
 		errs <- err
 	}()
 	for chunk := range slices.Chunk(up, 50<<10) {
-		if _, err := leg.conn.Write(chunk); err != nil {
-			t.Fatalf("broker write: %v", err)
-		}
+		leg.send(t, chunk)
 	}
-	if err := leg.conn.CloseWrite(); err != nil {
-		t.Fatal(err)
-	}
+	leg.closeWrite(t)
 	for range 3 {
 		if err := testutil.Wait(t, "the reads and writes", errs); err != nil {
 			t.Fatal(err)
@@ -98,12 +100,287 @@ func TestATunnelGoesOnADataConnectionWhenTheBrokerAcceptsThem(t *testing.T) {
 		t.Errorf("the target read %d bytes before EOF, not the %d the broker sent", len(got), len(up))
 	}
 	if got := testutil.Wait(t, "the broker's bytes", brokerGot); !bytes.Equal(got, down) {
-		t.Errorf("the broker read %d bytes before the close_notify, not the %d the target sent", len(got), len(down))
+		t.Errorf("the broker read %d bytes before the close_write, not the %d the target sent", len(got), len(down))
+	}
+	if err := leg.finish(t, nil); err != nil {
+		t.Errorf("the agent ended the tunnel with %v, want OK", err)
 	}
 	b.noTunnel(t)
 	if got := promtestutil.ToFloat64(tunnelsOpened.WithLabelValues(legDataConnection)) - opened; got != 1 {
 		t.Errorf("tunnels_opened_total{leg=data_connection} grew by %v, want 1", got)
 	}
+}
+
+// reusingAgent runs an agent with one spare data connection of a fresh
+// broker, on a fake clock that only the test moves: until it does, the
+// pool opens no spare to replace one taken (wire.ReplaceAfterTake never
+// passes), so a dial rides the connection a tunnel gave back, or a Tunnel
+// stream. It returns once the spare is in the pool.
+func reusingAgent(t *testing.T) (*fakeBroker, *session, *target, *clocktesting.FakeClock) {
+	t.Helper()
+	p := newPKI(t)
+	b := startBroker(t, p)
+	tg := listenTarget(t)
+	a := dataAgent(t, p, b, staticResolver(t, tg.addr()))
+	a.SpareDataConnections = 1
+	clk := fakeClock(a)
+	run(t, a)
+	s := b.nextSession(t)
+	b.waitForPoolOf(t, 1)
+	return b, s, tg, clk
+}
+
+// dialOnData orders dial id, which must go on a data connection, and
+// returns the broker's side of its tunnel, answered OK, and the target's
+// connection.
+func dialOnData(t *testing.T, b *fakeBroker, s *session, tg *target, id uint64) (*dataLeg, *net.TCPConn) {
+	t.Helper()
+	s.order(t, dialOrder(id))
+	conn := tg.accept(t)
+	leg := b.nextDataLeg(t)
+	if leg.dialID != id {
+		t.Fatalf("data connection opened for dial %d, want %d", leg.dialID, id)
+	}
+	leg.answer(t, nil)
+	return leg, conn
+}
+
+// resetTarget resets the target's connection, once the agent has read
+// the broker's OK: a byte from the broker has reached the target. Before
+// it the agent aborts the tunnel, as it always has.
+func resetTarget(t *testing.T, leg *dataLeg, conn *net.TCPConn) {
+	t.Helper()
+	leg.send(t, []byte("!"))
+	if _, err := io.ReadFull(conn, make([]byte, 1)); err != nil {
+		t.Fatal(err)
+	}
+	if err := conn.SetLinger(0); err != nil {
+		t.Fatal(err)
+	}
+	conn.Close()
+}
+
+// carryCleanly carries a request to the target and its response back on
+// leg's tunnel, each followed by its half-close, and ends the tunnel with
+// OK both ways, as a webhook call does.
+func carryCleanly(t *testing.T, leg *dataLeg, conn *net.TCPConn, request, response string) {
+	t.Helper()
+	leg.send(t, []byte(request))
+	leg.closeWrite(t)
+	if got, err := io.ReadAll(conn); err != nil || string(got) != request {
+		t.Fatalf("the target read %q, %v; want %q, then EOF", got, err, request)
+	}
+	if _, err := conn.Write([]byte(response)); err != nil {
+		t.Fatal(err)
+	}
+	if err := conn.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := leg.recvAll(); err != nil || string(got) != response {
+		t.Fatalf("the broker read %q, %v; want %q, then the close_write", got, err, response)
+	}
+	if err := leg.finish(t, nil); err != nil {
+		t.Fatalf("after the broker's OK end the agent sent its end with %v, want OK", err)
+	}
+}
+
+// tunnelsEnded waits until the agent's tunnels in flight are back to n. A
+// tunnel on a data connection counts until it has given its connection
+// back to the pool, where the next dial then finds it: a dial ordered
+// before would go on a Tunnel stream.
+func tunnelsEnded(t *testing.T, n float64) {
+	t.Helper()
+	testutil.Eventually(t, "the tunnel to give its data connection back", func() bool { return promtestutil.ToFloat64(tunnelsOpen) == n })
+}
+
+// agentSocket is the inode of the agent's socket of conn, the target's
+// side of a connection from the agent, while it is established; "" where
+// there is no /proc/self/net/tcp to find it in.
+func agentSocket(t *testing.T, conn *net.TCPConn) string {
+	t.Helper()
+	table, err := os.ReadFile("/proc/self/net/tcp")
+	if err != nil {
+		t.Logf("the agent's sockets cannot be told apart here: %v", err)
+		return ""
+	}
+	local, remote := procAddr(conn.RemoteAddr()), procAddr(conn.LocalAddr())
+	for line := range strings.Lines(string(table)) {
+		f := strings.Fields(line)
+		if len(f) > 9 && f[1] == local && f[2] == remote {
+			return f[9]
+		}
+	}
+	t.Fatalf("no socket from %s to %s in /proc/self/net/tcp", local, remote)
+	return ""
+}
+
+// procAddr is addr as /proc/net/tcp spells it.
+func procAddr(addr net.Addr) string {
+	a := addr.(*net.TCPAddr)
+	return fmt.Sprintf("%08X:%04X", binary.NativeEndian.Uint32(a.IP.To4()), a.Port)
+}
+
+// socketClosed checks that the agent has closed its socket inode (from
+// agentSocket) by now. Once both sides of a TCP connection have
+// half-closed nothing on the wire says that one of them closed its
+// socket too, so the check looks at the agent's file descriptors.
+func socketClosed(t *testing.T, inode string) {
+	t.Helper()
+	if inode == "" {
+		return
+	}
+	fds, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, fd := range fds {
+		if link, _ := os.Readlink("/proc/self/fd/" + fd.Name()); link == "socket:["+inode+"]" {
+			t.Fatalf("the agent's socket to the target is open still, as fd %s", fd.Name())
+		}
+	}
+}
+
+func TestDialsInARowRideTheSameDataConnection(t *testing.T) {
+	b, s, tg, _ := reusingAgent(t)
+	inFlight := promtestutil.ToFloat64(tunnelsOpen)
+	var first int32
+	for id := uint64(1); id <= 3; id++ {
+		leg, conn := dialOnData(t, b, s, tg, id)
+		socket := agentSocket(t, conn)
+		if id == 1 {
+			first = leg.connNo
+		} else if leg.connNo != first {
+			t.Errorf("dial %d rode data connection %d, want %d, the one the tunnel before gave back", id, leg.connNo, first)
+		}
+		carryCleanly(t, leg, conn, fmt.Sprintf("request %d", id), fmt.Sprintf("response %d", id))
+		// The agent closes the target before it sends its end.
+		socketClosed(t, socket)
+		tunnelsEnded(t, inFlight)
+	}
+	b.noTunnel(t)
+	if n := b.dataAccepted.Load(); n != 1 {
+		t.Errorf("the broker took %d data connections for three dials in a row, want 1", n)
+	}
+}
+
+func TestABrokersFailedEndResetsTheTargetAndTheConnectionCarriesTheNextDial(t *testing.T) {
+	b, s, tg, _ := reusingAgent(t)
+	inFlight := promtestutil.ToFloat64(tunnelsOpen)
+	leg, conn := dialOnData(t, b, s, tg, 1)
+	leg.send(t, []byte("half a request"))
+	got := make([]byte, len("half a request"))
+	if _, err := io.ReadFull(conn, got); err != nil {
+		t.Fatal(err)
+	}
+
+	// kcp went away: the broker ends the tunnel with Canceled.
+	if err := leg.finish(t, status.Error(codes.Canceled, "the caller went away")); err != nil {
+		t.Errorf("the agent answered the broker's end with %v, want OK", err)
+	}
+	if _, err := conn.Read(make([]byte, 1)); !errors.Is(err, syscall.ECONNRESET) {
+		t.Errorf("target read after the broker's Canceled end: %v, want a connection reset", err)
+	}
+	tunnelsEnded(t, inFlight)
+
+	next, conn2 := dialOnData(t, b, s, tg, 2)
+	if next.connNo != leg.connNo {
+		t.Errorf("the next dial rode data connection %d, want %d, the one the failed tunnel gave back", next.connNo, leg.connNo)
+	}
+	carryCleanly(t, next, conn2, "request", "response")
+}
+
+func TestATargetThatResetsEndsTheTunnelWithUnavailableAndTheConnectionCarriesTheNextDial(t *testing.T) {
+	b, s, tg, _ := reusingAgent(t)
+	inFlight := promtestutil.ToFloat64(tunnelsOpen)
+	leg, conn := dialOnData(t, b, s, tg, 1)
+
+	resetTarget(t, leg, conn)
+	testutil.CheckStatus(t, "the agent's end", leg.awaitEnd(t), codes.Unavailable, "reading from target: connection reset by peer")
+	// The connection is idle once the broker's end answers the agent's.
+	leg.end(t, status.Error(codes.Aborted, "the agent's leg failed"))
+	leg.reused()
+	tunnelsEnded(t, inFlight)
+
+	next, conn2 := dialOnData(t, b, s, tg, 2)
+	if next.connNo != leg.connNo {
+		t.Errorf("the next dial rode data connection %d, want %d, the one the failed tunnel gave back", next.connNo, leg.connNo)
+	}
+	carryCleanly(t, next, conn2, "request", "response")
+}
+
+func TestABrokerThatNeverAnswersTheAgentsEndLosesTheConnection(t *testing.T) {
+	b, s, tg, clk := reusingAgent(t)
+	leg, conn := dialOnData(t, b, s, tg, 1)
+	resetTarget(t, leg, conn)
+	testutil.CheckStatus(t, "the agent's end", leg.awaitEnd(t), codes.Unavailable, "connection reset by peer")
+
+	// The broker sends no end: the agent waits for it wire.EndTimeout,
+	// then resets the connection.
+	sent := time.Now()
+	err := leg.connEnd()
+	if waited := time.Since(sent); !errors.Is(err, syscall.ECONNRESET) || waited < wire.EndTimeout/2 {
+		t.Errorf("the connection ended %v after the agent's end with %v, want a reset after about %v", waited, err, wire.EndTimeout)
+	}
+
+	// The spare's replacement, once it is due, is a new connection.
+	waitUntilWaiting(t, clk, "the replacement of the spare taken")
+	clk.Step(time.Second)
+	b.waitForPoolOf(t, 1)
+	next, conn2 := dialOnData(t, b, s, tg, 2)
+	if next.connNo == leg.connNo {
+		t.Errorf("the next dial rode data connection %d, the one the agent reset", next.connNo)
+	}
+	carryCleanly(t, next, conn2, "request", "response")
+	if n := b.dataAccepted.Load(); n != 2 {
+		t.Errorf("the broker took %d data connections, want 2", n)
+	}
+}
+
+func TestAFrameTheProtocolDoesNotAllowFailsTheTunnelAndItsConnection(t *testing.T) {
+	b, s, tg, _ := reusingAgent(t)
+	leg, conn := dialOnData(t, b, s, tg, 1)
+
+	// Field 1 of a ConnFrame: no frame has it.
+	if _, err := leg.conn.Write([]byte{1<<3 | 2, 0}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.Read(make([]byte, 1)); !errors.Is(err, syscall.ECONNRESET) {
+		t.Errorf("target read after the broker's bad frame: %v, want a connection reset", err)
+	}
+	if err := leg.connEnd(); !errors.Is(err, syscall.ECONNRESET) {
+		t.Errorf("the data connection ended with %v, want a reset", err)
+	}
+	if n := b.spares.Load(); n != 0 {
+		t.Errorf("the agent holds %d spares, want none: the connection must not carry another tunnel", n)
+	}
+}
+
+func TestAnAgentThatStopsMidEndExchangeLeavesNothingBehind(t *testing.T) {
+	leaks := goleak.IgnoreCurrent()
+	// Runs last, once the broker, the target and the agent are stopped.
+	t.Cleanup(func() { goleak.VerifyNone(t, leaks) })
+	p := newPKI(t)
+	b := startBroker(t, p)
+	tg := listenTarget(t)
+	stop := run(t, dataAgent(t, p, b, staticResolver(t, tg.addr())))
+	s := b.nextSession(t)
+	b.waitForFullPool(t)
+	leg, conn := dialOnData(t, b, s, tg, 1)
+	resetTarget(t, leg, conn)
+	testutil.CheckStatus(t, "the agent's end", leg.awaitEnd(t), codes.Unavailable, "connection reset by peer")
+
+	// The agent waits for the broker's end, which does not come. Its
+	// grace over, it resets the connection, long before its wait for the
+	// end would have.
+	stopped := time.Now()
+	stop()
+	if err := leg.connEnd(); !errors.Is(err, syscall.ECONNRESET) {
+		t.Errorf("the data connection ended with %v, want a reset", err)
+	}
+	if took := time.Since(stopped); took >= wire.EndTimeout/2 {
+		t.Errorf("the agent took %v to stop, want it to reset the tunnel at the end of its grace", took)
+	}
+	testutil.Eventually(t, "the spare left to be closed", func() bool { return b.spares.Load() == 0 })
 }
 
 // TestABrokerThatDoesNotAcceptDataConnectionsGetsTunnelStreams: without
@@ -201,45 +478,36 @@ func TestEarlyDataOnADataConnectionReachesTheTargetBeforeTheBrokersBytes(t *test
 		t.Fatalf("before the broker answered, the target read %q, %v; want the early data", got, err)
 	}
 	leg.answer(t, nil)
-	if _, err := leg.conn.Write([]byte("then data")); err != nil {
-		t.Fatal(err)
-	}
-	if err := leg.conn.CloseWrite(); err != nil {
-		t.Fatal(err)
-	}
+	leg.send(t, []byte("then data"))
+	leg.closeWrite(t)
 	rest, err := io.ReadAll(conn)
 	if err != nil || string(rest) != "then data" {
 		t.Errorf("the target read %q, %v after the early data, want the broker's bytes", rest, err)
 	}
 }
 
-func TestATargetResetAbortsTheDataConnection(t *testing.T) {
-	_, _, leg, conn := establishedOnData(t, dialOrder(1))
-	leg.answer(t, nil)
-
-	if err := conn.SetLinger(0); err != nil {
-		t.Fatal(err)
-	}
-	conn.Close()
-	// No close_notify: that would say the target's direction ended
-	// cleanly.
-	_, err := io.ReadAll(leg.conn)
-	if err == nil {
-		t.Error("the broker read a close_notify after the target reset, want the connection aborted")
-	}
-}
-
 func TestADataConnectionEndedByTheBrokerAbortsTheTarget(t *testing.T) {
-	_, _, leg, conn := establishedOnData(t, dialOrder(1))
-	leg.answer(t, nil)
-	if _, err := leg.conn.Write([]byte("half a request")); err != nil {
-		t.Fatal(err)
-	}
+	for name, end := range map[string]func(*dataLeg){
+		"reset": (*dataLeg).reset,
+		// A close_notify where a frame could start is no close_write.
+		"closed with a close_notify": func(l *dataLeg) { l.conn.Close() },
+	} {
+		t.Run(name, func(t *testing.T) {
+			_, _, leg, conn := establishedOnData(t, dialOrder(1))
+			leg.answer(t, nil)
+			leg.send(t, []byte("half a request"))
+			if _, err := io.ReadFull(conn, make([]byte, len("half a request"))); err != nil {
+				t.Fatal(err)
+			}
 
-	leg.reset()
-	_, err := io.ReadAll(conn)
-	if !errors.Is(err, syscall.ECONNRESET) {
-		t.Errorf("target read after the broker ended the data connection: %v, want a connection reset", err)
+			// Anywhere but while idle, a connection that ends fails its
+			// tunnel.
+			end(leg)
+			_, err := io.ReadAll(conn)
+			if !errors.Is(err, syscall.ECONNRESET) {
+				t.Errorf("target read after the broker ended the data connection: %v, want a connection reset", err)
+			}
+		})
 	}
 }
 
@@ -251,9 +519,7 @@ func TestADataConnectionTunnelOutlivesItsSession(t *testing.T) {
 	s.ended(t)
 	b.nextSession(t) // the agent noticed, and registered again
 
-	if _, err := leg.conn.Write([]byte("still")); err != nil {
-		t.Fatal(err)
-	}
+	leg.send(t, []byte("still"))
 	got := make([]byte, len("still"))
 	if _, err := io.ReadFull(conn, got); err != nil || string(got) != "still" {
 		t.Fatalf("target read %q, %v", got, err)
@@ -261,9 +527,8 @@ func TestADataConnectionTunnelOutlivesItsSession(t *testing.T) {
 	if _, err := conn.Write([]byte("here")); err != nil {
 		t.Fatal(err)
 	}
-	back := make([]byte, len("here"))
-	if _, err := io.ReadFull(leg.conn, back); err != nil || string(back) != "here" {
-		t.Fatalf("broker read %q, %v", back, err)
+	if back := leg.recvN(t, len("here")); string(back) != "here" {
+		t.Fatalf("broker read %q", back)
 	}
 }
 
@@ -318,7 +583,7 @@ func TestATunnelWhoseTargetStopsReadingEndsAtTheStalledWritesBound(t *testing.T)
 		defer close(wrote)
 		chunk := make([]byte, 64<<10)
 		for {
-			if _, err := leg.conn.Write(chunk); err != nil {
+			if err := leg.write(chunk); err != nil {
 				return
 			}
 		}

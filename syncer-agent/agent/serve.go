@@ -64,7 +64,7 @@ func (a *Agent) open(ctx context.Context, client tunnelv1.AgentServiceClient, sp
 	dials.WithLabelValues(codes.OK.String()).Inc()
 	d.target = conn
 	if s := spares.Take(); s != nil {
-		return openData(ctx, s, d, cmp.Or(a.StalledWriteTimeout, DefaultStalledWriteTimeout))
+		return openData(ctx, spares, s, d, cmp.Or(a.StalledWriteTimeout, DefaultStalledWriteTimeout))
 	}
 	return openStream(ctx, client, d)
 }

@@ -33,26 +33,23 @@ const dataHandshakeTimeout = 10 * time.Second
 // balancer), or to an older replica.
 var errNotAccepted = errors.New("the broker's TLS handshake did not pick " + wire.DataProtocol)
 
-// dataConn is a data connection: TLS, whose CloseWrite sends close_notify.
-type dataConn interface {
-	net.Conn
-	CloseWrite() error
-}
-
-// spare is one data connection opened ahead of a dial. The pool's
-// goroutine watching it (wire.Spares) is blocked reading the broker's
-// answer to an open not sent yet: a read that ends before the spare is
-// taken means the spare is lost; after, the read is the tunnel's answer,
-// and the goroutine goes on as the tunnel's copier from the broker to the
-// target.
+// spare is one data connection opened ahead of a dial, or given back idle
+// once its tunnel ended (docs/protocol.md §3.7). The pool's goroutine
+// watching it (wire.Spares) is blocked reading the broker's answer to an
+// open not sent yet: a read that ends before the spare is taken means the
+// spare is lost; after, the read is the tunnel's answer, and the goroutine
+// goes on as the tunnel's copier from the broker to the target.
 type spare struct {
-	// conn's io.EOF is the broker's close_notify (wire.CloseNotified).
-	conn dataConn
+	// conn's io.EOF is the broker's close_notify (wire.CloseNotified):
+	// the log of a spare lost while idle says whether the broker closed
+	// it or its socket just ended. Once the broker has answered an open,
+	// the tunnel's frames say how it ends.
+	conn net.Conn
 	raw  *wire.Socket // under conn: to abort without a close_notify
 }
 
 // abort resets the connection: no close_notify, which would say that the
-// agent's direction ended cleanly.
+// agent closed it cleanly, while idle.
 func (s *spare) abort() {
 	_ = s.raw.SetLinger(0)
 	_ = s.raw.Close()
@@ -63,9 +60,12 @@ func (s *spare) abort() {
 type takenSpare = wire.Spare[*spare, error]
 
 // spares are a session's spare data connections: up to
-// SpareDataConnections of them, opened at most sparesPerSecond a second,
-// replacing those taken or lost, for as long as the session lasts and the
-// agent does not drain. Nil takes none.
+// SpareDataConnections of them idle, opened at most sparesPerSecond a
+// second, replacing those taken or lost, for as long as the session lasts
+// and the agent does not drain. A tunnel that ends and leaves its
+// connection idle gives it back (dataTunnel.run), and the pool keeps it
+// instead of opening another, or closes it if it holds enough. Nil takes
+// none.
 type spares = wire.Spares[*spare, error]
 
 // spareDialer opens a session's spares, and logs what becomes of them.
@@ -176,11 +176,7 @@ func (d *spareDialer) dial(ctx context.Context) (*spare, error) {
 		conn.Close()
 		return nil, errNotAccepted
 	}
-	if _, ok := conn.(interface{ CloseWrite() error }); !ok {
-		conn.Close()
-		return nil, fmt.Errorf("a %T cannot half-close: the data credentials must be wrapped with wire.CoalesceWrites", conn)
-	}
-	dc := wire.CloseNotified(conn, raw).(dataConn)
+	dc := wire.CloseNotified(conn, raw)
 	// The broker names its replica first. A spare that reached another
 	// replica than the control stream's (through a load balancer) could
 	// claim none of the session's dials.

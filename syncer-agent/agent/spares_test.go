@@ -99,28 +99,29 @@ func TestSparesAreClosedWhenTheAgentDrains(t *testing.T) {
 	stopped := stopAsync(stop)
 	wantDrainOfAMinute(t, s)
 	testutil.Eventually(t, "the spare to be closed", func() bool { return b.sparesClosed.Load() == 1 })
-	if _, err := leg.conn.Write([]byte("in flight")); err != nil {
-		t.Fatal(err)
-	}
+	leg.send(t, []byte("in flight"))
 	got := make([]byte, len("in flight"))
 	if _, err := io.ReadFull(conn, got); err != nil || string(got) != "in flight" {
 		t.Fatalf("target read %q, %v", got, err)
 	}
 
-	// Once the tunnel ends cleanly, Run returns.
-	if err := leg.conn.CloseWrite(); err != nil {
-		t.Fatal(err)
-	}
+	// Once the tunnel ends cleanly, Run returns, and the pool, drained,
+	// closes the connection the tunnel gave back.
+	leg.closeWrite(t)
 	if _, err := io.ReadAll(conn); err != nil {
 		t.Fatal(err)
 	}
 	if err := conn.CloseWrite(); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := io.ReadAll(leg.conn); err != nil {
-		t.Fatalf("broker read to the close_notify: %v", err)
+	if _, err := leg.recvAll(); err != nil {
+		t.Fatalf("broker read to the close_write: %v", err)
+	}
+	if err := leg.finish(t, nil); err != nil {
+		t.Errorf("the agent ended the tunnel with %v, want OK", err)
 	}
 	testutil.Wait(t, "Run to return after its last tunnel ended", stopped)
+	testutil.Eventually(t, "the connection given back to be closed", func() bool { return b.sparesClosed.Load() == 2 })
 }
 
 func TestALostSpareIsReplaced(t *testing.T) {
