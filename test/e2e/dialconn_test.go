@@ -109,3 +109,52 @@ func TestABrokerWithoutDialConnectionsGetsDialStreams(t *testing.T) {
 		t.Errorf("the broker spliced %v tunnels on dial connections, want 0", got)
 	}
 }
+
+// TestDialAndDataConnectionsCarryOneTunnelAfterAnother: on the real
+// binaries, dials one after another, each closed by kcp after a round trip,
+// ride the connections their spares left idle (docs/protocol.md §3.7):
+// every tunnel's end exchange leaves its dial connection idle for the
+// next, and its data connection too, none is reset, and no dial falls back
+// to a Dial stream. The agent's leg may: its 2 spares can both still be
+// ending their tunnels when the next dial comes; without reuse, a dozen
+// connections would have carried the 40.
+func TestDialAndDataConnectionsCarryOneTunnelAfterAnother(t *testing.T) {
+	env := harness.NewEnv(t)
+	broker, addr := env.StartBrokerProcess()
+	agent := env.StartAgentProcess(addr, "/agent/sync-target-1", echoServices(harness.StartEcho(t)))
+	dialer := env.DirectDialer(addr, "/kcp")
+	dialer.EarlyData = true
+	testutil.Eventually(t, "the broker to hold kcp's and the agent's spares", func() bool {
+		dials, _ := scrape(t, broker, `kcp_tunnel_broker_spare_dial_connections`)
+		data, _ := scrape(t, broker, `kcp_tunnel_broker_spare_data_connections`)
+		return dials == kcpplugin.DefaultSpares && data == 2
+	})
+	const tunnels = 40
+	for i := range tunnels {
+		conn, err := dialer.DialService(t.Context(), "root", "default", "echo", 80)
+		if err != nil {
+			t.Fatal(err)
+		}
+		roundTrip(t, conn, fmt.Sprintf("tunnel %d", i))
+		conn.Close()
+	}
+	ended := func(leg, connection string) float64 {
+		v, _ := scrape(t, broker, fmt.Sprintf(`kcp_tunnel_broker_connection_tunnels_ended_total{connection=%q,leg=%q}`, connection, leg))
+		return v
+	}
+	testutil.Eventually(t, "every tunnel to end", func() bool {
+		return ended("dial_connection", "idle") == tunnels &&
+			ended("data_connection", "idle")+tunnelsOn(t, agent, "stream") == tunnels
+	})
+	for _, leg := range []string{"dial_connection", "data_connection"} {
+		if n := ended(leg, "reset"); n != 0 {
+			t.Errorf("%v tunnels reset their %s", n, leg)
+		}
+	}
+	if n := ended("data_connection", "idle"); n < tunnels/2 {
+		t.Errorf("%v of %d tunnels rode a data connection and left it idle, want most", n, tunnels)
+	}
+	if got := callerLegs(t, broker, "stream"); got != 0 {
+		t.Errorf("the broker spliced %v tunnels on Dial streams, want 0", got)
+	}
+}
