@@ -375,7 +375,7 @@ func (s *Server) Ready() bool { return s.draining.Err() == nil }
 // flight run for the grace period, then ends them with Unavailable.
 func (s *Server) Serve(ctx context.Context, l net.Listener) error {
 	served := make(chan error, 1)
-	go func() { served <- s.grpc.Serve(l) }()
+	go func() { served <- s.grpc.Serve(identity.HandOver(l)) }()
 	select {
 	case err := <-served:
 		return err

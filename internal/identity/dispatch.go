@@ -14,9 +14,11 @@ import (
 // the connection, verified as gRPC's are: its AuthInfo names the peer. Its
 // Read returns io.EOF only for a TLS close_notify, and
 // wire.ErrNoCloseNotify for a socket that ended without one
-// (wire.CloseNotified). gRPC clears its handshake deadline on the
-// connection as the handshake returns, so the function bounds its reads by
-// other means than deadlines set at once.
+// (wire.CloseNotified). gRPC clears the connection's deadline as the
+// handshake returns, which would undo a deadline the function had set by
+// then (a tunnel's end exchange, in a test's first milliseconds): on a
+// server that serves a HandOver listener, the function runs once gRPC is
+// done with the connection.
 func Dispatch(creds credentials.TransportCredentials, serve map[string]func(net.Conn, AuthInfo)) credentials.TransportCredentials {
 	return &dispatcher{TransportCredentials: creds, serve: serve}
 }
@@ -36,7 +38,11 @@ func (d *dispatcher) ServerHandshake(raw net.Conn) (net.Conn, credentials.AuthIn
 	}
 	ai, ok := info.(AuthInfo)
 	if serve := d.serve[ai.State.NegotiatedProtocol]; ok && serve != nil {
-		go serve(wire.CloseNotified(conn, sock), ai)
+		handed := handingOver(raw)
+		go func() {
+			handed()
+			serve(wire.CloseNotified(conn, sock), ai)
+		}()
 		// gRPC leaves a dispatched connection open, and only this exact
 		// error means that: wrappers above must return it unchanged.
 		return nil, nil, credentials.ErrConnDispatched

@@ -6,9 +6,11 @@ import (
 	"io"
 	"net"
 	"testing"
+	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
@@ -101,5 +103,59 @@ func halfCloseBothWays(t *testing.T, conn, server net.Conn) {
 	}
 	if _, err := server.Read(make([]byte, 1)); !errors.Is(err, io.EOF) {
 		t.Fatalf("the handler's read after EOF: %v", err)
+	}
+}
+
+// TestADispatchedFunctionRunsOnceGRPCHasClearedItsDeadline plays gRPC's
+// part by hand on a connection a HandOver listener accepted: the handshake,
+// then the clear of its deadline, the last thing gRPC does with a
+// dispatched connection. The function must not run before that clear,
+// which would undo a deadline of its own.
+func TestADispatchedFunctionRunsOnceGRPCHasClearedItsDeadline(t *testing.T) {
+	ca := newCA(t, "ca")
+	server := newSource(t, ca, devca.Leaf{SPIFFEID: "/broker"})
+	client := newSource(t, ca, devca.Leaf{SPIFFEID: "/agent"})
+	served := make(chan struct{})
+	creds := Dispatch(ServerCredentials(server, tlsconfig.AuthorizeAny(), Protocols(testProtocol)),
+		map[string]func(net.Conn, AuthInfo){testProtocol: func(conn net.Conn, _ AuthInfo) {
+			close(served)
+			conn.Close()
+		}})
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	lis := HandOver(l)
+	defer lis.Close()
+	go func() {
+		raw, err := net.Dial("tcp", lis.Addr().String())
+		if err != nil {
+			return
+		}
+		defer raw.Close()
+		conn, _, err := ClientCredentials(client, tlsconfig.AuthorizeAny(), Protocols(testProtocol)).ClientHandshake(context.Background(), "broker", raw)
+		if err == nil {
+			_, _ = io.Copy(io.Discard, conn)
+		}
+	}()
+	raw, err := lis.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer raw.Close()
+	_ = raw.SetDeadline(time.Now().Add(waitLong))
+	if _, _, err := creds.ServerHandshake(raw); !errors.Is(err, credentials.ErrConnDispatched) {
+		t.Fatalf("ServerHandshake: %v, want the connection dispatched", err)
+	}
+	select {
+	case <-served:
+		t.Fatal("the function ran before gRPC cleared the connection's deadline")
+	case <-time.After(100 * time.Millisecond):
+	}
+	_ = raw.SetDeadline(time.Time{})
+	select {
+	case <-served:
+	case <-time.After(waitLong):
+		t.Fatal("the function did not run once gRPC cleared the connection's deadline")
 	}
 }

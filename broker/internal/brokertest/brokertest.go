@@ -133,7 +133,7 @@ func serve(t *testing.T, srv *grpc.Server) string {
 	served := make(chan struct{})
 	go func() {
 		defer close(served)
-		_ = srv.Serve(lis)
+		_ = srv.Serve(identity.HandOver(lis))
 	}()
 	t.Cleanup(func() {
 		srv.Stop()
