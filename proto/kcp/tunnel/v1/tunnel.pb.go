@@ -1301,8 +1301,12 @@ type Registered struct {
 	// The broker accepts data connections (docs/protocol.md §3.5): the agent
 	// MAY carry a tunnel on one instead of on a Tunnel stream.
 	DataConnections bool `protobuf:"varint,3,opt,name=data_connections,json=dataConnections,proto3" json:"data_connections,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// This registration's session, which a data connection names in its
+	// DataBind to take the dial orders of this control stream (set with
+	// data_connections).
+	SessionId     string `protobuf:"bytes,4,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Registered) Reset() {
@@ -1356,6 +1360,60 @@ func (x *Registered) GetDataConnections() bool {
 	return false
 }
 
+func (x *Registered) GetSessionId() string {
+	if x != nil {
+		return x.SessionId
+	}
+	return ""
+}
+
+// DataBind is the first message of a data connection (docs/protocol.md
+// §3.5), length-delimited: the session whose dial orders it takes.
+type DataBind struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Registered.session_id of the agent's control stream on this replica.
+	SessionId     string `protobuf:"bytes,1,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DataBind) Reset() {
+	*x = DataBind{}
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DataBind) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DataBind) ProtoMessage() {}
+
+func (x *DataBind) ProtoReflect() protoreflect.Message {
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DataBind.ProtoReflect.Descriptor instead.
+func (*DataBind) Descriptor() ([]byte, []int) {
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *DataBind) GetSessionId() string {
+	if x != nil {
+		return x.SessionId
+	}
+	return ""
+}
+
 // OpenResult is what the broker says on a data connection (docs/protocol.md
 // §3.5) or a dial connection (§3.6): once as it takes the connection as a
 // spare, with its broker_id, and once to the open or the dial that starts
@@ -1380,7 +1438,7 @@ type OpenResult struct {
 
 func (x *OpenResult) Reset() {
 	*x = OpenResult{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[17]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1392,7 +1450,7 @@ func (x *OpenResult) String() string {
 func (*OpenResult) ProtoMessage() {}
 
 func (x *OpenResult) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[17]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1405,7 +1463,7 @@ func (x *OpenResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenResult.ProtoReflect.Descriptor instead.
 func (*OpenResult) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{17}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *OpenResult) GetCode() int32 {
@@ -1456,7 +1514,7 @@ type ConnFrame struct {
 
 func (x *ConnFrame) Reset() {
 	*x = ConnFrame{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[18]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1468,7 +1526,7 @@ func (x *ConnFrame) String() string {
 func (*ConnFrame) ProtoMessage() {}
 
 func (x *ConnFrame) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[18]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1481,7 +1539,7 @@ func (x *ConnFrame) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConnFrame.ProtoReflect.Descriptor instead.
 func (*ConnFrame) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{18}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *ConnFrame) GetFrame() isConnFrame_Frame {
@@ -1564,7 +1622,7 @@ type DialOrder struct {
 
 func (x *DialOrder) Reset() {
 	*x = DialOrder{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[19]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1576,7 +1634,7 @@ func (x *DialOrder) String() string {
 func (*DialOrder) ProtoMessage() {}
 
 func (x *DialOrder) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[19]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1589,7 +1647,7 @@ func (x *DialOrder) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DialOrder.ProtoReflect.Descriptor instead.
 func (*DialOrder) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{19}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *DialOrder) GetDialId() uint64 {
@@ -1641,7 +1699,7 @@ type DialFailure struct {
 
 func (x *DialFailure) Reset() {
 	*x = DialFailure{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[20]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1653,7 +1711,7 @@ func (x *DialFailure) String() string {
 func (*DialFailure) ProtoMessage() {}
 
 func (x *DialFailure) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[20]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1666,7 +1724,7 @@ func (x *DialFailure) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DialFailure.ProtoReflect.Descriptor instead.
 func (*DialFailure) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{20}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *DialFailure) GetDialId() uint64 {
@@ -1710,7 +1768,7 @@ type TunnelRequest struct {
 
 func (x *TunnelRequest) Reset() {
 	*x = TunnelRequest{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[21]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1722,7 +1780,7 @@ func (x *TunnelRequest) String() string {
 func (*TunnelRequest) ProtoMessage() {}
 
 func (x *TunnelRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[21]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1735,7 +1793,7 @@ func (x *TunnelRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelRequest.ProtoReflect.Descriptor instead.
 func (*TunnelRequest) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{21}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *TunnelRequest) GetFrame() isTunnelRequest_Frame {
@@ -1794,7 +1852,7 @@ type TunnelResponse struct {
 
 func (x *TunnelResponse) Reset() {
 	*x = TunnelResponse{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[22]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1806,7 +1864,7 @@ func (x *TunnelResponse) String() string {
 func (*TunnelResponse) ProtoMessage() {}
 
 func (x *TunnelResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[22]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1819,7 +1877,7 @@ func (x *TunnelResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelResponse.ProtoReflect.Descriptor instead.
 func (*TunnelResponse) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{22}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *TunnelResponse) GetFrame() isTunnelResponse_Frame {
@@ -1875,7 +1933,7 @@ type TunnelOpen struct {
 
 func (x *TunnelOpen) Reset() {
 	*x = TunnelOpen{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[23]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1887,7 +1945,7 @@ func (x *TunnelOpen) String() string {
 func (*TunnelOpen) ProtoMessage() {}
 
 func (x *TunnelOpen) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[23]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1900,7 +1958,7 @@ func (x *TunnelOpen) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelOpen.ProtoReflect.Descriptor instead.
 func (*TunnelOpen) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{23}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *TunnelOpen) GetDialId() uint64 {
@@ -2005,12 +2063,17 @@ const file_kcp_tunnel_v1_tunnel_proto_rawDesc = "" +
 	"\n" +
 	"agent_name\x18\x02 \x01(\tR\tagentName\x12\x12\n" +
 	"\x04more\x18\x03 \x01(\bR\x04more\x12,\n" +
-	"\x12accepts_early_data\x18\x04 \x01(\bR\x10acceptsEarlyData\"\x86\x01\n" +
+	"\x12accepts_early_data\x18\x04 \x01(\bR\x10acceptsEarlyData\"\xa5\x01\n" +
 	"\n" +
 	"Registered\x12\x1b\n" +
 	"\tbroker_id\x18\x01 \x01(\tR\bbrokerId\x120\n" +
 	"\x05since\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x05since\x12)\n" +
-	"\x10data_connections\x18\x03 \x01(\bR\x0fdataConnections\"t\n" +
+	"\x10data_connections\x18\x03 \x01(\bR\x0fdataConnections\x12\x1d\n" +
+	"\n" +
+	"session_id\x18\x04 \x01(\tR\tsessionId\")\n" +
+	"\bDataBind\x12\x1d\n" +
+	"\n" +
+	"session_id\x18\x01 \x01(\tR\tsessionId\"t\n" +
 	"\n" +
 	"OpenResult\x12\x12\n" +
 	"\x04code\x18\x01 \x01(\x05R\x04code\x12\x18\n" +
@@ -2069,7 +2132,7 @@ func file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP() []byte {
 	return file_kcp_tunnel_v1_tunnel_proto_rawDescData
 }
 
-var file_kcp_tunnel_v1_tunnel_proto_msgTypes = make([]protoimpl.MessageInfo, 24)
+var file_kcp_tunnel_v1_tunnel_proto_msgTypes = make([]protoimpl.MessageInfo, 25)
 var file_kcp_tunnel_v1_tunnel_proto_goTypes = []any{
 	(*ListAgentsRequest)(nil),     // 0: kcp.tunnel.v1.ListAgentsRequest
 	(*ListAgentsResponse)(nil),    // 1: kcp.tunnel.v1.ListAgentsResponse
@@ -2088,53 +2151,54 @@ var file_kcp_tunnel_v1_tunnel_proto_goTypes = []any{
 	(*Drain)(nil),                 // 14: kcp.tunnel.v1.Drain
 	(*Register)(nil),              // 15: kcp.tunnel.v1.Register
 	(*Registered)(nil),            // 16: kcp.tunnel.v1.Registered
-	(*OpenResult)(nil),            // 17: kcp.tunnel.v1.OpenResult
-	(*ConnFrame)(nil),             // 18: kcp.tunnel.v1.ConnFrame
-	(*DialOrder)(nil),             // 19: kcp.tunnel.v1.DialOrder
-	(*DialFailure)(nil),           // 20: kcp.tunnel.v1.DialFailure
-	(*TunnelRequest)(nil),         // 21: kcp.tunnel.v1.TunnelRequest
-	(*TunnelResponse)(nil),        // 22: kcp.tunnel.v1.TunnelResponse
-	(*TunnelOpen)(nil),            // 23: kcp.tunnel.v1.TunnelOpen
-	(*timestamppb.Timestamp)(nil), // 24: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 25: google.protobuf.Duration
+	(*DataBind)(nil),              // 17: kcp.tunnel.v1.DataBind
+	(*OpenResult)(nil),            // 18: kcp.tunnel.v1.OpenResult
+	(*ConnFrame)(nil),             // 19: kcp.tunnel.v1.ConnFrame
+	(*DialOrder)(nil),             // 20: kcp.tunnel.v1.DialOrder
+	(*DialFailure)(nil),           // 21: kcp.tunnel.v1.DialFailure
+	(*TunnelRequest)(nil),         // 22: kcp.tunnel.v1.TunnelRequest
+	(*TunnelResponse)(nil),        // 23: kcp.tunnel.v1.TunnelResponse
+	(*TunnelOpen)(nil),            // 24: kcp.tunnel.v1.TunnelOpen
+	(*timestamppb.Timestamp)(nil), // 25: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 26: google.protobuf.Duration
 }
 var file_kcp_tunnel_v1_tunnel_proto_depIdxs = []int32{
 	2,  // 0: kcp.tunnel.v1.ListAgentsResponse.agents:type_name -> kcp.tunnel.v1.AgentInfo
-	24, // 1: kcp.tunnel.v1.AgentInfo.connected_since:type_name -> google.protobuf.Timestamp
-	24, // 2: kcp.tunnel.v1.AgentInfo.last_probe:type_name -> google.protobuf.Timestamp
-	25, // 3: kcp.tunnel.v1.AgentInfo.last_probe_rtt:type_name -> google.protobuf.Duration
+	25, // 1: kcp.tunnel.v1.AgentInfo.connected_since:type_name -> google.protobuf.Timestamp
+	25, // 2: kcp.tunnel.v1.AgentInfo.last_probe:type_name -> google.protobuf.Timestamp
+	26, // 3: kcp.tunnel.v1.AgentInfo.last_probe_rtt:type_name -> google.protobuf.Duration
 	5,  // 4: kcp.tunnel.v1.ListTunnelsResponse.tunnels:type_name -> kcp.tunnel.v1.TunnelInfo
 	6,  // 5: kcp.tunnel.v1.TunnelInfo.target:type_name -> kcp.tunnel.v1.Target
-	24, // 6: kcp.tunnel.v1.TunnelInfo.established:type_name -> google.protobuf.Timestamp
-	25, // 7: kcp.tunnel.v1.TunnelInfo.age:type_name -> google.protobuf.Duration
-	25, // 8: kcp.tunnel.v1.TunnelInfo.idle:type_name -> google.protobuf.Duration
+	25, // 6: kcp.tunnel.v1.TunnelInfo.established:type_name -> google.protobuf.Timestamp
+	26, // 7: kcp.tunnel.v1.TunnelInfo.age:type_name -> google.protobuf.Duration
+	26, // 8: kcp.tunnel.v1.TunnelInfo.idle:type_name -> google.protobuf.Duration
 	6,  // 9: kcp.tunnel.v1.DialRequest.target:type_name -> kcp.tunnel.v1.Target
 	9,  // 10: kcp.tunnel.v1.DialResponse.established:type_name -> kcp.tunnel.v1.Established
 	10, // 11: kcp.tunnel.v1.DialResponse.close_write:type_name -> kcp.tunnel.v1.CloseWrite
 	15, // 12: kcp.tunnel.v1.ConnectRequest.register:type_name -> kcp.tunnel.v1.Register
-	20, // 13: kcp.tunnel.v1.ConnectRequest.dial_failure:type_name -> kcp.tunnel.v1.DialFailure
+	21, // 13: kcp.tunnel.v1.ConnectRequest.dial_failure:type_name -> kcp.tunnel.v1.DialFailure
 	14, // 14: kcp.tunnel.v1.ConnectRequest.drain:type_name -> kcp.tunnel.v1.Drain
 	13, // 15: kcp.tunnel.v1.ConnectRequest.probe:type_name -> kcp.tunnel.v1.Probe
 	16, // 16: kcp.tunnel.v1.ConnectResponse.registered:type_name -> kcp.tunnel.v1.Registered
-	19, // 17: kcp.tunnel.v1.ConnectResponse.dial_order:type_name -> kcp.tunnel.v1.DialOrder
+	20, // 17: kcp.tunnel.v1.ConnectResponse.dial_order:type_name -> kcp.tunnel.v1.DialOrder
 	14, // 18: kcp.tunnel.v1.ConnectResponse.drain:type_name -> kcp.tunnel.v1.Drain
 	13, // 19: kcp.tunnel.v1.ConnectResponse.probe:type_name -> kcp.tunnel.v1.Probe
-	24, // 20: kcp.tunnel.v1.Registered.since:type_name -> google.protobuf.Timestamp
+	25, // 20: kcp.tunnel.v1.Registered.since:type_name -> google.protobuf.Timestamp
 	10, // 21: kcp.tunnel.v1.ConnFrame.close_write:type_name -> kcp.tunnel.v1.CloseWrite
-	17, // 22: kcp.tunnel.v1.ConnFrame.end:type_name -> kcp.tunnel.v1.OpenResult
+	18, // 22: kcp.tunnel.v1.ConnFrame.end:type_name -> kcp.tunnel.v1.OpenResult
 	6,  // 23: kcp.tunnel.v1.DialOrder.target:type_name -> kcp.tunnel.v1.Target
-	23, // 24: kcp.tunnel.v1.TunnelRequest.open:type_name -> kcp.tunnel.v1.TunnelOpen
+	24, // 24: kcp.tunnel.v1.TunnelRequest.open:type_name -> kcp.tunnel.v1.TunnelOpen
 	10, // 25: kcp.tunnel.v1.TunnelResponse.close_write:type_name -> kcp.tunnel.v1.CloseWrite
 	7,  // 26: kcp.tunnel.v1.DialService.Dial:input_type -> kcp.tunnel.v1.DialRequest
 	0,  // 27: kcp.tunnel.v1.AdminService.ListAgents:input_type -> kcp.tunnel.v1.ListAgentsRequest
 	3,  // 28: kcp.tunnel.v1.AdminService.ListTunnels:input_type -> kcp.tunnel.v1.ListTunnelsRequest
 	11, // 29: kcp.tunnel.v1.AgentService.Connect:input_type -> kcp.tunnel.v1.ConnectRequest
-	21, // 30: kcp.tunnel.v1.AgentService.Tunnel:input_type -> kcp.tunnel.v1.TunnelRequest
+	22, // 30: kcp.tunnel.v1.AgentService.Tunnel:input_type -> kcp.tunnel.v1.TunnelRequest
 	8,  // 31: kcp.tunnel.v1.DialService.Dial:output_type -> kcp.tunnel.v1.DialResponse
 	1,  // 32: kcp.tunnel.v1.AdminService.ListAgents:output_type -> kcp.tunnel.v1.ListAgentsResponse
 	4,  // 33: kcp.tunnel.v1.AdminService.ListTunnels:output_type -> kcp.tunnel.v1.ListTunnelsResponse
 	12, // 34: kcp.tunnel.v1.AgentService.Connect:output_type -> kcp.tunnel.v1.ConnectResponse
-	22, // 35: kcp.tunnel.v1.AgentService.Tunnel:output_type -> kcp.tunnel.v1.TunnelResponse
+	23, // 35: kcp.tunnel.v1.AgentService.Tunnel:output_type -> kcp.tunnel.v1.TunnelResponse
 	31, // [31:36] is the sub-list for method output_type
 	26, // [26:31] is the sub-list for method input_type
 	26, // [26:26] is the sub-list for extension type_name
@@ -2168,16 +2232,16 @@ func file_kcp_tunnel_v1_tunnel_proto_init() {
 		(*ConnectResponse_Drain)(nil),
 		(*ConnectResponse_Probe)(nil),
 	}
-	file_kcp_tunnel_v1_tunnel_proto_msgTypes[18].OneofWrappers = []any{
+	file_kcp_tunnel_v1_tunnel_proto_msgTypes[19].OneofWrappers = []any{
 		(*ConnFrame_Data)(nil),
 		(*ConnFrame_CloseWrite)(nil),
 		(*ConnFrame_End)(nil),
 	}
-	file_kcp_tunnel_v1_tunnel_proto_msgTypes[21].OneofWrappers = []any{
+	file_kcp_tunnel_v1_tunnel_proto_msgTypes[22].OneofWrappers = []any{
 		(*TunnelRequest_Open)(nil),
 		(*TunnelRequest_Data)(nil),
 	}
-	file_kcp_tunnel_v1_tunnel_proto_msgTypes[22].OneofWrappers = []any{
+	file_kcp_tunnel_v1_tunnel_proto_msgTypes[23].OneofWrappers = []any{
 		(*TunnelResponse_Data)(nil),
 		(*TunnelResponse_CloseWrite)(nil),
 	}
@@ -2187,7 +2251,7 @@ func file_kcp_tunnel_v1_tunnel_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kcp_tunnel_v1_tunnel_proto_rawDesc), len(file_kcp_tunnel_v1_tunnel_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   24,
+			NumMessages:   25,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

@@ -25,37 +25,90 @@ import (
 // with the same mTLS.
 const DataProtocol = "kcp-tunnel-data/1"
 
-// The bounds of a data connection's two messages, in bytes, without their
-// length prefix. An open is a dial id (at most 13 bytes); a result's
-// message is cut to fit.
+// The bounds of a data connection's messages, in bytes, without their
+// length prefix. A bind is a session id (12 hex digits today); an order a
+// dial's: its target, its early data
+// and the rest, as a dial connection's dial; a result's message is cut to
+// fit.
 const (
-	maxOpen       = 32
+	maxBind       = 128
+	maxOrder      = maxDial
 	maxOpenResult = 512
 )
 
-// WriteOpen starts a tunnel on a data connection: the length-delimited
-// TunnelRequest{open{dial_id}}. The tunnel's bytes MAY follow at once.
-func WriteOpen(w io.Writer, dialID uint64) error {
-	return writeDelimited(w, &tunnelv1.TunnelRequest{Frame: &tunnelv1.TunnelRequest_Open{Open: &tunnelv1.TunnelOpen{DialId: dialID}}})
+// WriteBind binds a new data connection to the session of the agent's
+// control stream on this replica (docs/protocol.md §3.5): its first
+// message, the length-delimited DataBind, before the broker's acceptance.
+func WriteBind(w io.Writer, sessionID string) error {
+	return writeDelimited(w, &tunnelv1.DataBind{SessionId: sessionID})
 }
 
-// ReadOpen reads an open, and not a byte past it: what follows is the
-// tunnel's. Anything but an open is an InvalidArgument status; a
-// connection that ends first, the read's error: io.EOF if it ended before
-// the open's first byte, io.ErrUnexpectedEOF inside it.
-func ReadOpen(r io.Reader) (dialID uint64, err error) {
-	var req tunnelv1.TunnelRequest
-	if err := read(r, &req, maxOpen); err != nil {
-		return 0, err
+// ReadBind reads a data connection's bind, and not a byte past it. A
+// message that is not one is an InvalidArgument status; a connection that
+// ends first, the read's error.
+func ReadBind(r io.Reader) (sessionID string, err error) {
+	var bind tunnelv1.DataBind
+	if err := read(r, &bind, maxBind); err != nil {
+		return "", err
 	}
-	if req.GetOpen() == nil {
-		return 0, status.Error(codes.InvalidArgument, "protocol error: a data connection must start with open")
+	if bind.GetSessionId() == "" {
+		return "", status.Error(codes.InvalidArgument, "protocol error: a data connection must start with the session it binds to")
 	}
-	return req.GetOpen().GetDialId(), nil
+	return bind.GetSessionId(), nil
 }
 
-// WriteOpenResult answers an open with err's status: nil is OK, and the
-// tunnel's bytes follow.
+// WriteOrder sends a dial order on an idle data connection, in one Write:
+// the length-delimited DialOrder, with the caller's early data.
+func WriteOrder(w io.Writer, order *tunnelv1.DialOrder) error {
+	return writeDelimited(w, order)
+}
+
+// ReadOrder reads the broker's next message on an idle data connection, a
+// dial order, and not a byte past it. One that is too large or does not
+// decode is the broker's mistake: Internal, as a malformed answer is.
+func ReadOrder(r io.Reader) (*tunnelv1.DialOrder, error) {
+	var order tunnelv1.DialOrder
+	if err := read(r, &order, maxOrder); err != nil {
+		if st, ok := status.FromError(err); ok {
+			return nil, status.Errorf(codes.Internal, "the broker's dial order: %s", st.Message())
+		}
+		return nil, err
+	}
+	return &order, nil
+}
+
+// WriteAnswer is the agent's answer to a dial order on a data connection:
+// OK (err nil) once it has connected to the target, and the tunnel's
+// frames follow; else err's status, the dial's failure, and the connection
+// is idle again.
+func WriteAnswer(w io.Writer, err error) error {
+	return writeResult(w, &tunnelv1.OpenResult{}, err)
+}
+
+// ReadAnswer reads the agent's answer to a dial order, and not a byte past
+// it: nil for OK, else the dial's failure as a status error. An answer
+// that is too large or does not decode is the agent's protocol error, an
+// InvalidArgument status that wraps ErrBadAnswer; a connection that ends
+// first is the read's error.
+func ReadAnswer(r io.Reader) error {
+	var res tunnelv1.OpenResult
+	if err := read(r, &res, maxOpenResult); err != nil {
+		if _, ok := status.FromError(err); ok {
+			return fmt.Errorf("%w: %w", ErrBadAnswer, err)
+		}
+		return err
+	}
+	if res.GetCode() != int32(codes.OK) {
+		return status.Error(codes.Code(res.GetCode()), res.GetMessage())
+	}
+	return nil
+}
+
+// ErrBadAnswer is an agent's answer to a dial order that is not one.
+var ErrBadAnswer = errors.New("protocol error: not an answer to the dial order")
+
+// WriteOpenResult is the broker's refusal of a data or dial connection,
+// or of its bind or dial, with err's status.
 func WriteOpenResult(w io.Writer, err error) error {
 	return writeResult(w, &tunnelv1.OpenResult{}, err)
 }
@@ -121,14 +174,6 @@ func AwaitAccepted(ctx context.Context, conn io.Reader, sock *Socket) (brokerID 
 		return "", fmt.Errorf("waiting for the broker to accept the connection: %w", ctx.Err())
 	}
 	return brokerID, err
-}
-
-// ReadOpenResult reads the broker's answer to an open, and not a byte past
-// it: nil for OK, else the refusal as a status error. A connection that
-// ends first, or an answer that is not one, is an error of its own.
-func ReadOpenResult(r io.Reader) error {
-	_, err := readResult(r, "open")
-	return err
 }
 
 // readResult reads one OpenResult, the answer to what: a refusal is its

@@ -11,6 +11,9 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
 // oneByteReader hands out one byte per Read, as a slow peer would, and
@@ -24,39 +27,58 @@ func (o oneByteReader) Read(p []byte) (int, error) {
 	return o.r.Read(p)
 }
 
-func TestOpenIsReadWithoutTheBytesThatFollowIt(t *testing.T) {
-	var conn bytes.Buffer
-	if err := WriteOpen(&conn, 0xfedcba9876543210); err != nil {
-		t.Fatal(err)
-	}
-	conn.WriteString("ClientHello")
-	id, err := ReadOpen(&conn)
-	if err != nil || id != 0xfedcba9876543210 {
-		t.Fatalf("ReadOpen = %x, %v", id, err)
-	}
-	if rest := conn.String(); rest != "ClientHello" {
-		t.Fatalf("after the open the connection holds %q, want the tunnel's bytes", rest)
+func TestABindIsReadWithoutTheBytesThatFollowItEvenAByteAtATime(t *testing.T) {
+	for name, wrap := range map[string]func(io.Reader) io.Reader{
+		"at once":          func(r io.Reader) io.Reader { return r },
+		"a byte at a time": func(r io.Reader) io.Reader { return oneByteReader{r} },
+	} {
+		t.Run(name, func(t *testing.T) {
+			var conn bytes.Buffer
+			if err := WriteBind(&conn, "4a1c0ffee000"); err != nil {
+				t.Fatal(err)
+			}
+			conn.WriteString("next")
+			session, err := ReadBind(wrap(&conn))
+			if err != nil || session != "4a1c0ffee000" || conn.String() != "next" {
+				t.Fatalf("ReadBind = %q, %v, rest %q", session, err, conn.String())
+			}
+		})
 	}
 }
 
-func TestOpenSentAByteAtATimeIsRead(t *testing.T) {
+func TestAnOrderAndItsAnswersAreReadWithoutTheBytesThatFollowThem(t *testing.T) {
 	var conn bytes.Buffer
-	if err := WriteOpen(&conn, 7); err != nil {
+	order := &tunnelv1.DialOrder{DialId: 7, Target: &tunnelv1.Target{Cluster: "root", Namespace: "default", Service: "webhook", Port: 443},
+		TimeoutMs: 5000, EarlyData: bytes.Repeat([]byte("h"), MaxEarlyData)}
+	if err := WriteOrder(&conn, order); err != nil {
 		t.Fatal(err)
 	}
-	conn.WriteString("x")
-	id, err := ReadOpen(oneByteReader{&conn})
-	if err != nil || id != 7 || conn.String() != "x" {
-		t.Fatalf("ReadOpen = %d, %v, rest %q", id, err, conn.String())
+	if err := WriteAnswer(&conn, nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := WriteAnswer(&conn, status.Error(codes.NotFound, "no Service default/webhook")); err != nil {
+		t.Fatal(err)
+	}
+	conn.WriteString("tunnel")
+	got, err := ReadOrder(&conn)
+	if err != nil || !proto.Equal(got, order) {
+		t.Fatalf("ReadOrder = %v, %v", got, err)
+	}
+	if err := ReadAnswer(&conn); err != nil {
+		t.Fatalf("an OK answer read as %v", err)
+	}
+	err = ReadAnswer(&conn)
+	if status.Code(err) != codes.NotFound || status.Convert(err).Message() != "no Service default/webhook" {
+		t.Fatalf("a failure read as %v", err)
+	}
+	if conn.String() != "tunnel" {
+		t.Fatalf("after the answers the connection holds %q", conn.String())
 	}
 }
 
 func TestOpenResultsCarryTheRefusalsStatus(t *testing.T) {
 	var conn bytes.Buffer
-	if err := WriteOpenResult(&conn, nil); err != nil {
-		t.Fatal(err)
-	}
-	if err := WriteOpenResult(&conn, status.Error(codes.NotFound, "dial 7 is not pending for this agent")); err != nil {
+	if err := WriteOpenResult(&conn, status.Error(codes.NotFound, "no registration of this agent")); err != nil {
 		t.Fatal(err)
 	}
 	long := strings.Repeat("m", 4096)
@@ -64,14 +86,11 @@ func TestOpenResultsCarryTheRefusalsStatus(t *testing.T) {
 		t.Fatal(err)
 	}
 	conn.WriteString("tunnel")
-	if err := ReadOpenResult(&conn); err != nil {
-		t.Fatalf("OK result read as %v", err)
-	}
-	err := ReadOpenResult(&conn)
-	if status.Code(err) != codes.NotFound || status.Convert(err).Message() != "dial 7 is not pending for this agent" {
+	_, err := ReadAccepted(&conn)
+	if status.Code(err) != codes.NotFound || status.Convert(err).Message() != "no registration of this agent" {
 		t.Fatalf("refusal read as %v", err)
 	}
-	err = ReadOpenResult(&conn)
+	_, err = ReadAccepted(&conn)
 	if status.Code(err) != codes.ResourceExhausted || !strings.HasPrefix(long, status.Convert(err).Message()) {
 		t.Fatalf("a long refusal read as %v", err)
 	}
@@ -80,33 +99,47 @@ func TestOpenResultsCarryTheRefusalsStatus(t *testing.T) {
 	}
 }
 
-func TestMalformedOpensAreInvalidArgument(t *testing.T) {
+func TestMalformedMessagesAreTheirSendersMistake(t *testing.T) {
 	for name, raw := range map[string][]byte{
 		"too large":       {0xff, 0xff, 0x03},
 		"not protobuf":    {3, 0xff, 0xff, 0xff},
-		"not an open":     {2, 0x12, 0x00}, // TunnelRequest{data: ""}
 		"length overflow": {0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01},
 	} {
-		_, err := ReadOpen(bytes.NewReader(raw))
-		if status.Code(err) != codes.InvalidArgument {
-			t.Errorf("%s: ReadOpen = %v, want InvalidArgument", name, err)
-		}
+		t.Run(name, func(t *testing.T) {
+			// The agent's bind and answer: its protocol error.
+			if _, err := ReadBind(bytes.NewReader(raw)); status.Code(err) != codes.InvalidArgument {
+				t.Errorf("ReadBind = %v, want InvalidArgument", err)
+			}
+			if err := ReadAnswer(bytes.NewReader(raw)); !errors.Is(err, ErrBadAnswer) {
+				t.Errorf("ReadAnswer = %v, want ErrBadAnswer", err)
+			}
+			// The broker's order: its mistake, as its answers' are.
+			if _, err := ReadOrder(bytes.NewReader(raw)); status.Code(err) != codes.Internal {
+				t.Errorf("ReadOrder = %v, want Internal", err)
+			}
+		})
+	}
+	if _, err := ReadBind(bytes.NewReader([]byte{0})); status.Code(err) != codes.InvalidArgument {
+		t.Errorf("a bind without a session: %v, want InvalidArgument", err)
 	}
 }
 
 func TestAConnectionThatEndsSaysWhere(t *testing.T) {
-	if _, err := ReadOpen(bytes.NewReader(nil)); !errors.Is(err, io.EOF) {
+	if _, err := ReadBind(bytes.NewReader(nil)); !errors.Is(err, io.EOF) {
 		t.Errorf("an empty connection: %v, want io.EOF", err)
 	}
 	var conn bytes.Buffer
-	if err := WriteOpen(&conn, 1<<40); err != nil {
+	if err := WriteBind(&conn, "4a1c0ffee000"); err != nil {
 		t.Fatal(err)
 	}
 	cut := conn.Bytes()[:conn.Len()-1]
-	if _, err := ReadOpen(bytes.NewReader(cut)); !errors.Is(err, io.ErrUnexpectedEOF) {
-		t.Errorf("a connection cut inside the open: %v, want io.ErrUnexpectedEOF", err)
+	if _, err := ReadBind(bytes.NewReader(cut)); !errors.Is(err, io.ErrUnexpectedEOF) {
+		t.Errorf("a connection cut inside the bind: %v, want io.ErrUnexpectedEOF", err)
 	}
-	if err := ReadOpenResult(bytes.NewReader(nil)); !errors.Is(err, io.EOF) {
+	if _, err := ReadOrder(bytes.NewReader(nil)); !errors.Is(err, io.EOF) {
+		t.Errorf("no order: %v, want io.EOF", err)
+	}
+	if err := ReadAnswer(bytes.NewReader(nil)); !errors.Is(err, io.EOF) {
 		t.Errorf("no answer: %v, want io.EOF", err)
 	}
 }

@@ -93,11 +93,14 @@ func TestOneMessageIsOneWrite(t *testing.T) {
 	if err := WriteDialResult(&w, "00ff", nil); err != nil {
 		t.Fatal(err)
 	}
-	if err := WriteOpen(&w, 7); err != nil {
+	if err := WriteOrder(&w, &tunnelv1.DialOrder{DialId: 7, EarlyData: make([]byte, MaxEarlyData)}); err != nil {
 		t.Fatal(err)
 	}
-	if w.writes != 2 {
-		t.Fatalf("two messages took %d writes, want one each (one TLS record)", w.writes)
+	if err := WriteBind(&w, "4a1c0ffee000"); err != nil {
+		t.Fatal(err)
+	}
+	if w.writes != 3 {
+		t.Fatalf("three messages took %d writes, want one each (one TLS record)", w.writes)
 	}
 }
 
@@ -122,8 +125,8 @@ func TestAMalformedAnswerIsTheBrokersMistake(t *testing.T) {
 			if status.Code(err) != codes.Internal {
 				t.Fatalf("ReadDialResult = %v, want Internal", err)
 			}
-			if err := ReadOpenResult(bytes.NewReader(answer)); status.Code(err) != codes.Internal {
-				t.Fatalf("ReadOpenResult = %v, want Internal", err)
+			if _, err := ReadAccepted(bytes.NewReader(answer)); status.Code(err) != codes.Internal {
+				t.Fatalf("ReadAccepted = %v, want Internal", err)
 			}
 		})
 	}

@@ -54,6 +54,13 @@ type SparesConfig[S, A any] struct {
 	// Lost, if set, hears what Read returned for each spare lost while
 	// idle, after Close: for the user's log.
 	Lost func(answer A)
+	// Serve, if set, is for spares the far end takes: an answer read
+	// while the spare is idle for which Taken says so (the broker's dial
+	// order on an agent's data connection) takes it as Take would, and
+	// Serve runs with it in the spare's watching goroutine, which is its
+	// to keep. It gives the spare back to p (Return) or closes it.
+	Serve func(p *Spares[S, A], s *Spare[S, A], answer A)
+	Taken func(answer A) bool
 	// Pace is how long to wait before the next Open: taken says that a
 	// spare was taken since the last call, setback that the last Open
 	// failed or a spare was lost since. Nil never waits.
@@ -165,16 +172,34 @@ func (p *Spares[S, A]) Take() *Spare[S, A] {
 		s := p.idle[0]
 		p.idle = slices.Delete(p.idle, 0, 1)
 		// A spare whose far end just closed it is being lost: skip it.
-		if s.state.CompareAndSwap(spareIdle, spareTaken) {
-			p.taken = true
-			p.takes++
-			s.seq = p.takes
-			p.out[s] = struct{}{}
-			p.signal()
+		if p.takeLocked(s) {
 			return s
 		}
 	}
 	return nil
+}
+
+// takeIdle takes s, which the far end took with its answer, out of the
+// idle spares; false if it is no longer idle (the pool closed it).
+func (p *Spares[S, A]) takeIdle(s *Spare[S, A]) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.idle = slices.DeleteFunc(p.idle, func(i *Spare[S, A]) bool { return i == s })
+	return p.takeLocked(s)
+}
+
+// takeLocked marks s taken, and has it replaced unless it comes back in
+// time (roomAfter). Under mu.
+func (p *Spares[S, A]) takeLocked(s *Spare[S, A]) bool {
+	if !s.state.CompareAndSwap(spareIdle, spareTaken) {
+		return false
+	}
+	p.taken = true
+	p.takes++
+	s.seq = p.takes
+	p.out[s] = struct{}{}
+	p.signal()
+	return true
 }
 
 // Full says whether the pool holds all the spares it wants, so that a
@@ -345,6 +370,11 @@ func (p *Spares[S, A]) idleLocked(conn S) {
 // pool closed while idle is lost too: its read ends, and nothing waits.
 func (p *Spares[S, A]) watch(s *Spare[S, A]) {
 	answer := p.cfg.Read(s.conn)
+	if p.cfg.Serve != nil && p.cfg.Taken(answer) && p.takeIdle(s) {
+		p.watchers.Done()
+		p.cfg.Serve(p, s, answer)
+		return
+	}
 	if s.state.CompareAndSwap(spareIdle, spareLost) {
 		p.lose(s, answer)
 	}

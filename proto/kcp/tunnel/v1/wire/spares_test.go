@@ -522,3 +522,37 @@ func TestAReturnToAFullOrClosedPoolClosesTheConnection(t *testing.T) {
 	}
 	wait(t, "the pool's Close", closed)
 }
+
+func TestASpareTheFarEndTakesIsServedAndComesBackWhenReturned(t *testing.T) {
+	f := newFarEnd()
+	served := make(chan *Spare[*fakeSpare, string], 1)
+	cfg := f.config(1)
+	cfg.Taken = func(a string) bool { return a == "order" }
+	cfg.Serve = func(_ *Spares[*fakeSpare, string], s *Spare[*fakeSpare, string], a string) { served <- s }
+	p := startPool(t, cfg)
+	eventually(t, "a full pool", p.Full)
+	first := wait(t, "a spare", f.opens)
+
+	first.answers <- "order"
+	s := wait(t, "the far end's take served", served)
+	if s.Conn() != first {
+		t.Fatal("Serve got another spare than the one the far end took")
+	}
+	// Taken, it is replaced as a spare the pool's user took would be.
+	wait(t, "the taken spare's replacement", f.opens)
+	eventually(t, "a full pool again", p.Full)
+	p.Return(s)
+	if !first.closed.Load() {
+		t.Error("a spare returned to a full pool was not closed")
+	}
+
+	// Any other answer while idle is a loss, as before.
+	second := p.Take()
+	second.OnAnswer(nil)
+	defer second.Conn().end()
+	third := wait(t, "the second's replacement", f.opens)
+	third.answers <- "refused"
+	if a := wait(t, "Lost", f.lost); a != "refused" {
+		t.Errorf("Lost heard %q, want the far end's answer", a)
+	}
+}
