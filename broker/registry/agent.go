@@ -41,6 +41,12 @@ type Agent struct {
 	pending map[string]int64
 	tunnels atomic.Int64 // tunnels open through the agent
 
+	// carriers are the idle data connections bound to this registration
+	// (carrier.go); none once it has ended (carriersDropped).
+	carrierMu       sync.Mutex
+	carriers        []Carrier
+	carriersDropped bool
+
 	probeMu   sync.Mutex
 	lastProbe time.Time // when the agent last answered a probe
 	probeRTT  time.Duration

@@ -101,12 +101,16 @@ func (r *Registry) dialOnce(ctx context.Context, target *tunnelv1.Target, earlyD
 	if len(earlyData) > 0 && p.agent.AcceptsEarlyData {
 		order.EarlyData, p.earlyOrdered = earlyData, true
 	}
-	select {
-	case p.agent.orders <- order:
-	case <-p.agent.gone:
-		return r.giveUp(p, agentGone(p))
-	case <-ctx.Done():
-		return r.giveUp(p, contextStatus(ctx, p))
+	if c := p.agent.takeCarrier(); c != nil {
+		c.Carry(order)
+	} else {
+		select {
+		case p.agent.orders <- order:
+		case <-p.agent.gone:
+			return r.giveUp(p, agentGone(p))
+		case <-ctx.Done():
+			return r.giveUp(p, contextStatus(ctx, p))
+		}
 	}
 	select {
 	case a := <-p.answer:

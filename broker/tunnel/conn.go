@@ -61,6 +61,13 @@ func (c *connStream) end(st *status.Status) {
 	})
 }
 
+// Reset closes conn with a TCP reset where it is TCP under TLS: its peer
+// reads an error, not a clean close.
+func Reset(conn net.Conn) {
+	abort(conn)
+	conn.Close()
+}
+
 // abort resets conn where it is TCP under TLS: it closes the socket with
 // no linger, before the TLS connection could send a close_notify.
 func abort(conn net.Conn) {

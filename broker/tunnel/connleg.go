@@ -43,8 +43,6 @@ type ConnLeg struct {
 	// deadline of the tunnel's end aside: the connection cannot carry
 	// another tunnel. Finish reads them once both have stopped.
 	readBroken, writeBroken bool
-	// closed: the connection was closed with a refusal (OpenConn).
-	closed bool
 }
 
 // NewConnLeg is the leg of the tunnel conn carries next, once the broker has
@@ -174,9 +172,6 @@ func (l *ConnLeg) Finish(st error) (reusable bool) {
 	// A failure's end, should it come late, comes before what follows.
 	l.end(status.Convert(st))
 	defer l.buf.Release()
-	if l.closed {
-		return false
-	}
 	if err := l.exchange(st); err != nil {
 		metrics.ConnectionTunnelsEnded.WithLabelValues(l.kind, "reset").Inc()
 		abort(l.conn)

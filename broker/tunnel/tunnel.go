@@ -38,7 +38,6 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
-	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // Tunnel is one tunneled connection, from its agent's claim to its end.
@@ -118,20 +117,14 @@ func Open(r *registry.Registry, dialID uint64, agentID spiffeid.ID, stream tunne
 	return open(claim, stream)
 }
 
-// OpenConn is Open for an agent's data connection (docs/protocol.md §3.5),
-// once the agent has named its dial there: the claim's result is the
-// broker's answer on the connection, and leg is the agent's leg until the
-// tunnel ends. A refusal closes the connection, once the target's bytes
-// the agent sent behind its open are read (wire.CloseRefused); after a
-// tunnel, the end exchange is leg.Finish's.
+// OpenConn is Open for a dial that its agent answered OK on a data
+// connection (docs/protocol.md §3.5): leg is the agent's leg until the
+// tunnel ends. A dial that is no longer pending (it gave up as the agent
+// answered) is NotFound, and leg carries no tunnel: its Finish ends the
+// agent's side with that status. The end exchange is leg.Finish's.
 func OpenConn(r *registry.Registry, dialID uint64, agentID spiffeid.ID, leg *ConnLeg) error {
 	claim, err := r.Claim(dialID, agentID)
-	// An answer that cannot be written fails the tunnel at its first
-	// read or write, as a stream that breaks would.
-	_ = wire.WriteOpenResult(leg.conn, err)
 	if err != nil {
-		leg.closed = true
-		wire.CloseRefused(leg.conn)
 		return err
 	}
 	return open(claim, leg)

@@ -48,6 +48,7 @@ func (s *Service) Connect(stream tunnelv1.AgentService_ConnectServer) error {
 		BrokerId:        s.cfg.BrokerID,
 		Since:           timestamppb.New(a.Since),
 		DataConnections: s.cfg.DataConnections,
+		SessionId:       sessionOf(a, s.cfg.DataConnections),
 	}}}
 	if err := stream.Send(registered); err != nil {
 		return err
@@ -195,6 +196,15 @@ func (s *Service) reRegister(a *registry.Agent, update *clusterSet, reg *tunnelv
 	}
 	paced.submit(update.all)
 	return nil
+}
+
+// sessionOf is the session a's data connections bind to, if the broker
+// takes them.
+func sessionOf(a *registry.Agent, dataConnections bool) string {
+	if !dataConnections {
+		return ""
+	}
+	return a.SessionID
 }
 
 func sessionID() string {

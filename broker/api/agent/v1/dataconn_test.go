@@ -12,6 +12,7 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
 	"github.com/kcp-dev/tunnel-broker/internal/testutil"
@@ -19,22 +20,8 @@ import (
 	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
-// spare opens a data connection as path and reads the broker's accept.
-func (b *broker) spare(t *testing.T, path string) *tls.Conn {
-	t.Helper()
-	return brokertest.Accepted(t, b.DataConn(t, path), brokerID)
-}
-
-// openData opens a data connection as path for dialID and returns it with
-// the broker's answer.
-func (b *broker) openData(t *testing.T, path string, dialID uint64) (*tls.Conn, error) {
-	t.Helper()
-	conn := b.spare(t, path)
-	if err := wire.WriteOpen(conn, dialID); err != nil {
-		t.Fatal(err)
-	}
-	return conn, wire.ReadOpenResult(conn)
-}
+// These tests play the agent's data connections (docs/protocol.md §3.5) by
+// hand, with package wire's messages, and kcp on Dial streams.
 
 // readFull reads exactly len(want) bytes from r and compares them.
 func readFull(t *testing.T, r io.Reader, want string) {
@@ -45,57 +32,90 @@ func readFull(t *testing.T, r io.Reader, want string) {
 	}
 }
 
-func TestRegisteredSaysTheBrokerTakesDataConnections(t *testing.T) {
-	b := startBroker(t, config{})
-	ctx, _ := brokertest.StreamContext(t)
-	control, err := tunnelv1.NewAgentServiceClient(b.Conn(t, agentA)).Connect(ctx)
+// orderOn reads the broker's next dial order on conn, an idle data
+// connection, which must be for want.
+func orderOn(t *testing.T, conn *tls.Conn, want *tunnelv1.Target) *tunnelv1.DialOrder {
+	t.Helper()
+	_ = conn.SetReadDeadline(time.Now().Add(testutil.WaitLong))
+	defer conn.SetReadDeadline(time.Time{})
+	order, err := wire.ReadOrder(conn)
 	if err != nil {
+		t.Fatalf("waiting for a dial order on the data connection: %v", err)
+	}
+	if !proto.Equal(order.GetTarget(), want) {
+		t.Fatalf("order for %v, want %v", order.GetTarget(), want)
+	}
+	return order
+}
+
+// acceptOn answers the order just read on conn with OK, and returns the
+// agent's leg of its tunnel.
+func acceptOn(t *testing.T, conn *tls.Conn) *wire.Leg {
+	t.Helper()
+	if err := wire.WriteAnswer(conn, nil); err != nil {
 		t.Fatal(err)
 	}
-	if err := control.Send(register("root")); err != nil {
-		t.Fatal(err)
+	return wire.NewLeg(conn)
+}
+
+// establishData registers agent A for root with one data connection, and
+// dials root as kcp with early data: the tunnel rides the data connection.
+// It returns the caller's stream, the data connection and the agent's leg.
+func (b *broker) establishData(t *testing.T) (tunnelv1.DialService_DialClient, context.CancelFunc, *tls.Conn, *wire.Leg) {
+	t.Helper()
+	a := b.ConnectAgentWith(t, agentA, &tunnelv1.Register{Clusters: []string{"root"}, AgentName: "a", AcceptsEarlyData: true})
+	conn := a.DataSpare(t, brokerID)
+	waitForCarrier(t, b, agentA)
+	target := brokertest.Target("root")
+	caller, cancel := b.StartDialWith(t, kcpPath, target, []byte("client hello"))
+	order := orderOn(t, conn, target)
+	if string(order.GetEarlyData()) != "client hello" {
+		t.Fatalf("the order carried %q, want the caller's early data", order.GetEarlyData())
 	}
-	msg, err := control.Recv()
-	if err != nil || !msg.GetRegistered().GetDataConnections() {
-		t.Fatalf("registration answered %v, %v; want registered with data_connections", msg, err)
+	leg := acceptOn(t, conn)
+	established(t, caller)
+	return caller, cancel, conn, leg
+}
+
+// waitForCarrier waits until the broker holds the agent's idle data
+// connection, bound: a dial then goes on it.
+func waitForCarrier(t *testing.T, b *broker, path string) {
+	t.Helper()
+	testutil.Eventually(t, "the data connection to be idle", func() bool { return b.agents.spares.Held(brokertest.ID(path)) == 1 })
+}
+
+func TestRegisteredNamesTheSessionDataConnectionsBindTo(t *testing.T) {
+	b := startBroker(t, config{})
+	a := b.ConnectAgent(t, agentA, "a", "root")
+	other := b.ConnectAgent(t, agentA, "a2", "root")
+	if a.Session == "" || a.Session == other.Session {
+		t.Fatalf("sessions %q and %q, want two, each its own", a.Session, other.Session)
 	}
 }
 
-func TestADataConnectionCarriesItsDialsTunnelBothWays(t *testing.T) {
+func TestADialGoesOnAnIdleDataConnectionOfItsAgentAndCarriesTheTunnel(t *testing.T) {
 	b := startBroker(t, config{})
 	caller, _, _, leg := b.establishData(t)
 
-	// Up: the caller's frames arrive as data frames, and its half-close as
-	// a close_write.
-	if err := caller.Send(brokertest.DataUp([]byte("hello "))); err != nil {
+	// Up: the caller's frames arrive as data frames, its half-close as a
+	// close_write.
+	if err := caller.Send(brokertest.DataUp([]byte("and more"))); err != nil {
 		t.Fatal(err)
 	}
-	if err := caller.Send(brokertest.DataUp([]byte("agent"))); err != nil {
-		t.Fatal(err)
-	}
-	readFull(t, leg, "hello agent")
+	readFull(t, leg, "and more")
 	if err := caller.CloseSend(); err != nil {
 		t.Fatal(err)
 	}
 	if n, err := leg.Read(make([]byte, 1)); n != 0 || !errors.Is(err, io.EOF) {
 		t.Fatalf("after the caller's half-close the agent read %d, %v; want EOF", n, err)
 	}
-
 	// Down: data frames become the caller's, and the agent's half-close
 	// its close_write; then the Dial ends OK, and the broker's end says so.
-	if _, err := leg.Write([]byte("hello kcp")); err != nil {
+	if _, err := leg.Write([]byte("server hello")); err != nil {
 		t.Fatal(err)
 	}
-	var got []byte
-	for len(got) < len("hello kcp") {
-		msg, err := caller.Recv()
-		if err != nil {
-			t.Fatalf("caller: %v after %q", err, got)
-		}
-		got = append(got, msg.GetData()...)
-	}
-	if string(got) != "hello kcp" {
-		t.Fatalf("caller read %q", got)
+	if msg, err := caller.Recv(); err != nil || string(msg.GetData()) != "server hello" {
+		t.Fatalf("caller got %v, %v; want the agent's data", msg, err)
 	}
 	if err := leg.CloseWrite(); err != nil {
 		t.Fatal(err)
@@ -114,47 +134,24 @@ func TestADataConnectionCarriesItsDialsTunnelBothWays(t *testing.T) {
 	}
 }
 
-func TestAnAgentsBytesRightAfterItsOpenReachTheCaller(t *testing.T) {
-	b := startBroker(t, config{})
-	caller, _, order := b.pendingDial(t)
-	conn := b.spare(t, agentA)
-	// The open and the target's first bytes at once, as a server that
-	// speaks first would have them.
-	if err := wire.WriteOpen(conn, order.GetDialId()); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := conn.Write(wire.AppendData(nil, []byte("220 ready"))); err != nil {
-		t.Fatal(err)
-	}
-	if err := wire.ReadOpenResult(conn); err != nil {
-		t.Fatal(err)
-	}
-	if msg, err := caller.Recv(); err != nil || msg.GetEstablished() == nil {
-		t.Fatalf("caller got %v, %v; want established", msg, err)
-	}
-	if msg, err := caller.Recv(); err != nil || string(msg.GetData()) != "220 ready" {
-		t.Fatalf("caller got %v, %v; want the agent's first bytes", msg, err)
-	}
-}
-
-func TestADataConnectionCarriesOneTunnelAfterAnother(t *testing.T) {
+func TestADataConnectionCarriesOneOrderAfterAnother(t *testing.T) {
 	b := startBroker(t, config{})
 	a := b.ConnectAgent(t, agentA, "a", "root")
-	conn := b.spare(t, agentA)
+	conn := a.DataSpare(t, brokerID)
 	for i := range 3 {
+		waitForCarrier(t, b, agentA)
 		target := brokertest.Target("root")
 		caller, cancel := b.StartDial(t, kcpPath, target)
-		leg := openOn(t, conn, a.Order(t, target).GetDialId())
-		if msg, err := caller.Recv(); err != nil || msg.GetEstablished() == nil {
-			t.Fatalf("tunnel %d: caller got %v, %v; want established", i, msg, err)
-		}
+		orderOn(t, conn, target)
+		leg := acceptOn(t, conn)
+		established(t, caller)
 		msg := fmt.Sprintf("hello %d", i)
 		if err := caller.Send(brokertest.DataUp([]byte(msg))); err != nil {
 			t.Fatal(err)
 		}
 		readFull(t, leg, msg)
 		// kcp goes away: the broker's end says so, and the exchange
-		// leaves the connection idle for the next open.
+		// leaves the connection idle for the next order.
 		cancel()
 		if _, err := leg.Read(make([]byte, 1)); status.Code(err) != codes.Canceled {
 			t.Fatalf("tunnel %d: the agent read %v, want the broker's end with Canceled", i, err)
@@ -162,21 +159,177 @@ func TestADataConnectionCarriesOneTunnelAfterAnother(t *testing.T) {
 		if !leg.Finish() {
 			t.Fatalf("tunnel %d: the data connection is not idle after the end exchange", i)
 		}
-		testutil.Eventually(t, "the idle connection to count as a spare", func() bool { return b.agents.spares.Held(brokertest.ID(agentA)) == 1 })
 	}
 }
 
-// openOn opens dial dialID on conn, an idle data connection, and returns
-// the agent's leg of the tunnel.
-func openOn(t *testing.T, conn *tls.Conn, dialID uint64) *wire.Leg {
+func TestADialGoesOnTheControlStreamWhileTheAgentHasNoIdleDataConnection(t *testing.T) {
+	b := startBroker(t, config{})
+	a := b.ConnectAgent(t, agentA, "a", "root")
+	// The agent's only data connection carries a tunnel: the next dial's
+	// order comes on the control stream, and its tunnel on a stream.
+	b.establishDataFor(t, a)
+	target := brokertest.Target("root")
+	caller, _ := b.StartDial(t, kcpPath, target)
+	order := a.Order(t, target)
+	a.Open(t, order.GetDialId())
+	established(t, caller)
+}
+
+// establishDataFor is establishData for an agent already registered.
+func (b *broker) establishDataFor(t *testing.T, a *brokertest.Agent) (tunnelv1.DialService_DialClient, context.CancelFunc, *tls.Conn, *wire.Leg) {
 	t.Helper()
-	if err := wire.WriteOpen(conn, dialID); err != nil {
+	conn := a.DataSpare(t, brokerID)
+	waitForCarrier(t, b, agentA)
+	target := brokertest.Target("root")
+	caller, cancel := b.StartDial(t, kcpPath, target)
+	orderOn(t, conn, target)
+	leg := acceptOn(t, conn)
+	established(t, caller)
+	return caller, cancel, conn, leg
+}
+
+func TestTheAgentsFailedAnswerIsTheDialsFailureAndTheConnectionStaysIdle(t *testing.T) {
+	b := startBroker(t, config{})
+	a := b.ConnectAgent(t, agentA, "a", "root")
+	conn := a.DataSpare(t, brokerID)
+	waitForCarrier(t, b, agentA)
+	target := brokertest.Target("root")
+	caller, _ := b.StartDial(t, kcpPath, target)
+	orderOn(t, conn, target)
+	if err := wire.WriteAnswer(conn, status.Error(codes.NotFound, "no Service default/webhook in logical cluster root")); err != nil {
 		t.Fatal(err)
 	}
-	if err := wire.ReadOpenResult(conn); err != nil {
-		t.Fatalf("the open of dial %d: %v", dialID, err)
+	_, err := caller.Recv()
+	testutil.CheckStatus(t, "the dial the agent failed", err, codes.NotFound, "no Service default/webhook in logical cluster root")
+	// The connection is idle again, and takes the next order.
+	waitForCarrier(t, b, agentA)
+	caller, _ = b.StartDial(t, kcpPath, target)
+	orderOn(t, conn, target)
+	acceptOn(t, conn)
+	established(t, caller)
+}
+
+func TestADataConnectionThatEndsBeforeItsAnswerFailsTheDial(t *testing.T) {
+	b := startBroker(t, config{})
+	a := b.ConnectAgent(t, agentA, "a", "root")
+	conn := a.DataSpare(t, brokerID)
+	waitForCarrier(t, b, agentA)
+	target := brokertest.Target("root")
+	caller, _ := b.StartDial(t, kcpPath, target)
+	orderOn(t, conn, target)
+	conn.NetConn().Close()
+	_, err := caller.Recv()
+	testutil.CheckStatus(t, "the dial whose data connection ended", err, codes.Unavailable, "the agent's data connection failed before it answered the dial")
+}
+
+func TestABindToAnotherAgentsSessionOrAnUnknownOneIsNotFound(t *testing.T) {
+	b := startBroker(t, config{})
+	a := b.ConnectAgent(t, agentA, "a", "root")
+	for name, bind := range map[string]struct{ path, session string }{
+		"another agent's session": {agentB, a.Session},
+		"an unknown session":      {agentA, "0123456789ab"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			conn := b.DataConn(t, bind.path)
+			if err := wire.WriteBind(conn, bind.session); err != nil {
+				t.Fatal(err)
+			}
+			_, err := wire.ReadAccepted(conn)
+			testutil.CheckStatus(t, "the bind", err, codes.NotFound, "no registration")
+		})
 	}
-	return wire.NewLeg(conn)
+}
+
+func TestOnlyAgentsMayOpenDataConnections(t *testing.T) {
+	b := startBroker(t, config{})
+	conn := b.DataConn(t, kcpPath)
+	if err := wire.WriteBind(conn, "0123456789ab"); err != nil {
+		t.Fatal(err)
+	}
+	_, err := wire.ReadAccepted(conn)
+	if status.Code(err) != codes.PermissionDenied {
+		t.Fatalf("a caller's data connection: %v, want PermissionDenied", err)
+	}
+}
+
+func TestADataConnectionThatDoesNotBindIsInvalidArgument(t *testing.T) {
+	b := startBroker(t, config{})
+	conn := b.DataConn(t, agentA)
+	// A data frame where the bind belongs.
+	if _, err := conn.Write([]byte{3, 0x12, 1, 'x'}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := wire.ReadAccepted(conn); status.Code(err) != codes.InvalidArgument {
+		t.Fatalf("data before the bind: %v, want InvalidArgument", err)
+	}
+}
+
+func TestAnAgentThatSpeaksOnAnIdleDataConnectionLosesIt(t *testing.T) {
+	b := startBroker(t, config{})
+	a := b.ConnectAgent(t, agentA, "a", "root")
+	conn := a.DataSpare(t, brokerID)
+	waitForCarrier(t, b, agentA)
+	// An answer no order asked for.
+	if err := wire.WriteAnswer(conn, nil); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := conn.Read(make([]byte, 1)); n != 0 || err == nil {
+		t.Fatalf("the agent read %d, %v; want its connection closed", n, err)
+	}
+	testutil.Eventually(t, "no spare to count", func() bool { return b.agents.spares.TotalHeld() == 0 })
+}
+
+func TestSparesOverTheirBoundAreResourceExhaustedAndFreedWhenUsed(t *testing.T) {
+	b := startBroker(t, config{maxSparesPerPeer: 2})
+	a := b.ConnectAgent(t, agentA, "a", "team-a")
+	a.DataSpare(t, brokerID)
+	a.DataSpare(t, brokerID)
+	third := b.DataConn(t, agentA)
+	if err := wire.WriteBind(third, a.Session); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := wire.ReadAccepted(third); status.Code(err) != codes.ResourceExhausted {
+		t.Fatalf("a third spare: %v, want ResourceExhausted", err)
+	}
+	// Another peer's spares are its own.
+	b.ConnectAgent(t, agentB, "b", "root").DataSpare(t, brokerID)
+	testutil.Eventually(t, "agent B's spare to count apart", func() bool { return b.agents.spares.Held(brokertest.ID(agentB)) == 1 })
+	// A spare that carries a dial is no longer one: a new spare fits.
+	b.StartDial(t, kcpPath, brokertest.Target("team-a"))
+	testutil.Eventually(t, "a spare of A's to carry the dial", func() bool { return b.agents.spares.Held(brokertest.ID(agentA)) == 1 })
+	a.DataSpare(t, brokerID)
+}
+
+func TestIdleDataConnectionsAreClosedWhenTheBrokerDrains(t *testing.T) {
+	b := startBroker(t, config{})
+	a := b.ConnectAgent(t, agentA, "a", "root")
+	spare := a.DataSpare(t, brokerID)
+	waitForCarrier(t, b, agentA)
+	b.Drain()
+	if n, err := spare.Read(make([]byte, 1)); n != 0 || !errors.Is(err, io.EOF) {
+		t.Fatalf("an idle data connection at the drain read %d, %v; want a close_notify", n, err)
+	}
+	testutil.Eventually(t, "no spare to count", func() bool { return b.agents.spares.TotalHeld() == 0 })
+	// And a new one is refused at once.
+	conn := b.DataConn(t, agentA)
+	if err := wire.WriteBind(conn, a.Session); err != nil {
+		t.Fatal(err)
+	}
+	_, err := wire.ReadAccepted(conn)
+	testutil.CheckStatus(t, "a spare after the drain", err, codes.Unavailable, "the broker is shutting down")
+}
+
+func TestIdleDataConnectionsAreClosedWhenTheirRegistrationEnds(t *testing.T) {
+	b := startBroker(t, config{})
+	a := b.ConnectAgent(t, agentA, "a", "root")
+	spare := a.DataSpare(t, brokerID)
+	waitForCarrier(t, b, agentA)
+	if err := a.Control.CloseSend(); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := spare.Read(make([]byte, 1)); n != 0 || !errors.Is(err, io.EOF) {
+		t.Fatalf("an idle data connection of an ended registration read %d, %v; want a close_notify", n, err)
+	}
 }
 
 func TestAnAgentsEndIsTheCallersUnavailableWithItsMessage(t *testing.T) {
@@ -207,136 +360,6 @@ func TestAFrameTheProtocolDoesNotAllowFromTheAgentIsUnavailableAndResetsTheConne
 	}
 }
 
-func TestADataConnectionForADialNotPendingIsNotFound(t *testing.T) {
-	b := startBroker(t, config{})
-	b.ConnectAgent(t, agentA, "a", "root")
-	_, err := b.openData(t, agentA, 12345)
-	if status.Code(err) != codes.NotFound {
-		t.Fatalf("open of an unknown dial: %v, want NotFound", err)
-	}
-}
-
-func TestAnAgentStillWritingWhenItsOpenIsRefusedReadsWhy(t *testing.T) {
-	b := startBroker(t, config{})
-	b.ConnectAgent(t, agentA, "a", "root")
-	conn := b.spare(t, agentA)
-	// The agent sends its target's first bytes right behind the open,
-	// without waiting for the answer.
-	if err := wire.WriteOpen(conn, 12345); err != nil {
-		t.Fatal(err)
-	}
-	bytesFromTarget := bytes.Repeat([]byte("x"), 16<<10)
-	if _, err := conn.Write(bytesFromTarget); err != nil {
-		t.Fatal(err)
-	}
-	// Had the broker closed the socket with them unread, it would have
-	// sent a reset by now, which fails the agent's next write.
-	time.Sleep(200 * time.Millisecond)
-	if _, err := conn.Write(bytesFromTarget[:1024]); err != nil {
-		t.Fatalf("the agent's write after the refusal: %v; want the broker to read and drop it", err)
-	}
-	if err := wire.ReadOpenResult(conn); status.Code(err) != codes.NotFound {
-		t.Fatalf("open of an unknown dial: %v, want NotFound", err)
-	}
-}
-
-func TestADataConnectionCannotClaimAnotherAgentsDial(t *testing.T) {
-	b := startBroker(t, config{})
-	caller, _, order := b.pendingDial(t)
-	if _, err := b.openData(t, agentB, order.GetDialId()); status.Code(err) != codes.NotFound {
-		t.Fatalf("agent B opening agent A's dial: %v, want NotFound", err)
-	}
-	// The dial is still agent A's.
-	if _, err := b.openData(t, agentA, order.GetDialId()); err != nil {
-		t.Fatalf("agent A's own open after B's: %v", err)
-	}
-	if msg, err := caller.Recv(); err != nil || msg.GetEstablished() == nil {
-		t.Fatalf("caller got %v, %v; want established", msg, err)
-	}
-}
-
-func TestOnlyAgentsMayOpenDataConnections(t *testing.T) {
-	b := startBroker(t, config{})
-	conn := b.DataConn(t, kcpPath)
-	_, err := wire.ReadAccepted(conn)
-	if status.Code(err) != codes.PermissionDenied {
-		t.Fatalf("a caller's data connection: %v, want PermissionDenied", err)
-	}
-}
-
-func TestADataConnectionThatDoesNotOpenIsInvalidArgument(t *testing.T) {
-	b := startBroker(t, config{})
-	conn := b.spare(t, agentA)
-	// A data frame where the open belongs.
-	if _, err := conn.Write([]byte{3, 0x12, 1, 'x'}); err != nil {
-		t.Fatal(err)
-	}
-	if err := wire.ReadOpenResult(conn); status.Code(err) != codes.InvalidArgument {
-		t.Fatalf("data before the open: %v, want InvalidArgument", err)
-	}
-}
-
-func TestSparesOverTheirBoundAreResourceExhaustedAndFreedWhenUsed(t *testing.T) {
-	b := startBroker(t, config{maxSparesPerPeer: 2})
-	first := b.spare(t, agentA)
-	b.spare(t, agentA)
-	third := b.DataConn(t, agentA)
-	if _, err := wire.ReadAccepted(third); status.Code(err) != codes.ResourceExhausted {
-		t.Fatalf("a third spare: %v, want ResourceExhausted", err)
-	}
-	// Another peer's spares are its own.
-	b.spare(t, agentB)
-	testutil.Eventually(t, "agent B's spare is not counted", func() bool { return b.agents.spares.Held(brokertest.ID(agentB)) == 1 })
-	// A spare that names its dial (here, one not pending) is no longer
-	// one: a new spare fits again.
-	if err := wire.WriteOpen(first, 1); err != nil {
-		t.Fatal(err)
-	}
-	if err := wire.ReadOpenResult(first); status.Code(err) != codes.NotFound {
-		t.Fatalf("open of an unknown dial: %v", err)
-	}
-	testutil.Eventually(t, "the used spare is not counted", func() bool { return b.agents.spares.Held(brokertest.ID(agentA)) == 1 })
-	b.spare(t, agentA)
-	testutil.Eventually(t, "the new spare is counted", func() bool { return b.agents.spares.Held(brokertest.ID(agentA)) == 2 })
-}
-
-func TestSparesHearUnavailableWhenTheBrokerDrains(t *testing.T) {
-	b := startBroker(t, config{})
-	spare := b.spare(t, agentA)
-	testutil.Eventually(t, "the spare is not counted", func() bool { return b.agents.spares.Held(brokertest.ID(agentA)) == 1 })
-	b.Drain()
-	testutil.CheckStatus(t, "a spare at the drain", wire.ReadOpenResult(spare), codes.Unavailable, "the broker is shutting down")
-	testutil.Eventually(t, "the spare is still counted after the drain", func() bool { return b.agents.spares.TotalHeld() == 0 })
-	// And a new spare is refused at once.
-	_, err := wire.ReadAccepted(b.DataConn(t, agentA))
-	testutil.CheckStatus(t, "a spare after the drain", err, codes.Unavailable, "the broker is shutting down")
-}
-
-// pendingDial registers agent A for root and dials root as kcp: the
-// caller's stream, waiting, and the order agent A got for it.
-func (b *broker) pendingDial(t *testing.T) (tunnelv1.DialService_DialClient, context.CancelFunc, *tunnelv1.DialOrder) {
-	t.Helper()
-	a := b.ConnectAgent(t, agentA, "a", "root")
-	target := brokertest.Target("root")
-	caller, cancel := b.StartDial(t, kcpPath, target)
-	return caller, cancel, a.Order(t, target)
-}
-
-// establishData is a tunnel whose agent leg is a data connection: the
-// caller's stream, the data connection and the agent's leg on it.
-func (b *broker) establishData(t *testing.T) (tunnelv1.DialService_DialClient, context.CancelFunc, *tls.Conn, *wire.Leg) {
-	t.Helper()
-	caller, cancel, order := b.pendingDial(t)
-	conn, err := b.openData(t, agentA, order.GetDialId())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if msg, err := caller.Recv(); err != nil || msg.GetEstablished() == nil {
-		t.Fatalf("caller got %v, %v; want established", msg, err)
-	}
-	return caller, cancel, conn, wire.NewLeg(conn)
-}
-
 func TestADataConnectionThatEndsMidTunnelIsAFailureNotAHalfClose(t *testing.T) {
 	b := startBroker(t, config{})
 	caller, _, conn, _ := b.establishData(t)
@@ -365,4 +388,26 @@ func TestAnAgentThatDoesNotAnswerTheBrokersEndIsReset(t *testing.T) {
 		t.Fatalf("after the broker's end the agent read %d, %v; want a reset", n, err)
 	}
 	testutil.Eventually(t, "no spare to count", func() bool { return b.agents.spares.TotalHeld() == 0 })
+}
+
+func TestAnAgentsBytesRightAfterItsAnswerReachTheCaller(t *testing.T) {
+	b := startBroker(t, config{})
+	a := b.ConnectAgent(t, agentA, "a", "root")
+	conn := a.DataSpare(t, brokerID)
+	waitForCarrier(t, b, agentA)
+	target := brokertest.Target("root")
+	caller, _ := b.StartDial(t, kcpPath, target)
+	orderOn(t, conn, target)
+	// The answer and the target's first bytes at once, as a server that
+	// speaks first would have them.
+	if err := wire.WriteAnswer(conn, nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.Write(wire.AppendData(nil, []byte("220 ready"))); err != nil {
+		t.Fatal(err)
+	}
+	established(t, caller)
+	if msg, err := caller.Recv(); err != nil || !bytes.Equal(msg.GetData(), []byte("220 ready")) {
+		t.Fatalf("caller got %v, %v; want the agent's first bytes", msg, err)
+	}
 }

@@ -71,13 +71,16 @@ func TestASpareDataConnectionClosesWhenItsSVIDExpires(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	a := b.ConnectAgent(t, agentA, "a", "root")
 	conn, read := brokertest.ConnAs(t, addr, src, wire.DataProtocol)
+	if err := wire.WriteBind(conn, a.Session); err != nil {
+		t.Fatal(err)
+	}
 	brokertest.Accepted(t, conn, brokerID)
 	testutil.Eventually(t, "the spare to count", func() bool { return b.agents.spares.Held(brokertest.ID(agentA)) == 1 })
 
 	// At the expiry, with no grace, the broker closes the spare's socket
-	// under its TLS: no answer (unlike the drain's Unavailable), and no
-	// close_notify.
+	// under its TLS: no close_notify, unlike the drain's.
 	got, err := io.ReadAll(read)
 	if len(got) != 0 || !errors.Is(err, wire.ErrNoCloseNotify) {
 		t.Fatalf("after its SVID expired the spare read %x, %v; want its socket closed without a close_notify", got, err)

@@ -95,7 +95,7 @@ type Service struct {
 
 	cfg           Config
 	registrations quota.Quota  // control streams, per agent SPIFFE ID
-	spares        spares.Bound // data connections waiting for their open
+	spares        spares.Bound // idle data connections, bound or binding
 }
 
 // New is an agent service with cfg, its defaults resolved.

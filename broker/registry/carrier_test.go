@@ -1,0 +1,96 @@
+package registry
+
+import (
+	"testing"
+	"time"
+
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+)
+
+// fakeCarrier is an idle data connection that records what it carried.
+type fakeCarrier struct {
+	carried chan *tunnelv1.DialOrder
+	dropped chan struct{}
+}
+
+func newFakeCarrier() *fakeCarrier {
+	return &fakeCarrier{carried: make(chan *tunnelv1.DialOrder, 1), dropped: make(chan struct{})}
+}
+
+func (c *fakeCarrier) Carry(order *tunnelv1.DialOrder) { c.carried <- order }
+func (c *fakeCarrier) Drop()                           { close(c.dropped) }
+
+func TestADialGoesOnAnIdleCarrierOfItsAgentAndTheNextOnTheControlStream(t *testing.T) {
+	r := New(Limits{})
+	a := registerAgent(t, r, "a", "root")
+	c := newFakeCarrier()
+	if !a.AddCarrier(c) {
+		t.Fatal("a registered agent refused a carrier")
+	}
+	first := startDial(t, r, target("root"))
+	var order *tunnelv1.DialOrder
+	select {
+	case order = <-c.carried:
+	case <-time.After(waitLong):
+		t.Fatal("the dial's order did not go on the agent's idle carrier")
+	}
+	// The carrier's answer claims the dial as a Tunnel's open does.
+	claim, err := r.Claim(order.GetDialId(), a.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	claim.HandOver(newFakeTunnel())
+	first.connected().Release()
+	// Taken, the carrier is no longer idle: the next order goes on the
+	// control stream.
+	startDial(t, r, target("root"))
+	nextOrder(t, a)
+	if a.RemoveCarrier(c) {
+		t.Error("a carrier an order took was still idle")
+	}
+}
+
+func TestACarriersFailedAnswerFailsTheDial(t *testing.T) {
+	r := New(Limits{})
+	a := registerAgent(t, r, "a", "root")
+	c := newFakeCarrier()
+	a.AddCarrier(c)
+	d := startDial(t, r, target("root"))
+	order := <-c.carried
+	r.Fail(a, &tunnelv1.DialFailure{DialId: order.GetDialId(), Code: 5, Message: "no such Service"})
+	if o := d.wait(); o.err == nil || o.claim != nil {
+		t.Fatalf("the dial whose carrier failed it ended with %v, %v; want its failure", o.claim, o.err)
+	}
+}
+
+func TestAnEndedRegistrationDropsItsIdleCarriersAndTakesNoMore(t *testing.T) {
+	r := New(Limits{})
+	a := registerAgent(t, r, "a", "root")
+	c := newFakeCarrier()
+	a.AddCarrier(c)
+	r.Unregister(a)
+	select {
+	case <-c.dropped:
+	case <-time.After(waitLong):
+		t.Fatal("an idle carrier of an ended registration was not dropped")
+	}
+	if a.AddCarrier(newFakeCarrier()) {
+		t.Error("an ended registration took a carrier")
+	}
+}
+
+func TestASessionIsFoundOnlyForItsOwnAgent(t *testing.T) {
+	r := New(Limits{})
+	a := registerAgent(t, r, "a", "root")
+	b := registerAgent(t, r, "b", "root")
+	if got, ok := r.Session(a.SessionID, a.ID); !ok || got != a {
+		t.Errorf("Session(a's, a) = %v, %v; want a", got, ok)
+	}
+	if _, ok := r.Session(a.SessionID, b.ID); ok {
+		t.Error("agent b found agent a's session")
+	}
+	r.Unregister(a)
+	if _, ok := r.Session(a.SessionID, a.ID); ok {
+		t.Error("an ended registration's session was found")
+	}
+}
