@@ -56,7 +56,7 @@ func addFlags(fs *flag.FlagSet) *options {
 	fs.StringVar(&o.dns, "broker-dns", "", "required, or --broker: host:port whose host resolves to every broker replica (a headless Service)")
 	fs.DurationVar(&o.resolveEvery, "resolve-interval", 30*time.Second, "how often --broker-dns is resolved again")
 	fs.DurationVar(&o.grace, "grace", agent.DefaultGrace, "on SIGTERM, how long tunnels in flight may still run")
-	fs.IntVar(&o.spares, "spare-data-connections", 2, "spare data connections (TLS connections that carry tunnels without gRPC, one at a time, for shorter round trips) kept idle to each broker replica that accepts them; a dial takes one, which its tunnel gives back once it ends, or which a new one replaces 20 ms later, at most 10 a second; with none left, dials go on gRPC streams (0: always)")
+	fs.IntVar(&o.spares, "spare-data-connections", 2, "spare data connections (TLS connections that carry tunnels without gRPC, one at a time, for shorter round trips) kept idle to each broker replica that accepts them; the broker sends a dial on one, whose tunnel gives it back once it ends, or which a new one replaces 20 ms later, at most 10 a second; with none left, dials go on gRPC streams (0: always)")
 	fs.StringVar(&o.metricsListen, "metrics-listen", ":9091", "address for /metrics, /healthz and /readyz (empty: off)")
 	fs.StringVar(&o.pprofListen, "pprof-listen", "", "address for /debug/pprof (empty: off; keep it on loopback)")
 	fs.StringVar(&o.brokerID, "broker-spiffe-id", "", "SPIFFE ID the broker must present (default: any ID in the agent's trust domain)")

@@ -1,7 +1,8 @@
 // Package agent is the syncer agent's side of the tunnel: it keeps a control
 // stream to each broker replica, and for each dial order connects to the
 // target its Resolver names and pipes bytes over a Tunnel stream of its own,
-// or over a data connection of its own to a broker that accepts them.
+// or, for an order a broker that accepts data connections sent on one of
+// the agent's spares, over that data connection.
 package agent
 
 import (
@@ -39,9 +40,10 @@ type Agent struct {
 	// only.
 	DataCredentials credentials.TransportCredentials
 	// SpareDataConnections is how many idle spare data connections each
-	// session keeps open to a broker that accepts them, so that a dial is
-	// carried on one without waiting for a handshake; 0 means none, and
-	// every tunnel goes on a Tunnel stream. A tunnel that ends gives its
+	// session keeps open to a broker that accepts them: the broker sends a
+	// dial order on one, which then carries the tunnel without a
+	// handshake or a Tunnel stream to wait for; 0 means none, and every
+	// tunnel goes on a Tunnel stream. A tunnel that ends gives its
 	// connection back, and the pool keeps it up to this many.
 	SpareDataConnections int
 	// StalledWriteTimeout ends a tunnel on a data connection whose target

@@ -149,8 +149,6 @@ func TestAgentKeepsServingOrdersAfterBrokerDrain(t *testing.T) {
 	}
 }
 
-const shuttingDown = "the agent is shutting down"
-
 // watchedResolver is a resolver whose clusters change.
 type watchedResolver struct {
 	funcResolver

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"bufio"
 	"context"
 	"errors"
 	"fmt"
@@ -8,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -38,9 +40,10 @@ import (
 // with, and small helpers. The fake is a real gRPC server on loopback with
 // SPIFFE mTLS from a throwaway CA; it hands each Connect and Tunnel stream
 // to the test, which plays the broker's side of the protocol. Its port also
-// takes data connections (ALPN wire.DataProtocol), and hands the test each
-// tunnel opened on one (dataleg_test.go), one after another on a
-// connection.
+// takes data connections (ALPN wire.DataProtocol): it checks each one's
+// bind against the sessions it registered, keeps it as a spare, and lets
+// the test send dial orders on the idle ones and play the tunnels that
+// follow (dataleg_test.go), one after another on a connection.
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
@@ -122,27 +125,35 @@ type fakeBroker struct {
 	readers            sync.WaitGroup
 
 	// dataConnections, if set, makes Registered say that the broker
-	// accepts data connections; its port offers them in any case.
-	dataConnections bool
+	// accepts data connections, and name the session they bind to; its
+	// port offers them in any case. noSessionID leaves the name out.
+	dataConnections, noSessionID bool
+	// forgetsSessions makes the broker refuse every bind NotFound, as a
+	// replica that does not know the session does.
+	forgetsSessions bool
 	// refuseSpares is how many of the next data connections are refused
 	// at once, ResourceExhausted, as a broker over its bound does.
 	refuseSpares atomic.Int32
 	// otherReplica, if set, is the broker_id the data connections'
 	// accept names instead of id: a load balancer led them elsewhere.
 	otherReplica string
-	// dataLegs receives each tunnel whose open arrived on a data
-	// connection.
-	dataLegs chan *dataLeg
-	// spares counts the data connections waiting for an open now;
-	// dataAccepted all those the broker took, sparesClosed those that
-	// ended while they waited for an open.
+	// sessionNo numbers the registrations, whose ids are sessionIDs.
+	sessionNo atomic.Int32
+	// spares counts the data connections idle now; dataAccepted all
+	// those whose handshake passed, sparesClosed those refused or that
+	// ended while idle.
 	spares, dataAccepted, sparesClosed atomic.Int32
 	dataMu                             sync.Mutex
 	dataStopped                        bool
 	dataDone                           chan struct{} // closed by stopData
 	dataConns                          []net.Conn
-	idleSpares                         map[net.Conn]bool // waiting for their open
+	sessionIDs                         map[string]bool // the sessions registered now
+	binds                              []string        // each bind's session id, in order
+	idle                               map[*dataConn]bool
 	dataServers                        sync.WaitGroup
+	// sockets holds each connection's TCP socket, by its peer's address,
+	// for a test that resets one.
+	sockets sync.Map
 }
 
 // startBroker serves a fake broker on a loopback port until the test ends.
@@ -158,7 +169,6 @@ func startBroker(t *testing.T, p *pki) *fakeBroker {
 		sessions: make(chan *session, 16),
 		tunnels:  make(chan *tunnel, 16),
 		refusals: make(chan error, 4),
-		dataLegs: make(chan *dataLeg, 16),
 		dataDone: make(chan struct{}),
 	}
 	// As the broker does: the data protocol beside h2 on the gRPC port,
@@ -173,7 +183,7 @@ func startBroker(t *testing.T, p *pki) *fakeBroker {
 	served := make(chan struct{})
 	go func() {
 		defer close(served)
-		_ = srv.Serve(lis)
+		_ = srv.Serve(socketsOf{lis, &b.sockets})
 	}()
 	t.Cleanup(func() {
 		srv.Stop()
@@ -184,8 +194,25 @@ func startBroker(t *testing.T, p *pki) *fakeBroker {
 	return b
 }
 
+// socketsOf is a listener that keeps each connection's socket in sockets:
+// under TLS and the write coalescing, a data connection's socket is not
+// the broker's to reach.
+type socketsOf struct {
+	net.Listener
+	sockets *sync.Map
+}
+
+func (l socketsOf) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err == nil {
+		l.sockets.Store(c.RemoteAddr().String(), c)
+	}
+	return c, err
+}
+
 // session is the broker's side of one registered control stream.
 type session struct {
+	id       string // the session_id its Registered named
 	peer     spiffeid.ID
 	register *tunnelv1.Register
 	stream   tunnelv1.AgentService_ConnectServer
@@ -211,11 +238,11 @@ func (b *fakeBroker) Connect(stream tunnelv1.AgentService_ConnectServer) error {
 		return err
 	default:
 	}
-	if err := stream.Send(&tunnelv1.ConnectResponse{Message: &tunnelv1.ConnectResponse_Registered{
-		Registered: &tunnelv1.Registered{BrokerId: b.id, DataConnections: b.dataConnections}}}); err != nil {
+	id := b.startSession(stream.Context())
+	if err := stream.Send(&tunnelv1.ConnectResponse{Message: &tunnelv1.ConnectResponse_Registered{Registered: b.registered(id)}}); err != nil {
 		return err
 	}
-	s := &session{peer: peer, register: first.GetRegister(), stream: stream,
+	s := &session{id: id, peer: peer, register: first.GetRegister(), stream: stream,
 		msgs: make(chan *tunnelv1.ConnectRequest, 64), end: make(chan error, 1), closedSend: make(chan struct{})}
 	ctx := stream.Context()
 	b.readers.Add(1)
@@ -256,6 +283,15 @@ func (b *fakeBroker) Connect(stream tunnelv1.AgentService_ConnectServer) error {
 	case <-ctx.Done():
 		return ctx.Err()
 	}
+}
+
+// registered confirms the registration of session id.
+func (b *fakeBroker) registered(id string) *tunnelv1.Registered {
+	r := &tunnelv1.Registered{BrokerId: b.id, DataConnections: b.dataConnections}
+	if b.dataConnections && !b.noSessionID {
+		r.SessionId = id
+	}
+	return r
 }
 
 // finish ends the Connect RPC with err's status (nil: OK).
@@ -457,10 +493,45 @@ func (b *fakeBroker) noTunnel(t *testing.T) {
 	}
 }
 
-// serveData serves one data connection: once it has accepted it as a
-// spare, it hands each tunnel whose open arrives to the test (a dataLeg),
-// and reads the next open once the test says that the tunnel left the
-// connection idle (dataLeg.reused).
+// startSession registers a session, whose id binds data connections to
+// it until ctx, its Connect's, ends.
+func (b *fakeBroker) startSession(ctx context.Context) string {
+	id := fmt.Sprintf("session-%d", b.sessionNo.Add(1))
+	b.dataMu.Lock()
+	defer b.dataMu.Unlock()
+	if b.sessionIDs == nil {
+		b.sessionIDs = map[string]bool{}
+	}
+	b.sessionIDs[id] = true
+	context.AfterFunc(ctx, func() {
+		b.dataMu.Lock()
+		defer b.dataMu.Unlock()
+		delete(b.sessionIDs, id)
+	})
+	return id
+}
+
+// dataConn is the broker's side of one data connection it accepted.
+type dataConn struct {
+	// conn is what identity.Dispatch hands the broker: TLS, with the
+	// socket under it. The broker reads it through r, which holds what
+	// the idle connection's watch (awaitAnswer) read.
+	conn dispatchedConn
+	r    *bufio.Reader
+	peer spiffeid.ID
+	// connNo numbers the data connections in the order the broker
+	// accepted them: tunnels with the same connNo rode one connection.
+	connNo int32
+	// ordered is the leg of the order the test sent on the idle
+	// connection, which the agent's answer goes to.
+	ordered *dataLeg
+}
+
+// serveData serves one data connection: it reads its bind, accepts it as a
+// spare of the session named, and then, each time the test sends an order
+// on it (orderOnData), hands the test the agent's answer and the tunnel
+// after it (a dataLeg), until the test says that the connection is idle
+// again (dataLeg.reused).
 func (b *fakeBroker) serveData(conn net.Conn, info identity.AuthInfo) {
 	b.dataMu.Lock()
 	if b.dataStopped {
@@ -473,26 +544,16 @@ func (b *fakeBroker) serveData(conn net.Conn, info identity.AuthInfo) {
 	b.dataMu.Unlock()
 	defer b.dataServers.Done()
 	connNo := b.dataAccepted.Add(1)
-	if b.refuseSpares.Add(-1) >= 0 {
-		_ = wire.WriteOpenResult(conn, status.Error(codes.ResourceExhausted, "too many spare data connections"))
+	if err := b.accept(conn); err != nil {
+		_ = wire.WriteOpenResult(conn, err)
 		b.sparesClosed.Add(1)
 		conn.Close()
 		return
 	}
-	if err := wire.WriteAccepted(conn, b.acceptAs()); err != nil {
-		b.sparesClosed.Add(1)
-		conn.Close()
-		return
-	}
+	dc := &dataConn{conn: conn.(dispatchedConn), r: bufio.NewReader(conn), peer: info.ID, connNo: connNo}
 	for {
-		id, ok := b.awaitOpen(conn)
-		if !ok {
-			return
-		}
-		leg := &dataLeg{conn: conn.(dispatchedConn), peer: info.ID, dialID: id, connNo: connNo, done: make(chan struct{})}
-		select {
-		case b.dataLegs <- leg:
-		case <-b.dataDone:
+		leg := b.awaitAnswer(dc)
+		if leg == nil {
 			return
 		}
 		select {
@@ -503,20 +564,48 @@ func (b *fakeBroker) serveData(conn net.Conn, info identity.AuthInfo) {
 	}
 }
 
-// awaitOpen reads the next open on conn, a spare until then; false if the
-// connection ended first, which closes it.
-func (b *fakeBroker) awaitOpen(conn net.Conn) (dialID uint64, ok bool) {
-	// The deadline of the tunnel before, if any (nextDataLeg).
-	_ = conn.SetDeadline(time.Time{})
-	b.setIdle(conn, true)
-	id, err := wire.ReadOpen(conn)
-	b.setIdle(conn, false)
+// accept reads a new data connection's bind and accepts it as a spare of
+// the session it names; an error is the refusal to send instead.
+func (b *fakeBroker) accept(conn net.Conn) error {
+	id, err := wire.ReadBind(conn)
 	if err != nil {
-		b.sparesClosed.Add(1)
-		conn.Close()
-		return 0, false
+		return status.Convert(err).Err()
 	}
-	return id, true
+	b.dataMu.Lock()
+	b.binds = append(b.binds, id)
+	known := b.sessionIDs[id] && !b.forgetsSessions
+	b.dataMu.Unlock()
+	switch {
+	case !known:
+		return status.Errorf(codes.NotFound, "no session %q of this agent on this replica", id)
+	case b.refuseSpares.Add(-1) >= 0:
+		return status.Error(codes.ResourceExhausted, "too many spare data connections")
+	}
+	return wire.WriteAccepted(conn, b.acceptAs())
+}
+
+// awaitAnswer keeps dc as an idle spare until something comes on it: the
+// agent's answer to the order the test sent, handed to that order's leg,
+// or the connection's end, which closes it and returns nil.
+func (b *fakeBroker) awaitAnswer(dc *dataConn) *dataLeg {
+	// The deadline of the tunnel before, if any (orderOnData).
+	_ = dc.conn.SetDeadline(time.Time{})
+	b.setIdle(dc, true)
+	// What comes, or how the connection ends, is for the leg's reads.
+	_, _ = dc.r.Peek(1)
+	b.setIdle(dc, false)
+	b.dataMu.Lock()
+	leg := dc.ordered
+	dc.ordered = nil
+	b.dataMu.Unlock()
+	if leg == nil {
+		// The agent closed its spare, or sent what no order asked for.
+		b.sparesClosed.Add(1)
+		dc.conn.Close()
+		return nil
+	}
+	close(leg.arrived)
+	return leg
 }
 
 // acceptAs is the replica a data connection's accept names.
@@ -527,38 +616,86 @@ func (b *fakeBroker) acceptAs() string {
 	return b.id
 }
 
-// setIdle marks conn as a spare waiting for its open, or no more.
-func (b *fakeBroker) setIdle(conn net.Conn, idle bool) {
+// setIdle marks dc as an idle spare, or no more.
+func (b *fakeBroker) setIdle(dc *dataConn, idle bool) {
 	b.dataMu.Lock()
 	defer b.dataMu.Unlock()
-	if b.idleSpares == nil {
-		b.idleSpares = map[net.Conn]bool{}
+	if b.idle == nil {
+		b.idle = map[*dataConn]bool{}
 	}
 	if idle {
-		b.idleSpares[conn] = true
+		b.idle[dc] = true
 		b.spares.Add(1)
-	} else if b.idleSpares[conn] {
-		delete(b.idleSpares, conn)
+	} else if b.idle[dc] {
+		delete(b.idle, dc)
 		b.spares.Add(-1)
 	}
 }
 
-// refuseASpare refuses one of the spares waiting for their open, as a
-// broker that stops does, and closes it.
-func (b *fakeBroker) refuseASpare(t *testing.T) {
+// takeIdle waits for an idle data connection, the first the broker
+// accepted of those, and takes it out of the spares for ordered.
+func (b *fakeBroker) takeIdle(t *testing.T, ordered *dataLeg) *dataConn {
+	t.Helper()
+	var taken *dataConn
+	testutil.Eventually(t, "an idle data connection", func() bool {
+		b.dataMu.Lock()
+		defer b.dataMu.Unlock()
+		for dc := range b.idle {
+			if taken == nil || dc.connNo < taken.connNo {
+				taken = dc
+			}
+		}
+		if taken == nil {
+			return false
+		}
+		delete(b.idle, taken)
+		b.spares.Add(-1)
+		taken.ordered = ordered
+		return true
+	})
+	return taken
+}
+
+// orderOnData sends order on an idle data connection, as the broker does
+// when the session has one, and returns the broker's side of it: the
+// agent's answer is read next (dataLeg.answer).
+func (b *fakeBroker) orderOnData(t *testing.T, order *tunnelv1.DialOrder) *dataLeg {
+	t.Helper()
+	return b.sendOnData(t, func(w io.Writer) error { return wire.WriteOrder(w, order) })
+}
+
+// sendOnData is orderOnData for whatever write writes.
+func (b *fakeBroker) sendOnData(t *testing.T, write func(io.Writer) error) *dataLeg {
+	t.Helper()
+	leg := &dataLeg{arrived: make(chan struct{}), done: make(chan struct{})}
+	leg.dataConn = b.takeIdle(t, leg)
+	if err := leg.conn.SetDeadline(time.Now().Add(waitLong)); err != nil {
+		t.Fatal(err)
+	}
+	if err := write(leg.conn); err != nil {
+		t.Fatalf("sending an order on a data connection: %v", err)
+	}
+	return leg
+}
+
+// closeASpare closes one of the idle spares with a close_notify, as a
+// broker that drains does.
+func (b *fakeBroker) closeASpare(t *testing.T) {
 	t.Helper()
 	b.dataMu.Lock()
 	defer b.dataMu.Unlock()
-	for conn := range b.idleSpares {
-		delete(b.idleSpares, conn)
-		b.spares.Add(-1)
-		if err := wire.WriteOpenResult(conn, status.Error(codes.Unavailable, "the broker is stopping")); err != nil {
-			t.Fatal(err)
-		}
-		conn.Close()
+	for dc := range b.idle {
+		dc.conn.Close()
 		return
 	}
-	t.Fatal("no spare to refuse")
+	t.Fatal("no spare to close")
+}
+
+// bindsSoFar are the session ids the binds named so far.
+func (b *fakeBroker) bindsSoFar() []string {
+	b.dataMu.Lock()
+	defer b.dataMu.Unlock()
+	return slices.Clone(b.binds)
 }
 
 // stopData closes the data connections, and waits for their servers.
@@ -571,16 +708,6 @@ func (b *fakeBroker) stopData() {
 	}
 	b.dataMu.Unlock()
 	b.dataServers.Wait()
-}
-
-// nextDataLeg waits for the agent's next open on a data connection.
-func (b *fakeBroker) nextDataLeg(t *testing.T) *dataLeg {
-	t.Helper()
-	l := testutil.Wait(t, "an open on a data connection", b.dataLegs)
-	if err := l.conn.SetDeadline(time.Now().Add(waitLong)); err != nil {
-		t.Fatal(err)
-	}
-	return l
 }
 
 // waitForSpares waits until the agent holds n spare data connections to b.

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -12,51 +13,106 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
-// openData carries a dial on the data connection of the spare taken from
-// pool (docs/protocol.md §3.5): it sends the open and returns the rest of
-// the tunnel's life, as open does, or reports why not and returns nil.
-// Once the tunnel has ended each way, the connection goes back to pool to
-// carry the next dial (§3.7), or is reset if it cannot.
-func openData(ctx context.Context, pool *spares, taken *takenSpare, d *dialed, stall time.Duration) (run func()) {
+// serve carries the dial order the broker sent on the idle spare taken
+// (docs/protocol.md §3.5), in the spare's watching goroutine. It connects
+// as for an order on the control stream, and answers on the connection: a
+// failure leaves the connection idle, back in the pool; OK starts the
+// tunnel, whose copier from the broker runs on in this goroutine, so that
+// a message costs no hand-off between goroutines.
+func (d *spareDialer) serve(pool *spares, taken *takenSpare, order *tunnelv1.DialOrder) {
+	if why := d.admit(); why != "" {
+		d.refuse(taken, why)
+		return
+	}
+	defer d.run.tunnels.Done()
+	dl := d.run.newDialed(order)
+	if err := d.run.dialTarget(d.run.ctx, dl, order); err != nil {
+		d.answerFailure(pool, taken, dl, err.status())
+		return
+	}
 	s := taken.Conn()
-	if err := wire.WriteOpen(s.conn, d.id); err != nil {
-		// The spare's goroutine waits for a tunnel: there is none.
-		taken.OnAnswer(nil)
+	if err := wire.WriteAnswer(s.conn, nil); err != nil {
+		// The broker takes a connection that ends before the answer for
+		// the dial's failure; the target has had nothing yet.
+		dl.target.Close()
 		s.abort()
 		s.conn.Close()
-		d.target.Close()
-		d.log.Info("could not open tunnel", "leg", "data connection", "error", err)
-		d.report(codes.Unavailable, "the agent could not open a tunnel to the broker", false)
-		return nil
+		dl.log.Info("could not answer the dial order", "leg", "data connection", "error", err)
+		return
 	}
-	d.log.Debug("tunnel open", "leg", "data connection", "target", d.target.RemoteAddr().String())
-	return func() {
-		defer d.target.Close()
-		tunnelsOpen.Inc()
-		defer tunnelsOpen.Dec()
-		tunnelsOpened.WithLabelValues(legDataConnection).Inc()
-		t := &dataTunnel{spare: s, taken: taken, leg: wire.NewLeg(s.conn), target: d.target, stall: stall,
-			answered: make(chan struct{}), downDone: make(chan struct{})}
-		idle := t.run(ctx, d.early)
-		if idle {
-			pool.Return(taken)
-		} else {
-			s.abort()
-			s.conn.Close()
-		}
-		t.report(d, idle)
-	}
+	dl.log.Debug("tunnel open", "leg", "data connection", "target", dl.target.RemoteAddr().String())
+	d.carry(pool, taken, dl)
 }
 
-// report logs how the tunnel ended, and fails the dial if the broker may
-// not have taken it: idle says whether its data connection went back to
-// the pool.
+// admit counts the tunnel of an order read on a spare with the agent's
+// tunnels, which its drain waits for, or says why the agent refuses it:
+// the session is over, and the pool takes back no spare, or the agent
+// drains.
+func (d *spareDialer) admit() (refused string) {
+	if d.session.Err() != nil {
+		return "the agent's registration with the broker has ended"
+	}
+	if !d.run.admit() {
+		return shuttingDown
+	}
+	return ""
+}
+
+// refuse answers an order the agent does not carry with Unavailable, as a
+// dial_failure would, and closes the connection.
+func (d *spareDialer) refuse(taken *takenSpare, why string) {
+	s := taken.Conn()
+	if err := wire.WriteAnswer(s.conn, status.Error(codes.Unavailable, why)); err != nil {
+		s.abort()
+	}
+	s.conn.Close()
+}
+
+// answerFailure answers the dial's failure, after which the connection is
+// idle again and goes back to the pool; a connection that cannot carry
+// the answer is closed.
+func (d *spareDialer) answerFailure(pool *spares, taken *takenSpare, dl *dialed, failure error) {
+	s := taken.Conn()
+	if err := wire.WriteAnswer(s.conn, failure); err != nil {
+		dl.log.Info("could not answer the dial order", "leg", "data connection", "error", err)
+		s.abort()
+		s.conn.Close()
+		return
+	}
+	pool.Return(taken)
+}
+
+// carry runs the tunnel the agent answered OK until it has ended each
+// way, counted as the agent's tunnels are, then gives the connection back
+// to the pool to carry the next order (§3.7), or resets it if it cannot.
+func (d *spareDialer) carry(pool *spares, taken *takenSpare, dl *dialed) {
+	defer dl.target.Close()
+	tunnelsOpen.Inc()
+	defer tunnelsOpen.Dec()
+	tunnelsOpened.WithLabelValues(legDataConnection).Inc()
+	s := taken.Conn()
+	t := &dataTunnel{spare: s, leg: wire.NewLeg(s.conn), target: dl.target,
+		stall: cmp.Or(d.run.StalledWriteTimeout, DefaultStalledWriteTimeout), downDone: make(chan struct{})}
+	idle := t.run(d.run.ctx, dl.early)
+	if idle {
+		pool.Return(taken)
+	} else {
+		s.abort()
+		s.conn.Close()
+	}
+	t.report(dl, idle)
+}
+
+// report logs how the tunnel ended: idle says whether its data
+// connection went back to the pool. The broker claimed the dial with the
+// agent's OK: nothing goes on the control stream.
 func (t *dataTunnel) report(d *dialed, idle bool) {
 	t.mu.Lock()
-	err, accepted := t.cause, t.accepted
+	err := t.cause
 	t.mu.Unlock()
 	if err == nil {
 		if !idle {
@@ -65,32 +121,7 @@ func (t *dataTunnel) report(d *dialed, idle bool) {
 		return
 	}
 	d.log.Info("tunnel ended", "leg", "data connection", "error", err, "connection_reused", idle)
-	var refused refusal
-	var unanswered noAnswer
-	switch {
-	case errors.As(err, &refused):
-		st := status.Convert(refused.err)
-		d.report(st.Code(), "the broker refused the tunnel: "+st.Message(), true)
-	case errors.As(err, &unanswered):
-		d.report(codes.Unavailable, "the broker's data connection ended before it answered the open", true)
-	case !accepted:
-		// As on a Tunnel stream: the broker may not have read the
-		// open, and the dial would wait there for its timeout.
-		d.report(codes.Unavailable, "the tunnel failed as it opened: "+reason(err), true)
-	}
 }
-
-// refusal is the broker's answer to an open that refused it: a status.
-type refusal struct{ err error }
-
-func (r refusal) Error() string { return "the broker refused the open: " + r.err.Error() }
-
-// noAnswer is a data connection that failed before the broker answered
-// the open.
-type noAnswer struct{ err error }
-
-func (n noAnswer) Error() string { return n.err.Error() }
-func (n noAnswer) Unwrap() error { return n.err }
 
 // targetError is a failure of the target connection: op says what the
 // agent was doing.
@@ -108,26 +139,21 @@ func (e targetError) message() string {
 	return "the agent's connection to the target failed, " + e.op + ": " + reason(e.err)
 }
 
-// dataTunnel is one tunnel on a data connection. Each direction is one
-// goroutine that reads from one side and writes to the other: the
-// tunnel's own copies the target's bytes to the broker, and the spare's,
-// which was waiting for the broker's answer to the open, copies the
-// broker's bytes to the target. A message costs no hand-off between
-// goroutines. Both go through leg, the tunnel's frames (§3.7): the
-// target's bytes from the open on, the broker's once it has answered.
+// dataTunnel is one tunnel on a data connection, from the agent's OK
+// answer on. Each direction is one goroutine that reads from one side and
+// writes to the other: the spare's, which read the order, copies the
+// broker's bytes to the target, and one of the tunnel's own copies the
+// target's bytes to the broker. A message costs no hand-off between
+// goroutines. Both go through leg, the tunnel's frames (§3.7).
 type dataTunnel struct {
 	spare  *spare
-	taken  *takenSpare // to hand its answer to down
 	leg    *wire.Leg
 	target *net.TCPConn
 	stall  time.Duration // the longest a write to the target may take
-	// answered closes once the copier from the broker has read the answer
-	// to the open, or failed to; downDone once it has returned.
-	answered, downDone chan struct{}
+	// downDone closes once the copier from the broker has returned.
+	downDone chan struct{}
 
 	mu sync.Mutex
-	// accepted says that the broker answered the open with OK.
-	accepted bool
 	// ending says that the tunnel is over for the target: the broker
 	// ended it, the target failed, or the tunnel aborted. What fails
 	// after it (a read of the target closed because of it) is no
@@ -142,8 +168,9 @@ type dataTunnel struct {
 // ends, and says whether its data connection is idle again. Both copiers
 // have stopped and the target is closed by then, so that nothing of this
 // tunnel touches the connection once it carries the next. The early data
-// goes to the target first: after the open, and before anything the
-// broker sends, which its copier writes only once handed the tunnel.
+// goes to the target first: after the answer, so that a failed dial has
+// sent none, and before anything the broker sends, which this goroutine
+// copies next.
 func (t *dataTunnel) run(ctx context.Context, early []byte) (idle bool) {
 	stop := context.AfterFunc(ctx, func() { t.abort(errors.New("the agent stopped")) })
 	if len(early) > 0 {
@@ -151,26 +178,31 @@ func (t *dataTunnel) run(ctx context.Context, early []byte) (idle bool) {
 			t.targetFailed(targetError{"writing early data to target", err})
 		}
 	}
-	t.taken.OnAnswer(t.down)
-	if t.up() {
-		// The target's direction ended cleanly; the broker's runs on
-		// until the broker ends the tunnel.
-		<-t.downDone
-	}
-	<-t.answered
-	idle = t.finish()
-	<-t.downDone
+	finished := make(chan bool, 1)
+	go func() { finished <- t.upThenFinish() }()
+	t.down()
+	idle = <-finished
 	_ = t.target.Close()
 	// Once the agent has begun to stop, the connection may be reset at
 	// any moment: it must not go back to the pool.
 	return stop() && idle
 }
 
+// upThenFinish copies the target's direction (up), then completes the end
+// exchange (finish) and says whether the connection is idle again. A
+// target that half-closed cleanly leaves the broker's direction running
+// until the broker ends the tunnel; a failure needs no wait, as finish
+// frees the copier from the broker.
+func (t *dataTunnel) upThenFinish() bool {
+	if t.up() {
+		<-t.downDone
+	}
+	return t.finish()
+}
+
 // up is the copier from the target: it copies the target's bytes to the
 // broker, then the target's end as a close_write, and says whether it got
-// that far. The target's bytes may follow the open before the broker's
-// answer: the leg writes them in frames, as the broker reads them once it
-// has answered.
+// that far.
 func (t *dataTunnel) up() (halfClosed bool) {
 	readErr, writeErr := copyHalf(t.leg, t.target)
 	switch {
@@ -188,15 +220,11 @@ func (t *dataTunnel) up() (halfClosed bool) {
 	return false
 }
 
-// down is the copier from the broker, in the spare's goroutine: answer is
-// what the broker said to the open. It copies the broker's bytes to the
+// down is the copier from the broker: it copies the broker's bytes to the
 // target, then the broker's close_write as the target's half-close, until
 // the broker's end.
-func (t *dataTunnel) down(answer error) {
+func (t *dataTunnel) down() {
 	defer close(t.downDone)
-	if !t.accept(answer) {
-		return
-	}
 	readErr, writeErr := copyHalf(stallBounded{t.target, t.stall}, t.leg)
 	if writeErr != nil {
 		t.targetFailed(targetError{"writing to target", writeErr})
@@ -215,32 +243,6 @@ func (t *dataTunnel) down(answer error) {
 		return
 	}
 	t.connFailed(fmt.Errorf("reading from the broker: %w", readErr))
-}
-
-// accept takes the broker's answer to the open, and says whether the
-// tunnel goes on: a refusal, or a connection that ended first, fails it.
-func (t *dataTunnel) accept(answer error) bool {
-	defer close(t.answered)
-	switch {
-	case answer == nil:
-		t.mu.Lock()
-		defer t.mu.Unlock()
-		t.accepted = true
-		return !t.aborted
-	case isStatus(answer):
-		t.abort(refusal{answer})
-	default:
-		t.abort(noAnswer{answer})
-	}
-	return false
-}
-
-// isStatus says whether err is the broker's refusal itself, which
-// wire.ReadOpenResult returns as a bare status; the connection's errors it
-// wraps.
-func isStatus(err error) bool {
-	_, ok := err.(interface{ GRPCStatus() *status.Status })
-	return ok
 }
 
 // brokerEnded ends the target's side once the broker has ended the
@@ -268,21 +270,16 @@ func (t *dataTunnel) brokerEnded(end error) {
 // broker gets the agent's end, Unavailable and why, and the target a
 // reset. The copier from the broker stops at its next write to the
 // target, or at the broker's end; finish reads what the broker sends until
-// then. Before the broker's OK there is no tunnel to end: the tunnel
-// aborts, as it always has.
+// then.
 func (t *dataTunnel) targetFailed(err targetError) {
 	t.mu.Lock()
-	ending, accepted := t.ending, t.accepted
-	if !ending && accepted {
+	ending := t.ending
+	if !ending {
 		t.ending, t.cause = true, err
 	}
 	t.mu.Unlock()
-	switch {
-	case ending:
+	if ending {
 		// The tunnel's end closed the target: nothing failed.
-		return
-	case !accepted:
-		t.abort(err)
 		return
 	}
 	if werr := t.leg.End(status.Error(codes.Unavailable, err.message())); werr != nil {
@@ -321,16 +318,15 @@ func (t *dataTunnel) abort(cause error) {
 	}
 }
 
-// finish completes the end exchange once the broker has answered the
-// open, and says whether the connection is idle again: not after a
-// refusal, nor once the tunnel aborted. It sends the agent's end unless
+// finish completes the end exchange, and says whether the connection is
+// idle again: not once the tunnel aborted. It sends the agent's end unless
 // sent, and reads what the broker sends until its end, each for at most
 // wire.EndTimeout; a read of the copier from the broker under way returns.
 func (t *dataTunnel) finish() bool {
 	t.mu.Lock()
-	over := t.aborted || !t.accepted
+	aborted := t.aborted
 	t.mu.Unlock()
-	if over || !t.leg.Finish() {
+	if aborted || !t.leg.Finish() {
 		return false
 	}
 	// An abort during Finish reset the connection.

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"bytes"
+	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -37,9 +38,9 @@ func dataAgent(t *testing.T, p *pki, b *fakeBroker, r lookup.Resolver) *Agent {
 }
 
 // establishedOnData runs an agent with spares of a fresh broker that
-// accepts data connections, waits for its spares, orders order (dial id 1)
-// and returns the broker, the session, the data connection whose open
-// arrived (not answered yet) and the target's connection.
+// accepts data connections, waits for its spares, sends order on one of
+// them, and returns the broker, the session, the broker's side of the
+// order (not answered yet) and the target's connection.
 func establishedOnData(t *testing.T, order *tunnelv1.DialOrder) (*fakeBroker, *session, *dataLeg, *net.TCPConn) {
 	t.Helper()
 	p := newPKI(t)
@@ -48,25 +49,57 @@ func establishedOnData(t *testing.T, order *tunnelv1.DialOrder) (*fakeBroker, *s
 	run(t, dataAgent(t, p, b, staticResolver(t, tg.addr())))
 	s := b.nextSession(t)
 	b.waitForFullPool(t)
-	s.order(t, order)
+	leg := b.orderOnData(t, order)
 	conn := tg.accept(t)
-	leg := b.nextDataLeg(t)
-	if leg.dialID != order.GetDialId() {
-		t.Fatalf("data connection opened for dial %d, want %d", leg.dialID, order.GetDialId())
-	}
 	return b, s, leg, conn
 }
 
-func TestATunnelGoesOnADataConnectionWhenTheBrokerAcceptsThem(t *testing.T) {
+func TestAnOrderOnADataConnectionIsConnectedAnsweredOKAndCarriesItsTunnel(t *testing.T) {
 	opened := promtestutil.ToFloat64(tunnelsOpened.WithLabelValues(legDataConnection))
-	b, _, leg, conn := establishedOnData(t, dialOrder(1))
+	dialed := promtestutil.ToFloat64(dials.WithLabelValues(codes.OK.String()))
+	b, s, tg, _ := reusingAgent(t)
+	order := dialOrder(1)
+	order.EarlyData = []byte("client hello;")
+	leg := b.orderOnData(t, order)
+	conn := tg.accept(t)
 	if want := newPKI(t).agentID; leg.peer != want {
 		t.Errorf("the data connection's peer is %q, want the agent's SVID %q", leg.peer, want)
 	}
-	leg.answer(t, nil)
+	leg.accepted(t)
+	early := make([]byte, len(order.EarlyData))
+	if _, err := io.ReadFull(conn, early); err != nil || !bytes.Equal(early, order.EarlyData) {
+		t.Fatalf("after the answer, the target read %q, %v; want the early data", early, err)
+	}
 
-	// Both directions at once, each larger than a TLS record, a read
-	// buffer and a frame, each ending with its half-close.
+	carryBothWays(t, leg, conn)
+	if err := leg.finish(t, nil); err != nil {
+		t.Errorf("the agent ended the tunnel with %v, want OK", err)
+	}
+
+	// Idle again, the connection carries the next order.
+	next, conn2 := dialOnData(t, b, tg, 2)
+	if next.connNo != leg.connNo {
+		t.Errorf("the next order rode data connection %d, want %d, the one the tunnel before gave back", next.connNo, leg.connNo)
+	}
+	carryCleanly(t, next, conn2, "request", "response")
+	if n := b.dataAccepted.Load(); n != 1 {
+		t.Errorf("the broker took %d data connections, want 1", n)
+	}
+	b.noTunnel(t)
+	noControlMessage(t, s)
+	if got := promtestutil.ToFloat64(tunnelsOpened.WithLabelValues(legDataConnection)) - opened; got != 2 {
+		t.Errorf("tunnels_opened_total{leg=data_connection} grew by %v, want 2", got)
+	}
+	if got := promtestutil.ToFloat64(dials.WithLabelValues(codes.OK.String())) - dialed; got != 2 {
+		t.Errorf("dials_total{code=OK} grew by %v, want 2", got)
+	}
+}
+
+// carryBothWays carries bytes both ways at once on leg's tunnel, each
+// direction larger than a TLS record, a read buffer and a frame, and each
+// ending with its half-close.
+func carryBothWays(t *testing.T, leg *dataLeg, conn *net.TCPConn) {
+	t.Helper()
 	up, down := randomBytes(t, 300<<10), randomBytes(t, 300<<10)
 	errs := make(chan error, 3)
 	targetGot, brokerGot := make(chan []byte, 1), make(chan []byte, 1)
@@ -102,20 +135,25 @@ func TestATunnelGoesOnADataConnectionWhenTheBrokerAcceptsThem(t *testing.T) {
 	if got := testutil.Wait(t, "the broker's bytes", brokerGot); !bytes.Equal(got, down) {
 		t.Errorf("the broker read %d bytes before the close_write, not the %d the target sent", len(got), len(down))
 	}
-	if err := leg.finish(t, nil); err != nil {
-		t.Errorf("the agent ended the tunnel with %v, want OK", err)
-	}
-	b.noTunnel(t)
-	if got := promtestutil.ToFloat64(tunnelsOpened.WithLabelValues(legDataConnection)) - opened; got != 1 {
-		t.Errorf("tunnels_opened_total{leg=data_connection} grew by %v, want 1", got)
+}
+
+// noControlMessage checks that the agent has sent nothing on the control
+// stream since its registration: an order on a data connection is
+// answered there, failed or not.
+func noControlMessage(t *testing.T, s *session) {
+	t.Helper()
+	select {
+	case m := <-s.msgs:
+		t.Errorf("the agent sent %T on the control stream, want nothing", m.GetMessage())
+	default:
 	}
 }
 
 // reusingAgent runs an agent with one spare data connection of a fresh
 // broker, on a fake clock that only the test moves: until it does, the
 // pool opens no spare to replace one taken (wire.ReplaceAfterTake never
-// passes), so a dial rides the connection a tunnel gave back, or a Tunnel
-// stream. It returns once the spare is in the pool.
+// passes), so an order rides the connection a tunnel gave back. It
+// returns once the spare is in the pool.
 func reusingAgent(t *testing.T) (*fakeBroker, *session, *target, *clocktesting.FakeClock) {
 	t.Helper()
 	p := newPKI(t)
@@ -130,24 +168,18 @@ func reusingAgent(t *testing.T) (*fakeBroker, *session, *target, *clocktesting.F
 	return b, s, tg, clk
 }
 
-// dialOnData orders dial id, which must go on a data connection, and
-// returns the broker's side of its tunnel, answered OK, and the target's
-// connection.
-func dialOnData(t *testing.T, b *fakeBroker, s *session, tg *target, id uint64) (*dataLeg, *net.TCPConn) {
+// dialOnData sends order id on an idle data connection, and returns the
+// broker's side of its tunnel, answered OK, and the target's connection.
+func dialOnData(t *testing.T, b *fakeBroker, tg *target, id uint64) (*dataLeg, *net.TCPConn) {
 	t.Helper()
-	s.order(t, dialOrder(id))
+	leg := b.orderOnData(t, dialOrder(id))
 	conn := tg.accept(t)
-	leg := b.nextDataLeg(t)
-	if leg.dialID != id {
-		t.Fatalf("data connection opened for dial %d, want %d", leg.dialID, id)
-	}
-	leg.answer(t, nil)
+	leg.accepted(t)
 	return leg, conn
 }
 
-// resetTarget resets the target's connection, once the agent has read
-// the broker's OK: a byte from the broker has reached the target. Before
-// it the agent aborts the tunnel, as it always has.
+// resetTarget resets the target's connection once a byte from the broker
+// has reached it.
 func resetTarget(t *testing.T, leg *dataLeg, conn *net.TCPConn) {
 	t.Helper()
 	leg.send(t, []byte("!"))
@@ -241,11 +273,11 @@ func socketClosed(t *testing.T, inode string) {
 }
 
 func TestDialsInARowRideTheSameDataConnection(t *testing.T) {
-	b, s, tg, _ := reusingAgent(t)
+	b, _, tg, _ := reusingAgent(t)
 	inFlight := promtestutil.ToFloat64(tunnelsOpen)
 	var first int32
 	for id := uint64(1); id <= 3; id++ {
-		leg, conn := dialOnData(t, b, s, tg, id)
+		leg, conn := dialOnData(t, b, tg, id)
 		socket := agentSocket(t, conn)
 		if id == 1 {
 			first = leg.connNo
@@ -264,9 +296,9 @@ func TestDialsInARowRideTheSameDataConnection(t *testing.T) {
 }
 
 func TestABrokersFailedEndResetsTheTargetAndTheConnectionCarriesTheNextDial(t *testing.T) {
-	b, s, tg, _ := reusingAgent(t)
+	b, _, tg, _ := reusingAgent(t)
 	inFlight := promtestutil.ToFloat64(tunnelsOpen)
-	leg, conn := dialOnData(t, b, s, tg, 1)
+	leg, conn := dialOnData(t, b, tg, 1)
 	leg.send(t, []byte("half a request"))
 	got := make([]byte, len("half a request"))
 	if _, err := io.ReadFull(conn, got); err != nil {
@@ -282,7 +314,7 @@ func TestABrokersFailedEndResetsTheTargetAndTheConnectionCarriesTheNextDial(t *t
 	}
 	tunnelsEnded(t, inFlight)
 
-	next, conn2 := dialOnData(t, b, s, tg, 2)
+	next, conn2 := dialOnData(t, b, tg, 2)
 	if next.connNo != leg.connNo {
 		t.Errorf("the next dial rode data connection %d, want %d, the one the failed tunnel gave back", next.connNo, leg.connNo)
 	}
@@ -290,9 +322,9 @@ func TestABrokersFailedEndResetsTheTargetAndTheConnectionCarriesTheNextDial(t *t
 }
 
 func TestATargetThatResetsEndsTheTunnelWithUnavailableAndTheConnectionCarriesTheNextDial(t *testing.T) {
-	b, s, tg, _ := reusingAgent(t)
+	b, _, tg, _ := reusingAgent(t)
 	inFlight := promtestutil.ToFloat64(tunnelsOpen)
-	leg, conn := dialOnData(t, b, s, tg, 1)
+	leg, conn := dialOnData(t, b, tg, 1)
 
 	resetTarget(t, leg, conn)
 	testutil.CheckStatus(t, "the agent's end", leg.awaitEnd(t), codes.Unavailable, "reading from target: connection reset by peer")
@@ -301,7 +333,7 @@ func TestATargetThatResetsEndsTheTunnelWithUnavailableAndTheConnectionCarriesThe
 	leg.reused()
 	tunnelsEnded(t, inFlight)
 
-	next, conn2 := dialOnData(t, b, s, tg, 2)
+	next, conn2 := dialOnData(t, b, tg, 2)
 	if next.connNo != leg.connNo {
 		t.Errorf("the next dial rode data connection %d, want %d, the one the failed tunnel gave back", next.connNo, leg.connNo)
 	}
@@ -309,8 +341,8 @@ func TestATargetThatResetsEndsTheTunnelWithUnavailableAndTheConnectionCarriesThe
 }
 
 func TestABrokerThatNeverAnswersTheAgentsEndLosesTheConnection(t *testing.T) {
-	b, s, tg, clk := reusingAgent(t)
-	leg, conn := dialOnData(t, b, s, tg, 1)
+	b, _, tg, clk := reusingAgent(t)
+	leg, conn := dialOnData(t, b, tg, 1)
 	resetTarget(t, leg, conn)
 	testutil.CheckStatus(t, "the agent's end", leg.awaitEnd(t), codes.Unavailable, "connection reset by peer")
 
@@ -326,7 +358,7 @@ func TestABrokerThatNeverAnswersTheAgentsEndLosesTheConnection(t *testing.T) {
 	waitUntilWaiting(t, clk, "the replacement of the spare taken")
 	clk.Step(time.Second)
 	b.waitForPoolOf(t, 1)
-	next, conn2 := dialOnData(t, b, s, tg, 2)
+	next, conn2 := dialOnData(t, b, tg, 2)
 	if next.connNo == leg.connNo {
 		t.Errorf("the next dial rode data connection %d, the one the agent reset", next.connNo)
 	}
@@ -337,8 +369,8 @@ func TestABrokerThatNeverAnswersTheAgentsEndLosesTheConnection(t *testing.T) {
 }
 
 func TestAFrameTheProtocolDoesNotAllowFailsTheTunnelAndItsConnection(t *testing.T) {
-	b, s, tg, _ := reusingAgent(t)
-	leg, conn := dialOnData(t, b, s, tg, 1)
+	b, _, tg, _ := reusingAgent(t)
+	leg, conn := dialOnData(t, b, tg, 1)
 
 	// Field 1 of a ConnFrame: no frame has it.
 	if _, err := leg.conn.Write([]byte{1<<3 | 2, 0}); err != nil {
@@ -363,9 +395,9 @@ func TestAnAgentThatStopsMidEndExchangeLeavesNothingBehind(t *testing.T) {
 	b := startBroker(t, p)
 	tg := listenTarget(t)
 	stop := run(t, dataAgent(t, p, b, staticResolver(t, tg.addr())))
-	s := b.nextSession(t)
+	b.nextSession(t)
 	b.waitForFullPool(t)
-	leg, conn := dialOnData(t, b, s, tg, 1)
+	leg, conn := dialOnData(t, b, tg, 1)
 	resetTarget(t, leg, conn)
 	testutil.CheckStatus(t, "the agent's end", leg.awaitEnd(t), codes.Unavailable, "connection reset by peer")
 
@@ -383,6 +415,74 @@ func TestAnAgentThatStopsMidEndExchangeLeavesNothingBehind(t *testing.T) {
 	testutil.Eventually(t, "the spare left to be closed", func() bool { return b.spares.Load() == 0 })
 }
 
+// TestAnAgentThatStopsWithATunnelOnADataConnectionResetsItAtTheEndOfItsGrace:
+// the agent's stop covers the tunnels on its data connections as it covers
+// its Tunnel streams, and its idle spares go at once.
+func TestAnAgentThatStopsWithATunnelOnADataConnectionResetsItAtTheEndOfItsGrace(t *testing.T) {
+	leaks := goleak.IgnoreCurrent()
+	// Runs last, once the broker, the target and the agent are stopped.
+	t.Cleanup(func() { goleak.VerifyNone(t, leaks) })
+	p := newPKI(t)
+	b := startBroker(t, p)
+	tg := listenTarget(t)
+	stop := run(t, dataAgent(t, p, b, staticResolver(t, tg.addr())))
+	b.nextSession(t)
+	b.waitForFullPool(t)
+	leg, conn := dialOnData(t, b, tg, 1)
+	leg.send(t, []byte("in flight"))
+	if _, err := io.ReadFull(conn, make([]byte, len("in flight"))); err != nil {
+		t.Fatal(err)
+	}
+	b.waitForSpares(t, 2) // the one left, and the replacement of the one ordered on
+
+	stop()
+	if err := leg.connEnd(); !errors.Is(err, syscall.ECONNRESET) {
+		t.Errorf("the tunnel's data connection ended with %v, want a reset at the end of the grace", err)
+	}
+	if _, err := conn.Read(make([]byte, 1)); !errors.Is(err, syscall.ECONNRESET) {
+		t.Errorf("target read after the grace: %v, want a connection reset", err)
+	}
+	testutil.Eventually(t, "the idle spares to be closed", func() bool { return b.sparesClosed.Load() == b.dataAccepted.Load()-1 })
+}
+
+func TestAnAgentThatDrainsWaitsForATunnelOnADataConnectionAndLeavesNothingBehind(t *testing.T) {
+	leaks := goleak.IgnoreCurrent()
+	// Runs last, once the broker, the target and the agent are stopped.
+	t.Cleanup(func() { goleak.VerifyNone(t, leaks) })
+	p := newPKI(t)
+	b := startBroker(t, p)
+	tg := listenTarget(t)
+	a := dataAgent(t, p, b, staticResolver(t, tg.addr()))
+	a.Grace = time.Minute
+	clk := fakeClock(a) // which the test never moves: the grace period never runs out
+	stop := run(t, a)
+	s := b.nextSession(t)
+	b.waitForFullPool(t)
+	leg, conn := dialOnData(t, b, tg, 1)
+	waitUntilWaiting(t, clk, "the pace of spares") // the spare ordered on is not replaced
+
+	// The agent takes no new dials once it drains: its idle spare goes
+	// at once, while the tunnel in flight runs on, and Run waits for it.
+	stopped := stopAsync(stop)
+	wantDrainOfAMinute(t, s)
+	testutil.Eventually(t, "the idle spare to be closed", func() bool { return b.sparesClosed.Load() == 1 })
+	leg.send(t, []byte("in flight"))
+	if _, err := io.ReadFull(conn, make([]byte, len("in flight"))); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-stopped:
+		t.Fatal("Run returned while a tunnel was in flight and its grace period ran")
+	default:
+	}
+
+	// Once the tunnel ends cleanly, Run returns, and the pool, drained,
+	// closes the connection the tunnel gave back.
+	carryCleanly(t, leg, conn, "request", "response")
+	testutil.Wait(t, "Run to return after its last tunnel ended", stopped)
+	testutil.Eventually(t, "the connection given back to be closed", func() bool { return b.sparesClosed.Load() == 2 })
+}
+
 // TestABrokerThatDoesNotAcceptDataConnectionsGetsTunnelStreams: without
 // every condition for data connections, dials go on Tunnel streams.
 func TestABrokerThatDoesNotAcceptDataConnectionsGetsTunnelStreams(t *testing.T) {
@@ -390,6 +490,8 @@ func TestABrokerThatDoesNotAcceptDataConnectionsGetsTunnelStreams(t *testing.T) 
 		"the broker does not set data_connections": func(_ *pki, b *fakeBroker, _ *Agent) { b.dataConnections = false },
 		"the agent keeps no spares":                func(_ *pki, _ *fakeBroker, a *Agent) { a.SpareDataConnections = 0 },
 		"the agent has no data credentials":        func(_ *pki, _ *fakeBroker, a *Agent) { a.DataCredentials = nil },
+		// A data connection would have no session to bind to.
+		"the broker names no session": func(_ *pki, b *fakeBroker, _ *Agent) { b.noSessionID = true },
 		// The broker's handshake picks h2: the agent gives up on data
 		// connections for the session.
 		"the handshake does not pick the data protocol": func(p *pki, _ *fakeBroker, a *Agent) {
@@ -422,68 +524,165 @@ func TestABrokerThatDoesNotAcceptDataConnectionsGetsTunnelStreams(t *testing.T) 
 			if n := b.dataAccepted.Load(); n != 0 {
 				t.Errorf("the agent opened %d data connections, want none", n)
 			}
-			if name == "the handshake does not pick the data protocol" {
+			switch name {
+			case "the handshake does not pick the data protocol":
 				logged.line(t, "does not accept data connections")
+			case "the broker names no session":
+				logged.line(t, "names no session")
 			}
 		})
 	}
 }
 
-func TestARefusedOpenIsADialFailureWithTheBrokersCode(t *testing.T) {
-	for name, early := range map[string][]byte{"without early data": nil, "with early data": []byte("client hello")} {
-		t.Run(name, func(t *testing.T) {
-			order := dialOrder(1)
-			order.EarlyData = early
-			_, s, leg, conn := establishedOnData(t, order)
-			leg.answer(t, status.Error(codes.NotFound, "dial 1 is not pending for this agent"))
+func TestATargetThatRefusesIsAnsweredWithItsFailureAndTheConnectionStaysIdle(t *testing.T) {
+	p := newPKI(t)
+	b := startBroker(t, p)
+	tg := listenTarget(t)
+	refusing := refusedAddr(t)
+	r := &funcResolver{clusters: []string{testCluster}, resolve: func(_ context.Context, target *tunnelv1.Target) ([]string, error) {
+		switch target.GetService() {
+		case "refusing":
+			return []string{refusing}, nil
+		case "hidden":
+			return nil, status.Error(codes.NotFound, "no endpoint 10.1.2.3:8443 behind it")
+		}
+		return []string{tg.addr()}, nil
+	}}
+	a := dataAgent(t, p, b, r)
+	a.SpareDataConnections = 1
+	fakeClock(a) // which the test never moves: no spare replaces the one ordered on
+	run(t, a)
+	s := b.nextSession(t)
+	b.waitForPoolOf(t, 1)
 
-			f := s.failure(t)
-			if f.GetDialId() != 1 || codes.Code(f.GetCode()) != codes.NotFound || f.GetMessage() != "the broker refused the tunnel: dial 1 is not pending for this agent" {
-				t.Errorf("dial_failure{%d, %v, %q}, want {1, NotFound, the broker's message}", f.GetDialId(), codes.Code(f.GetCode()), f.GetMessage())
-			}
-			if got, want := f.GetEarlyDataSent(), early != nil; got != want {
-				t.Errorf("dial_failure early_data_sent %v, want %v", got, want)
-			}
-			// The target must not take what it got for a whole request.
-			_, err := io.ReadAll(conn)
-			if !errors.Is(err, syscall.ECONNRESET) {
-				t.Errorf("target read after the refusal: %v, want a connection reset", err)
-			}
-		})
+	// The failures a dial_failure would carry, its message redacted; the
+	// early data goes nowhere.
+	for id, want := range []struct {
+		service, message string
+		code             codes.Code
+	}{
+		{"refusing", "connecting to Service default/refusing port 443: connection refused", codes.Unavailable},
+		{"hidden", "no endpoint <address> behind it", codes.NotFound},
+	} {
+		order := dialOrder(uint64(id + 1))
+		order.Target.Service, order.EarlyData = want.service, []byte("client hello")
+		leg := b.orderOnData(t, order)
+		st := status.Convert(leg.answer(t))
+		if st.Code() != want.code || st.Message() != want.message {
+			t.Errorf("the agent answered the order for %s with %v %q, want %v %q", want.service, st.Code(), st.Message(), want.code, want.message)
+		}
+		if leg.connNo != 1 {
+			t.Errorf("order %d rode data connection %d, want 1, idle again after the failure before", id+1, leg.connNo)
+		}
+		leg.reused()
 	}
+	tg.noConnection(t)
+
+	next, conn := dialOnData(t, b, tg, 3)
+	if next.connNo != 1 {
+		t.Errorf("the order after the failures rode data connection %d, want 1", next.connNo)
+	}
+	carryCleanly(t, next, conn, "request", "response")
+	if n := b.dataAccepted.Load(); n != 1 {
+		t.Errorf("the broker took %d data connections, want 1", n)
+	}
+	noControlMessage(t, s)
 }
 
-func TestADataConnectionThatEndsBeforeTheAnswerIsADialFailure(t *testing.T) {
-	_, s, leg, conn := establishedOnData(t, dialOrder(1))
-	leg.reset()
+// TestTheEarlyDataWaitsForTheAnswer: an agent that cannot answer OK (the
+// broker's connection failed while it connected) has sent the target
+// none of the early data, so that a dial that fails sent none.
+func TestTheEarlyDataWaitsForTheAnswer(t *testing.T) {
+	p := newPKI(t)
+	b := startBroker(t, p)
+	tg := listenTarget(t)
+	resolving, resolve := make(chan struct{}, 1), make(chan struct{})
+	r := &funcResolver{clusters: []string{testCluster}, resolve: func(ctx context.Context, _ *tunnelv1.Target) ([]string, error) {
+		resolving <- struct{}{}
+		select {
+		case <-resolve:
+			return []string{tg.addr()}, nil
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}}
+	a := dataAgent(t, p, b, r)
+	a.SpareDataConnections = 1
+	logged := captureLog(t, a)
+	run(t, a)
+	b.nextSession(t)
+	b.waitForPoolOf(t, 1)
 
-	f := s.failure(t)
-	if f.GetDialId() != 1 || codes.Code(f.GetCode()) != codes.Unavailable || f.GetMessage() != "the broker's data connection ended before it answered the open" {
-		t.Errorf("dial_failure{%d, %v, %q}, want {1, Unavailable, ...}", f.GetDialId(), codes.Code(f.GetCode()), f.GetMessage())
+	order := dialOrder(1)
+	order.EarlyData = []byte("client hello")
+	leg := b.orderOnData(t, order)
+	testutil.Wait(t, "the agent to resolve the order's target", resolving)
+	leg.abort(t, b)
+	close(resolve)
+	conn := tg.accept(t)
+	if got, _ := io.ReadAll(conn); len(got) != 0 {
+		t.Errorf("the target read %q from an order the agent could not answer, want nothing", got)
 	}
-	if _, err := conn.Read(make([]byte, 1)); !errors.Is(err, syscall.ECONNRESET) {
-		t.Errorf("target read: %v, want a connection reset", err)
-	}
+	logged.waitLine(t, "could not answer the dial order")
 }
 
-func TestEarlyDataOnADataConnectionReachesTheTargetBeforeTheBrokersBytes(t *testing.T) {
+func TestEarlyDataOnADataConnectionFollowsTheAnswerAndPrecedesTheBrokersBytes(t *testing.T) {
 	order := dialOrder(1)
 	order.EarlyData = []byte("client hello;")
 	_, _, leg, conn := establishedOnData(t, order)
-
-	// The open has arrived; the early data does not wait for its answer,
-	// which would cost the round trip it saves.
-	got := make([]byte, len(order.EarlyData))
-	if _, err := io.ReadFull(conn, got); err != nil || !bytes.Equal(got, order.EarlyData) {
-		t.Fatalf("before the broker answered, the target read %q, %v; want the early data", got, err)
-	}
-	leg.answer(t, nil)
+	leg.accepted(t)
 	leg.send(t, []byte("then data"))
 	leg.closeWrite(t)
-	rest, err := io.ReadAll(conn)
-	if err != nil || string(rest) != "then data" {
-		t.Errorf("the target read %q, %v after the early data, want the broker's bytes", rest, err)
+	got, err := io.ReadAll(conn)
+	if err != nil || string(got) != "client hello;then data" {
+		t.Errorf("the target read %q, %v; want the early data, then the broker's bytes", got, err)
 	}
+}
+
+func TestAnOrderOnTheControlStreamGoesOnATunnelStreamWhileSparesAreIdle(t *testing.T) {
+	p := newPKI(t)
+	b := startBroker(t, p)
+	tg := listenTarget(t)
+	run(t, dataAgent(t, p, b, staticResolver(t, tg.addr())))
+	s := b.nextSession(t)
+	b.waitForFullPool(t)
+
+	// The broker orders on the control stream when it finds no idle
+	// spare: the agent does not take one of its own.
+	s.order(t, dialOrder(1))
+	conn := tg.accept(t)
+	tu := b.nextTunnel(t)
+	if tu.open.GetDialId() != 1 {
+		t.Errorf("Tunnel opened for dial %d, want 1", tu.open.GetDialId())
+	}
+	endTunnelCleanly(t, tu, conn)
+	if n, closed := b.spares.Load(), b.sparesClosed.Load(); n != 2 || closed != 0 {
+		t.Errorf("the broker holds %d idle spares and lost %d, want the 2 spares untouched", n, closed)
+	}
+}
+
+func TestAMalformedOrderClosesTheConnection(t *testing.T) {
+	p := newPKI(t)
+	b := startBroker(t, p)
+	tg := listenTarget(t)
+	a := dataAgent(t, p, b, staticResolver(t, tg.addr()))
+	a.SpareDataConnections = 1
+	logged := captureLog(t, a)
+	run(t, a)
+	b.nextSession(t)
+	b.waitForPoolOf(t, 1)
+
+	// A DialOrder of two bytes, whose target field claims five.
+	leg := b.sendOnData(t, func(w io.Writer) error { _, err := w.Write([]byte{2, 1<<3 | 2, 5}); return err })
+	if err := leg.connEnd(); errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatal("the agent kept the connection the malformed order came on")
+	}
+	line := logged.waitLine(t, "spare data connection lost")
+	if !strings.Contains(line, "Internal") || !strings.Contains(line, "dial order") {
+		t.Errorf("the agent logged %q, want the broker's malformed order, Internal, in it", line)
+	}
+	tg.noConnection(t)
+	b.waitForPoolOf(t, 1) // its replacement
 }
 
 func TestADataConnectionEndedByTheBrokerAbortsTheTarget(t *testing.T) {
@@ -494,7 +693,7 @@ func TestADataConnectionEndedByTheBrokerAbortsTheTarget(t *testing.T) {
 	} {
 		t.Run(name, func(t *testing.T) {
 			_, _, leg, conn := establishedOnData(t, dialOrder(1))
-			leg.answer(t, nil)
+			leg.accepted(t)
 			leg.send(t, []byte("half a request"))
 			if _, err := io.ReadFull(conn, make([]byte, len("half a request"))); err != nil {
 				t.Fatal(err)
@@ -513,7 +712,7 @@ func TestADataConnectionEndedByTheBrokerAbortsTheTarget(t *testing.T) {
 
 func TestADataConnectionTunnelOutlivesItsSession(t *testing.T) {
 	b, s, leg, conn := establishedOnData(t, dialOrder(1))
-	leg.answer(t, nil)
+	leg.accepted(t)
 
 	s.finish(status.Error(codes.Unavailable, "control stream lost"))
 	s.ended(t)
@@ -568,12 +767,11 @@ func TestATunnelWhoseTargetStopsReadingEndsAtTheStalledWritesBound(t *testing.T)
 	a := dataAgent(t, p, b, staticResolver(t, tg.addr()))
 	a.StalledWriteTimeout = 200 * time.Millisecond
 	run(t, a)
-	s := b.nextSession(t)
+	b.nextSession(t)
 	b.waitForFullPool(t)
-	s.order(t, dialOrder(1))
+	leg := b.orderOnData(t, dialOrder(1))
 	target := tg.accept(t) // and never read
-	leg := b.nextDataLeg(t)
-	leg.answer(t, nil)
+	leg.accepted(t)
 	testutil.Eventually(t, "the tunnel to open", func() bool { return promtestutil.ToFloat64(tunnelsOpen) == before+1 })
 
 	// The broker sends until the target's buffers and the agent's are

@@ -6,15 +6,14 @@ import (
 	"net"
 	"testing"
 
-	"github.com/spiffe/go-spiffe/v2/spiffeid"
-
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
-// This file holds the fake broker's side of one tunnel on a data
-// connection (docs/protocol.md §3.5, §3.7): the answer to the open, the
+// This file holds the fake broker's side of one order on a data
+// connection (docs/protocol.md §3.5, §3.7): the agent's answer, the
 // tunnel's frames each way, the end exchange, and the hand-back of the
-// connection to the broker's goroutine that reads the next open.
+// connection, idle, to the broker's goroutine that keeps it as a spare.
 
 // dispatchedConn is what identity.Dispatch hands a broker.
 type dispatchedConn interface {
@@ -23,29 +22,33 @@ type dispatchedConn interface {
 	NetConn() net.Conn
 }
 
-// dataLeg is the broker's side of one tunnel on a data connection, from
-// its open on.
+// dataLeg is the broker's side of one order sent on a data connection,
+// and of the tunnel that follows an OK answer.
 type dataLeg struct {
-	// conn is what identity.Dispatch hands the broker: TLS, with the
-	// socket under it.
-	conn   dispatchedConn
-	peer   spiffeid.ID
-	dialID uint64
-	// connNo numbers the data connection that carries the tunnel, in the
-	// order the broker accepted them: tunnels with the same connNo rode
-	// one connection.
-	connNo int32
+	*dataConn
 	frames wire.FrameReader
-	// done closes once the test is done with the tunnel and its
-	// connection is idle: the broker's goroutine then reads the next open.
+	// arrived closes once something came on the connection after the
+	// order, or it ended: the agent's answer is read from then on.
+	arrived chan struct{}
+	// done closes once the test is done with the order and its
+	// connection is idle: the broker's goroutine keeps it as a spare
+	// again.
 	done chan struct{}
 }
 
-// answer answers the open: nil is OK.
-func (l *dataLeg) answer(t *testing.T, err error) {
+// answer reads the agent's answer to the order: nil for OK, else the
+// dial's failure as a status error, or how the connection failed.
+func (l *dataLeg) answer(t *testing.T) error {
 	t.Helper()
-	if err := wire.WriteOpenResult(l.conn, err); err != nil {
-		t.Fatalf("answering the open: %v", err)
+	testutil.Wait(t, "the agent's answer to the order", l.arrived)
+	return wire.ReadAnswer(l.r)
+}
+
+// accepted reads the agent's answer, which must be OK.
+func (l *dataLeg) accepted(t *testing.T) {
+	t.Helper()
+	if err := l.answer(t); err != nil {
+		t.Fatalf("the agent answered the order with %v, want OK", err)
 	}
 }
 
@@ -95,7 +98,7 @@ type agentFrame struct {
 
 // next reads the agent's next frame.
 func (l *dataLeg) next() (agentFrame, error) {
-	kind, end, err := l.frames.Next(l.conn)
+	kind, end, err := l.frames.Next(l.r)
 	if err != nil {
 		return agentFrame{}, err
 	}
@@ -104,7 +107,7 @@ func (l *dataLeg) next() (agentFrame, error) {
 	}
 	data := make([]byte, l.frames.Unread())
 	for read := 0; read < len(data); {
-		n, err := l.frames.Read(l.conn, data[read:])
+		n, err := l.frames.Read(l.r, data[read:])
 		read += n
 		if err != nil && read < len(data) {
 			return agentFrame{}, err
@@ -161,8 +164,7 @@ func (l *dataLeg) awaitEnd(t *testing.T) error {
 
 // finish ends the tunnel as the broker does, with err's status (nil: OK,
 // once both directions have half-closed), reads the agent's end, and
-// returns its status. The connection is idle then, and the broker reads
-// the next open on it.
+// returns its status. The connection is idle then, a spare again.
 func (l *dataLeg) finish(t *testing.T, err error) error {
 	t.Helper()
 	l.end(t, err)
@@ -172,13 +174,14 @@ func (l *dataLeg) finish(t *testing.T, err error) error {
 }
 
 // reused hands the connection, idle, back to the broker's goroutine that
-// reads the next open on it.
+// keeps it as a spare.
 func (l *dataLeg) reused() { close(l.done) }
 
 // connEnd reads the connection until it ends, and returns how: a reset,
-// a close_notify (io.EOF), or the deadline nextDataLeg set.
+// a close_notify (io.EOF), or the deadline orderOnData set.
 func (l *dataLeg) connEnd() error {
-	_, err := io.Copy(io.Discard, l.conn)
+	<-l.arrived // the broker's goroutine is done with the connection
+	_, err := io.Copy(io.Discard, l.r)
 	if err == nil {
 		err = io.EOF
 	}
@@ -187,3 +190,17 @@ func (l *dataLeg) connEnd() error {
 
 // reset ends the data connection without a close_notify.
 func (l *dataLeg) reset() { l.conn.NetConn().Close() }
+
+// abort resets b's data connection of l with a TCP reset, which fails
+// the agent's next write on it.
+func (l *dataLeg) abort(t *testing.T, b *fakeBroker) {
+	t.Helper()
+	sock, ok := b.sockets.Load(l.conn.RemoteAddr().String())
+	if !ok {
+		t.Fatal("no socket of the data connection")
+	}
+	if err := sock.(*net.TCPConn).SetLinger(0); err != nil {
+		t.Fatal(err)
+	}
+	l.reset()
+}

@@ -28,7 +28,7 @@ var (
 	})
 	tunnelsOpened = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: ns, Name: "tunnels_opened_total",
-		Help: "Tunnels whose open was sent to the broker, by the leg that carries them: stream (a Tunnel stream) or data_connection (docs/protocol.md §3.5).",
+		Help: "Tunnels opened to the broker (a Tunnel stream's open sent, or a data connection's order answered OK), by the leg that carries them: stream or data_connection (docs/protocol.md §3.5).",
 	}, []string{"leg"})
 	handshakesRefused = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: ns, Name: "handshakes_refused_total",

@@ -1,7 +1,6 @@
 package agent
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -30,44 +29,64 @@ const defaultConnectTimeout = 5 * time.Second
 // shows its callers no more of it (docs/protocol.md §5).
 const maxFailureMessage = 256
 
-// open answers one dial order up to its pipe: connect to the target, then
-// open the tunnel's leg to the broker, on a spare data connection of the
-// session if it has one, else on a Tunnel stream; or report why not, and
-// return nil. What it returns is the rest of the tunnel's life: write the
-// order's early data to the target, pipe, and clean up. The early data goes
-// only after the open, so that a dial whose early data reached a target is
-// one the broker has claimed, or one it is told not to order again.
+// open answers one dial order of the control stream up to its pipe:
+// connect to the target, then open the tunnel's leg to the broker on a
+// Tunnel stream of its own; or report why not, and return nil. The broker
+// orders a dial on the control stream only when the session has no idle
+// data connection, so none is taken here (dataconn.go serves the orders
+// sent on one). What it returns is the rest of the tunnel's life: write
+// the order's early data to the target, pipe, and clean up. The early data
+// goes only after the open, so that a dial whose early data reached a
+// target is one the broker has claimed, or one it is told not to order
+// again.
 //
 // What it reports may reach kcp's end users in admission errors: a short
 // reason in words, without addresses. The details stay in the agent's log,
 // under the tunnel id, which the broker's log and the caller's message name
 // too.
-func (a *Agent) open(ctx context.Context, client tunnelv1.AgentServiceClient, spares *spares, order *tunnelv1.DialOrder, fail func(*tunnelv1.DialFailure)) (run func()) {
+func (a *Agent) open(ctx context.Context, client tunnelv1.AgentServiceClient, order *tunnelv1.DialOrder, fail func(*tunnelv1.DialFailure)) (run func()) {
+	d := a.newDialed(order)
+	d.report = func(code codes.Code, message string, earlySent bool) {
+		fail(&tunnelv1.DialFailure{DialId: d.id, Code: int32(code), Message: redacted(message),
+			EarlyDataSent: earlySent && len(d.early) > 0})
+	}
+	if err := a.dialTarget(ctx, d, order); err != nil {
+		d.report(err.code, err.message, false)
+		return nil
+	}
+	return openStream(ctx, client, d)
+}
+
+// newDialed is the dial of order before it connects, with a log that
+// names its tunnel id and target, whichever leg carries it.
+func (a *Agent) newDialed(order *tunnelv1.DialOrder) *dialed {
 	t := order.GetTarget()
-	d := &dialed{
+	return &dialed{
 		id: order.GetDialId(),
 		log: a.Log.With("tunnel", fmt.Sprintf("%016x", order.GetDialId()), "cluster", t.GetCluster(), "namespace", t.GetNamespace(),
 			"service", t.GetService(), "port", t.GetPort()),
 		early: order.GetEarlyData(),
 	}
-	d.report = func(code codes.Code, message string, earlySent bool) {
-		fail(&tunnelv1.DialFailure{DialId: d.id, Code: int32(code), Message: redact.Text(message, maxFailureMessage),
-			EarlyDataSent: earlySent && len(d.early) > 0})
-	}
+}
+
+// dialTarget connects d to its target (connect), counts the dial, and logs
+// why it failed. The error says what the broker is to be told.
+func (a *Agent) dialTarget(ctx context.Context, d *dialed, order *tunnelv1.DialOrder) *dialError {
 	conn, err := a.connect(ctx, order)
 	if err != nil {
 		dials.WithLabelValues(err.code.String()).Inc()
 		d.log.Info("dial failed", "code", err.code.String(), "error", err.detail)
-		d.report(err.code, err.message, false)
-		return nil
+		return err
 	}
 	dials.WithLabelValues(codes.OK.String()).Inc()
 	d.target = conn
-	if s := spares.Take(); s != nil {
-		return openData(ctx, spares, s, d, cmp.Or(a.StalledWriteTimeout, DefaultStalledWriteTimeout))
-	}
-	return openStream(ctx, client, d)
+	return nil
 }
+
+// redacted is a failure's message as the broker gets it, on the control
+// stream or a data connection: its callers see no more of it, and nothing
+// of the addresses behind the agent.
+func redacted(message string) string { return redact.Text(message, maxFailureMessage) }
 
 // dialed is a dial whose target accepted: what either leg needs to carry
 // it.
@@ -121,6 +140,10 @@ type dialError struct {
 	message string
 	detail  error
 }
+
+// status is the failure as the answer to an order on a data connection
+// carries it: what a dial_failure would.
+func (e *dialError) status() error { return status.Error(e.code, redacted(e.message)) }
 
 // connect dials the addresses the resolver returns, in order, until one
 // accepts. It dials nothing else.

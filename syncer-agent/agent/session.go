@@ -13,6 +13,10 @@ import (
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
 )
 
+// shuttingDown is why a draining agent refuses the orders that still
+// come, on its control stream or its data connections.
+const shuttingDown = "the agent is shutting down"
+
 // unregisterTimeout bounds how long an agent that stops waits for the broker
 // to end its control stream after it closed its send direction.
 const unregisterTimeout = time.Second
@@ -44,6 +48,9 @@ func (r *agentRun) session() (registered bool, err error) {
 	defer r.markRegistered(confirmed.GetBrokerId())()
 	spares := r.startSpares(ctx, stream, confirmed)
 	defer spares.Close()
+	// Before the pool closes its spares: an order still read on one then
+	// finds the session over (spareDialer.admit).
+	defer cancel()
 
 	control := r.newControlStream(stream)
 	go r.announce(ctx, control)
@@ -51,7 +58,7 @@ func (r *agentRun) session() (registered bool, err error) {
 	defer close(sessionOver)
 	stopUnregister := context.AfterFunc(r.ctx, func() { r.unregister(control, cancel, sessionOver) })
 	defer stopUnregister()
-	return true, r.serveOrders(control, spares)
+	return true, r.serveOrders(control)
 }
 
 // register states the agent's clusters and waits for the broker to confirm
@@ -90,9 +97,10 @@ func (a *Agent) markRegistered(brokerID string) (unmark func()) {
 }
 
 // serveOrders answers the broker's messages until the control stream ends:
-// a tunnel for each dial order, on one of the session's spares if it has
-// one, and an echo for each probe.
-func (r *agentRun) serveOrders(control *controlStream, spares *spares) error {
+// a tunnel for each dial order, on a Tunnel stream, and an echo for each
+// probe. The orders the broker sends on the session's data connections
+// are served there (spareDialer.serve).
+func (r *agentRun) serveOrders(control *controlStream) error {
 	for {
 		msg, err := control.stream.Recv()
 		if errors.Is(err, io.EOF) {
@@ -103,7 +111,7 @@ func (r *agentRun) serveOrders(control *controlStream, spares *spares) error {
 		}
 		switch m := msg.GetMessage().(type) {
 		case *tunnelv1.ConnectResponse_DialOrder:
-			r.startTunnel(m.DialOrder, control, spares)
+			r.startTunnel(m.DialOrder, control)
 		case *tunnelv1.ConnectResponse_Probe:
 			control.send(&tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_Probe{Probe: m.Probe}})
 		case *tunnelv1.ConnectResponse_Drain:
@@ -116,15 +124,15 @@ func (r *agentRun) serveOrders(control *controlStream, spares *spares) error {
 
 // startTunnel serves order in goroutines of its own, or refuses it once
 // the agent drains.
-func (r *agentRun) startTunnel(order *tunnelv1.DialOrder, control *controlStream, spares *spares) {
+func (r *agentRun) startTunnel(order *tunnelv1.DialOrder, control *controlStream) {
 	if !r.admit() {
-		control.fail(&tunnelv1.DialFailure{DialId: order.GetDialId(), Code: int32(codes.Unavailable), Message: "the agent is shutting down"})
+		control.fail(&tunnelv1.DialFailure{DialId: order.GetDialId(), Code: int32(codes.Unavailable), Message: shuttingDown})
 		return
 	}
 	go func() {
-		// Tunnels outlive a lost control stream (their data streams and
-		// data connections are their own) but not the run.
-		run := r.open(r.ctx, r.client, spares, order, control.fail)
+		// Tunnels outlive a lost control stream (their data streams are
+		// their own) but not the run.
+		run := r.open(r.ctx, r.client, order, control.fail)
 		if run == nil {
 			r.tunnels.Done()
 			return

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"time"
@@ -33,17 +34,18 @@ const dataHandshakeTimeout = 10 * time.Second
 // balancer), or to an older replica.
 var errNotAccepted = errors.New("the broker's TLS handshake did not pick " + wire.DataProtocol)
 
-// spare is one data connection opened ahead of a dial, or given back idle
-// once its tunnel ended (docs/protocol.md §3.7). The pool's goroutine
-// watching it (wire.Spares) is blocked reading the broker's answer to an
-// open not sent yet: a read that ends before the spare is taken means the
-// spare is lost; after, the read is the tunnel's answer, and the goroutine
-// goes on as the tunnel's copier from the broker to the target.
+// spare is one data connection bound to a session (docs/protocol.md
+// §3.5), idle: opened ahead of a dial, or given back once its tunnel ended
+// (§3.7). The pool's goroutine watching it (wire.Spares) is blocked
+// reading the broker's next dial order: a read that ends without one
+// means the spare is lost; with one, the goroutine serves the order
+// (spareDialer.serve) and goes on as the tunnel's copier from the broker
+// to the target.
 type spare struct {
 	// conn's io.EOF is the broker's close_notify (wire.CloseNotified):
 	// the log of a spare lost while idle says whether the broker closed
-	// it or its socket just ended. Once the broker has answered an open,
-	// the tunnel's frames say how it ends.
+	// it or its socket just ended. Once the agent has answered an order
+	// OK, the tunnel's frames say how it ends.
 	conn net.Conn
 	raw  *wire.Socket // under conn: to abort without a close_notify
 }
@@ -55,37 +57,59 @@ func (s *spare) abort() {
 	_ = s.raw.Close()
 }
 
-// takenSpare is a spare a tunnel took: its answer goes to the tunnel's
-// copier from the broker (dataTunnel.down).
-type takenSpare = wire.Spare[*spare, error]
+// spareAnswer is what the goroutine watching an idle spare read: the
+// broker's dial order, or why the connection ended without one.
+type spareAnswer struct {
+	order *tunnelv1.DialOrder
+	err   error
+}
+
+// readOrder waits on an idle spare for the broker's next dial order.
+func readOrder(s *spare) spareAnswer {
+	order, err := wire.ReadOrder(s.conn)
+	return spareAnswer{order: order, err: err}
+}
+
+// takenSpare is a spare whose order the agent serves: it goes back to the
+// pool idle (Return), or is closed.
+type takenSpare = wire.Spare[*spare, spareAnswer]
 
 // spares are a session's spare data connections: up to
 // SpareDataConnections of them idle, opened at most sparesPerSecond a
-// second, replacing those taken or lost, for as long as the session lasts
-// and the agent does not drain. A tunnel that ends and leaves its
-// connection idle gives it back (dataTunnel.run), and the pool keeps it
-// instead of opening another, or closes it if it holds enough. Nil takes
-// none.
-type spares = wire.Spares[*spare, error]
+// second, replacing those the broker takes with an order or loses, for as
+// long as the session lasts and the agent does not drain. A tunnel that
+// ends and leaves its connection idle gives it back (spareDialer.carry),
+// and the pool keeps it instead of opening another, or closes it if it
+// holds enough. Nil holds none.
+type spares = wire.Spares[*spare, spareAnswer]
 
-// spareDialer opens a session's spares, and logs what becomes of them.
+// spareDialer opens a session's spares, logs what becomes of them, and
+// serves the orders the broker sends on them.
 type spareDialer struct {
 	run *agentRun
-	// addr is the address of the session's gRPC connection: a dial id
-	// belongs to the replica that ordered it, and a name may resolve to
-	// several.
+	// session is the session's context: an order read on a spare once
+	// it has ended is refused (admit).
+	session context.Context
+	// addr is the address of the session's gRPC connection: a session
+	// belongs to the replica that registered it, and a name may resolve
+	// to several.
 	addr, authority string
-	// brokerID is the replica of the session, which every spare must
-	// reach: a dial id belongs to it.
-	brokerID string
-	log      *slog.Logger
+	// sessionID is what each spare's bind names, and brokerID the
+	// replica of the session, which every spare must reach.
+	sessionID, brokerID string
+	log                 *slog.Logger
 }
 
 // startSpares keeps spares for the session of stream while the broker
 // accepts data connections and the agent is set to use them; nil
-// otherwise, which takes none.
+// otherwise, which holds none. The broker then orders every dial on the
+// control stream.
 func (r *agentRun) startSpares(ctx context.Context, stream tunnelv1.AgentService_ConnectClient, confirmed *tunnelv1.Registered) *spares {
 	if r.DataCredentials == nil || r.SpareDataConnections <= 0 || !confirmed.GetDataConnections() {
+		return nil
+	}
+	if confirmed.GetSessionId() == "" {
+		r.Log.Info("the broker names no session for data connections to bind to: its tunnels go on Tunnel streams", "broker", r.Broker)
 		return nil
 	}
 	addr := r.Broker
@@ -97,14 +121,17 @@ func (r *agentRun) startSpares(ctx context.Context, stream tunnelv1.AgentService
 	if host, _, err := net.SplitHostPort(r.Broker); err == nil {
 		authority = host
 	}
-	d := &spareDialer{run: r, addr: addr, authority: authority, brokerID: confirmed.GetBrokerId(), log: r.Log.With("broker", r.Broker)}
+	d := &spareDialer{run: r, session: ctx, addr: addr, authority: authority, sessionID: confirmed.GetSessionId(),
+		brokerID: confirmed.GetBrokerId(), log: r.Log.With("broker", r.Broker)}
 	clk := r.clock()
-	return wire.NewSpares(ctx, wire.SparesConfig[*spare, error]{
+	return wire.NewSpares(ctx, wire.SparesConfig[*spare, spareAnswer]{
 		Want:      r.SpareDataConnections,
 		Open:      d.open,
-		Read:      func(s *spare) error { return wire.ReadOpenResult(s.conn) },
+		Read:      readOrder,
 		Close:     func(s *spare) { s.conn.Close() },
 		Lost:      d.lost,
+		Taken:     func(a spareAnswer) bool { return a.order != nil },
+		Serve:     func(p *spares, s *takenSpare, a spareAnswer) { d.serve(p, s, a.order) },
 		Pace:      sparePace(clk, r.SpareDataConnections),
 		AfterTake: wire.ReplaceAfterTake,
 		After:     clk.After,
@@ -147,17 +174,17 @@ func (d *spareDialer) open(ctx context.Context) (*spare, error) {
 	return s, err
 }
 
-// lost logs a spare that ended before it was taken, with the broker's
-// answer.
-func (d *spareDialer) lost(err error) {
-	if err == nil {
-		err = errors.New("protocol error: the broker answered an open that was not sent")
+// lost logs a spare that ended while idle, and why.
+func (d *spareDialer) lost(a spareAnswer) {
+	why := a.err.Error()
+	if errors.Is(a.err, io.EOF) {
+		why = "the broker closed it (close_notify): it drains, the session ended, or it holds enough spares"
 	}
-	d.log.Info("spare data connection lost, opening another", "address", d.addr, "error", err)
+	d.log.Info("spare data connection lost, opening another", "address", d.addr, "error", why)
 }
 
-// dial connects to the replica and does the TLS handshake, which must pick
-// the data protocol.
+// dial connects to the replica, does the TLS handshake, which must pick
+// the data protocol, and binds the connection to the session.
 func (d *spareDialer) dial(ctx context.Context) (*spare, error) {
 	ctx, cancel := context.WithTimeout(ctx, dataHandshakeTimeout)
 	defer cancel()
@@ -177,9 +204,14 @@ func (d *spareDialer) dial(ctx context.Context) (*spare, error) {
 		return nil, errNotAccepted
 	}
 	dc := wire.CloseNotified(conn, raw)
-	// The broker names its replica first. A spare that reached another
-	// replica than the control stream's (through a load balancer) could
-	// claim none of the session's dials.
+	// The bind names the session whose orders the spare takes; the
+	// broker answers with its replica. A replica other than the control
+	// stream's (through a load balancer) refuses the bind, as it knows
+	// no such session, or names itself.
+	if err := wire.WriteBind(dc, d.sessionID); err != nil {
+		conn.Close()
+		return nil, err
+	}
 	id, err := wire.AwaitAccepted(ctx, dc, raw)
 	if err != nil {
 		conn.Close()

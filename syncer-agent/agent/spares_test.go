@@ -1,22 +1,24 @@
 package agent
 
 import (
-	"io"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
-func TestATakenSpareIsReplaced(t *testing.T) {
+func TestASpareTheBrokerOrdersOnIsReplaced(t *testing.T) {
 	b, _, leg, _ := establishedOnData(t, dialOrder(1))
-	leg.answer(t, nil)
+	leg.accepted(t)
 
 	b.waitForSpares(t, 2)
 	if n := b.dataAccepted.Load(); n != 3 {
@@ -31,14 +33,15 @@ func TestSparesAreOpenedAtMostTenASecond(t *testing.T) {
 	a := dataAgent(t, p, b, staticResolver(t, tg.addr()))
 	clk := fakeClock(a)
 	run(t, a)
-	s := b.nextSession(t)
+	b.nextSession(t)
 	b.waitForFullPool(t)
 
 	var legs []*dataLeg
 	for id := range uint64(2) {
-		s.order(t, dialOrder(id+1))
+		leg := b.orderOnData(t, dialOrder(id+1))
 		tg.accept(t)
-		legs = append(legs, b.nextDataLeg(t))
+		leg.accepted(t)
+		legs = append(legs, leg)
 	}
 	// The fake clock never ends the grace period: end the tunnels.
 	defer func() {
@@ -78,52 +81,6 @@ func TestSparesAreClosedWhenTheSessionEnds(t *testing.T) {
 	}
 }
 
-func TestSparesAreClosedWhenTheAgentDrains(t *testing.T) {
-	p := newPKI(t)
-	b := startBroker(t, p)
-	tg := listenTarget(t)
-	a := dataAgent(t, p, b, staticResolver(t, tg.addr()))
-	a.Grace = time.Minute
-	clk := fakeClock(a) // which the test never moves: the grace period never runs out
-	stop := run(t, a)
-	s := b.nextSession(t)
-	b.waitForFullPool(t)
-	s.order(t, dialOrder(1))
-	conn := tg.accept(t)
-	leg := b.nextDataLeg(t)
-	leg.answer(t, nil)
-	waitUntilWaiting(t, clk, "the pace of spares") // the spare used is not replaced
-
-	// The agent takes no new dials once it drains: its spare goes at once,
-	// while the tunnel in flight runs on.
-	stopped := stopAsync(stop)
-	wantDrainOfAMinute(t, s)
-	testutil.Eventually(t, "the spare to be closed", func() bool { return b.sparesClosed.Load() == 1 })
-	leg.send(t, []byte("in flight"))
-	got := make([]byte, len("in flight"))
-	if _, err := io.ReadFull(conn, got); err != nil || string(got) != "in flight" {
-		t.Fatalf("target read %q, %v", got, err)
-	}
-
-	// Once the tunnel ends cleanly, Run returns, and the pool, drained,
-	// closes the connection the tunnel gave back.
-	leg.closeWrite(t)
-	if _, err := io.ReadAll(conn); err != nil {
-		t.Fatal(err)
-	}
-	if err := conn.CloseWrite(); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := leg.recvAll(); err != nil {
-		t.Fatalf("broker read to the close_write: %v", err)
-	}
-	if err := leg.finish(t, nil); err != nil {
-		t.Errorf("the agent ended the tunnel with %v, want OK", err)
-	}
-	testutil.Wait(t, "Run to return after its last tunnel ended", stopped)
-	testutil.Eventually(t, "the connection given back to be closed", func() bool { return b.sparesClosed.Load() == 2 })
-}
-
 func TestALostSpareIsReplaced(t *testing.T) {
 	t.Run("refused at once", func(t *testing.T) {
 		p := newPKI(t)
@@ -143,7 +100,7 @@ func TestALostSpareIsReplaced(t *testing.T) {
 			t.Errorf("the agent logged %q, want the broker's refusal in it", line)
 		}
 	})
-	t.Run("closed while it waits", func(t *testing.T) {
+	t.Run("closed while idle", func(t *testing.T) {
 		p := newPKI(t)
 		b := startBroker(t, p)
 		a := dataAgent(t, p, b, staticResolver(t, "127.0.0.1:1"))
@@ -152,13 +109,63 @@ func TestALostSpareIsReplaced(t *testing.T) {
 		b.nextSession(t)
 		b.waitForFullPool(t)
 
-		b.refuseASpare(t)
+		// As a broker that drains: a close_notify.
+		b.closeASpare(t)
 		testutil.Eventually(t, "the lost spare to be replaced", func() bool { return b.dataAccepted.Load() == 3 })
 		b.waitForSpares(t, 2)
-		if line := logged.line(t, "spare data connection lost"); !strings.Contains(line, "the broker is stopping") {
-			t.Errorf("the agent logged %q, want the broker's refusal in it", line)
+		if line := logged.waitLine(t, "spare data connection lost"); !strings.Contains(line, "close_notify") {
+			t.Errorf("the agent logged %q, want the broker's close_notify in it", line)
 		}
 	})
+}
+
+func TestASparesBindNamesTheSessionOfItsControlStream(t *testing.T) {
+	p := newPKI(t)
+	b := startBroker(t, p)
+	run(t, dataAgent(t, p, b, staticResolver(t, "127.0.0.1:1")))
+	first := b.nextSession(t)
+	b.waitForFullPool(t)
+	if binds := b.bindsSoFar(); !slices.Equal(binds, []string{first.id, first.id}) {
+		t.Fatalf("the spares bound to %q, want both to the session %q", binds, first.id)
+	}
+
+	// A new session binds new spares, to it: the broker forgot the old.
+	first.finish(status.Error(codes.Unavailable, "control stream lost"))
+	second := b.nextSession(t)
+	testutil.Eventually(t, "the new session's spares", func() bool { return len(b.bindsSoFar()) == 4 })
+	b.waitForSpares(t, 2)
+	if binds := b.bindsSoFar(); !slices.Equal(binds[2:], []string{second.id, second.id}) {
+		t.Errorf("the new session's spares bound to %q, want both to %q", binds[2:], second.id)
+	}
+}
+
+func TestABindTheBrokerRefusesIsLoggedAndRetriedWithBackoff(t *testing.T) {
+	p := newPKI(t)
+	b := startBroker(t, p)
+	// As a replica that does not know the session (behind a load
+	// balancer), or whose control stream has just ended.
+	b.forgetsSessions = true
+	a := dataAgent(t, p, b, staticResolver(t, "127.0.0.1:1"))
+	logged := captureLog(t, a)
+	clk := fakeClock(a)
+	run(t, a)
+	s := b.nextSession(t)
+
+	const failed = "could not open a spare data connection"
+	for want := 1; want <= 3; want++ {
+		testutil.Eventually(t, "the refusal to be logged", func() bool { return logged.count(failed) >= want })
+		waitUntilWaiting(t, clk, "the backoff")
+		if n := logged.count(failed); n != want {
+			t.Fatalf("%d refused binds logged, want %d before the backoff passed", n, want)
+		}
+		clk.Step(maxRetry)
+	}
+	if line := logged.line(t, failed); !strings.Contains(line, "NotFound") || !strings.Contains(line, s.id) {
+		t.Errorf("the agent logged %q, want the broker's refusal (NotFound, the session) in it", line)
+	}
+	if n := b.spares.Load(); n != 0 {
+		t.Errorf("the broker holds %d spares, want none", n)
+	}
 }
 
 func TestAFailedHandshakeIsLoggedAndRetriedWithBackoff(t *testing.T) {
