@@ -151,19 +151,30 @@ func TestAFrameTheProtocolDoesNotAllowFailsTheReadAndTheConnection(t *testing.T)
 
 func TestEndGivesUpOnAPeerThatReadsNothing(t *testing.T) {
 	a, _ := tcpPair(t)
+	// The sockets' buffers full to the last byte, as a peer that reads
+	// nothing leaves them.
+	for _, size := range []int{1 << 20, 4 << 10, 1} {
+		chunk := make([]byte, size)
+		for {
+			_ = a.SetWriteDeadline(time.Now().Add(20 * time.Millisecond))
+			if _, err := a.Write(chunk); err != nil {
+				break
+			}
+		}
+	}
+	_ = a.SetWriteDeadline(time.Time{})
 	left := NewLeg(a)
 	written := make(chan error, 1)
 	go func() {
-		// More than the sockets' buffers hold: it blocks.
-		_, err := left.Write(make([]byte, 64<<20))
+		_, err := left.Write([]byte("more"))
 		written <- err
 	}()
-	time.Sleep(50 * time.Millisecond)
 	if err := left.End(nil); err == nil {
 		t.Fatal("an end sent to a peer that reads nothing went")
 	}
+	// A write blocked meanwhile, or one that comes after the end, fails.
 	if err := <-written; err == nil {
-		t.Fatal("a write blocked on a peer that reads nothing returned no error after the end")
+		t.Fatal("a write to a peer that reads nothing returned no error after the end")
 	}
 	if left.Finish() {
 		t.Fatal("the connection was kept")
