@@ -214,31 +214,42 @@ type carrier struct {
 	conn net.Conn
 	// release stops counting the connection as a spare: an order makes it
 	// carry a dial.
-	release  func()
-	ordered  chan *tunnelv1.DialOrder // the one order, sent before it is written
-	dropped  chan struct{}            // closed by Drop
+	release func()
+	ordered chan *tunnelv1.DialOrder // the one order, sent before it is written
+	// written is closed once Carry is done with the connection's write
+	// deadline: the tunnel that follows sets its own.
+	written  chan struct{}
+	dropped  chan struct{} // closed by Drop
 	dropOnce sync.Once
 }
 
 func newCarrier(conn net.Conn, release func()) *carrier {
-	return &carrier{conn: conn, release: release, ordered: make(chan *tunnelv1.DialOrder, 1), dropped: make(chan struct{})}
+	return &carrier{conn: conn, release: release, ordered: make(chan *tunnelv1.DialOrder, 1),
+		written: make(chan struct{}), dropped: make(chan struct{})}
 }
 
-// maxOrderWrite bounds the write of an order that carries no timeout.
-const maxOrderWrite = 5 * time.Second
+// maxOrderWait bounds the write of an order that carries no timeout, and
+// the wait for its answer.
+const maxOrderWait = 5 * time.Second
 
 // Carry writes order on the connection, in the dial's goroutine: no
 // hand-off between it and the socket. An agent that reads nothing holds
 // it no longer than the order's timeout; a write cut short resets the
-// connection, whose goroutine then fails the dial.
+// connection, whose goroutine then fails the dial. The answer must come
+// within the timeout and wire.EndTimeout more, as an honest agent's
+// failure comes at the timeout: the connection is no longer a spare, and
+// one whose agent never answers would otherwise be held for good.
 func (c *carrier) Carry(order *tunnelv1.DialOrder) {
 	c.release()
 	c.ordered <- order
+	defer close(c.written)
 	timeout := time.Duration(order.GetTimeoutMs()) * time.Millisecond
 	if timeout <= 0 {
-		timeout = maxOrderWrite
+		timeout = maxOrderWait
 	}
-	_ = c.conn.SetWriteDeadline(time.Now().Add(timeout))
+	deadline := time.Now().Add(timeout)
+	_ = c.conn.SetReadDeadline(deadline.Add(wire.EndTimeout))
+	_ = c.conn.SetWriteDeadline(deadline)
 	if err := wire.WriteOrder(c.conn, order); err != nil {
 		tunnel.Reset(c.conn)
 		return
@@ -276,6 +287,10 @@ func (c *carrier) await(a *registry.Agent, draining context.Context) (order *tun
 	}
 	select {
 	case order = <-c.ordered:
+		// The agent may answer before Carry has cleared its write
+		// deadline, which would then clear the tunnel's.
+		<-c.written
+		_ = c.conn.SetReadDeadline(time.Time{})
 		return order, answer, true
 	case <-c.dropped:
 		return nil, nil, false

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"testing"
 	"time"
 
@@ -220,6 +221,24 @@ func TestADataConnectionThatEndsBeforeItsAnswerFailsTheDial(t *testing.T) {
 	conn.NetConn().Close()
 	_, err := caller.Recv()
 	testutil.CheckStatus(t, "the dial whose data connection ended", err, codes.Unavailable, "the agent's data connection failed before it answered the dial")
+}
+
+func TestADataConnectionWhoseAgentNeverAnswersIsClosedAfterTheDialsTimeout(t *testing.T) {
+	b := startBroker(t, config{dialTimeout: 200 * time.Millisecond})
+	a := b.ConnectAgent(t, agentA, "a", "root")
+	conn := a.DataSpare(t, brokerID)
+	waitForCarrier(t, b, agentA)
+	target := brokertest.Target("root")
+	caller, _ := b.StartDial(t, kcpPath, target)
+	orderOn(t, conn, target)
+	_, err := caller.Recv()
+	testutil.CheckStatus(t, "the dial the agent never answered", err, codes.DeadlineExceeded, "")
+	// The connection is no spare, and counts against no bound: the broker
+	// closes it once the answer is late by wire.EndTimeout.
+	_ = conn.SetReadDeadline(time.Now().Add(testutil.WaitLong))
+	if n, err := conn.Read(make([]byte, 1)); errors.Is(err, os.ErrDeadlineExceeded) || err == nil {
+		t.Fatalf("the agent read %d, %v; want the broker to close the connection", n, err)
+	}
 }
 
 func TestABindToAnotherAgentsSessionOrAnUnknownOneIsNotFound(t *testing.T) {
