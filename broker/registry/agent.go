@@ -15,7 +15,8 @@ import (
 // Agent is one registration of an agent: its control stream, the clusters
 // it serves, the dials it was ordered and the tunnels it carries.
 type Agent struct {
-	// SessionID names this connection of the agent in logs.
+	// SessionID names this connection of the agent in logs, and is what
+	// its data connections bind to (Registry.Session).
 	SessionID string
 	// ID is the agent's SPIFFE ID; only it may open tunnels for its dials.
 	ID       spiffeid.ID

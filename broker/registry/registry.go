@@ -4,11 +4,11 @@ import (
 	"cmp"
 	"crypto/rand"
 	"encoding/binary"
-	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"maps"
 	"slices"
 	"sync"
 
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 )
