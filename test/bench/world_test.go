@@ -32,7 +32,9 @@ import (
 //   - conn:   kcpplugin's conn over one gRPC leg to a minimal DialService
 //     (fakeBroker) that answers the bytes itself: the conn's copy path, gRPC
 //     and TLS, without splice or agent;
-//   - tunnel: kcpplugin -> broker (splice) -> agent (pipe) -> target;
+//   - tunnel: kcpplugin -> broker (splice) -> agent (pipe) -> target, the
+//     agent's leg on its data connections (docs/protocol.md §3.5), as the
+//     binary's by default;
 //   - tunnel_dialconn: the same, kcpplugin on dial connections
 //     (docs/protocol.md §3.6): no gRPC on the caller's leg.
 //
@@ -90,10 +92,12 @@ func runMain(m *testing.M) int {
 
 	b := env.StartBroker(harness.BrokerOptions{})
 	world.broker = b.Addr
-	env.StartAgent(b.Addr, "/agent/sync-target-1", lookup.StaticFile{Services: []lookup.StaticService{
+	// The agent keeps the binary's default of two data connections: the
+	// broker sends its dials on them, and their tunnels go in frames.
+	env.StartAgentWithDataConnections(b.Addr, "/agent/sync-target-1", lookup.StaticFile{Services: []lookup.StaticService{
 		{Cluster: benchCluster, Namespace: benchNamespace, Name: "echo", Ports: map[string]string{"80": world.echo.Addr}},
 		{Cluster: benchCluster, Namespace: benchNamespace, Name: "bulk", Ports: map[string]string{"80": world.bulk.Addr}},
-	}})
+	}}, 2)
 	world.tunnel = env.Dialer(b.Addr, "/kcp")
 	world.dialConn = env.DirectDialer(b.Addr, "/kcp")
 	early := *world.tunnel
