@@ -54,6 +54,26 @@ func establishedOnData(t *testing.T, order *tunnelv1.DialOrder) (*fakeBroker, *s
 	return b, s, leg, conn
 }
 
+// tunnelOnDataToStop runs an agent with spares of a fresh broker that
+// accepts data connections, and opens a tunnel on one of them; the test
+// stops the agent, and once the broker, the target and the agent are
+// stopped, nothing of theirs may be left running (goleak). It returns the
+// broker, the agent's stop, the broker's leg and the target's connection.
+func tunnelOnDataToStop(t *testing.T) (*fakeBroker, func(), *dataLeg, *net.TCPConn) {
+	t.Helper()
+	leaks := goleak.IgnoreCurrent()
+	// Runs last, once the broker, the target and the agent are stopped.
+	t.Cleanup(func() { goleak.VerifyNone(t, leaks) })
+	p := newPKI(t)
+	b := startBroker(t, p)
+	tg := listenTarget(t)
+	stop := run(t, dataAgent(t, p, b, staticResolver(t, tg.addr())))
+	b.nextSession(t)
+	b.waitForFullPool(t)
+	leg, conn := dialOnData(t, b, tg, 1)
+	return b, stop, leg, conn
+}
+
 func TestAnOrderOnADataConnectionIsConnectedAnsweredOKAndCarriesItsTunnel(t *testing.T) {
 	opened := promtestutil.ToFloat64(tunnelsOpened.WithLabelValues(legDataConnection))
 	dialed := promtestutil.ToFloat64(dials.WithLabelValues(codes.OK.String()))
@@ -388,16 +408,7 @@ func TestAFrameTheProtocolDoesNotAllowFailsTheTunnelAndItsConnection(t *testing.
 }
 
 func TestAnAgentThatStopsMidEndExchangeLeavesNothingBehind(t *testing.T) {
-	leaks := goleak.IgnoreCurrent()
-	// Runs last, once the broker, the target and the agent are stopped.
-	t.Cleanup(func() { goleak.VerifyNone(t, leaks) })
-	p := newPKI(t)
-	b := startBroker(t, p)
-	tg := listenTarget(t)
-	stop := run(t, dataAgent(t, p, b, staticResolver(t, tg.addr())))
-	b.nextSession(t)
-	b.waitForFullPool(t)
-	leg, conn := dialOnData(t, b, tg, 1)
+	b, stop, leg, conn := tunnelOnDataToStop(t)
 	resetTarget(t, leg, conn)
 	testutil.CheckStatus(t, "the agent's end", leg.awaitEnd(t), codes.Unavailable, "connection reset by peer")
 
@@ -419,16 +430,7 @@ func TestAnAgentThatStopsMidEndExchangeLeavesNothingBehind(t *testing.T) {
 // the agent's stop covers the tunnels on its data connections as it covers
 // its Tunnel streams, and its idle spares go at once.
 func TestAnAgentThatStopsWithATunnelOnADataConnectionResetsItAtTheEndOfItsGrace(t *testing.T) {
-	leaks := goleak.IgnoreCurrent()
-	// Runs last, once the broker, the target and the agent are stopped.
-	t.Cleanup(func() { goleak.VerifyNone(t, leaks) })
-	p := newPKI(t)
-	b := startBroker(t, p)
-	tg := listenTarget(t)
-	stop := run(t, dataAgent(t, p, b, staticResolver(t, tg.addr())))
-	b.nextSession(t)
-	b.waitForFullPool(t)
-	leg, conn := dialOnData(t, b, tg, 1)
+	b, stop, leg, conn := tunnelOnDataToStop(t)
 	leg.send(t, []byte("in flight"))
 	if _, err := io.ReadFull(conn, make([]byte, len("in flight"))); err != nil {
 		t.Fatal(err)

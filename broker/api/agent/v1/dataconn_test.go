@@ -85,6 +85,20 @@ func waitForCarrier(t *testing.T, b *broker, path string) {
 	testutil.Eventually(t, "the data connection to be idle", func() bool { return b.agents.spares.Held(brokertest.ID(path)) == 1 })
 }
 
+// orderOnSpare registers agent A for root with one data connection, and
+// dials root as kcp: it returns the caller's stream and the data
+// connection, which has read the dial's order and not answered it yet.
+func (b *broker) orderOnSpare(t *testing.T) (tunnelv1.DialService_DialClient, *tls.Conn, *tunnelv1.Target) {
+	t.Helper()
+	a := b.ConnectAgent(t, agentA, "a", "root")
+	conn := a.DataSpare(t, brokerID)
+	waitForCarrier(t, b, agentA)
+	target := brokertest.Target("root")
+	caller, _ := b.StartDial(t, kcpPath, target)
+	orderOn(t, conn, target)
+	return caller, conn, target
+}
+
 func TestRegisteredNamesTheSessionDataConnectionsBindTo(t *testing.T) {
 	b := startBroker(t, config{})
 	a := b.ConnectAgent(t, agentA, "a", "root")
@@ -191,12 +205,7 @@ func (b *broker) establishDataFor(t *testing.T, a *brokertest.Agent) (tunnelv1.D
 
 func TestTheAgentsFailedAnswerIsTheDialsFailureAndTheConnectionStaysIdle(t *testing.T) {
 	b := startBroker(t, config{})
-	a := b.ConnectAgent(t, agentA, "a", "root")
-	conn := a.DataSpare(t, brokerID)
-	waitForCarrier(t, b, agentA)
-	target := brokertest.Target("root")
-	caller, _ := b.StartDial(t, kcpPath, target)
-	orderOn(t, conn, target)
+	caller, conn, target := b.orderOnSpare(t)
 	if err := wire.WriteAnswer(conn, status.Error(codes.NotFound, "no Service default/webhook in logical cluster root")); err != nil {
 		t.Fatal(err)
 	}
@@ -212,12 +221,7 @@ func TestTheAgentsFailedAnswerIsTheDialsFailureAndTheConnectionStaysIdle(t *test
 
 func TestADataConnectionThatEndsBeforeItsAnswerFailsTheDial(t *testing.T) {
 	b := startBroker(t, config{})
-	a := b.ConnectAgent(t, agentA, "a", "root")
-	conn := a.DataSpare(t, brokerID)
-	waitForCarrier(t, b, agentA)
-	target := brokertest.Target("root")
-	caller, _ := b.StartDial(t, kcpPath, target)
-	orderOn(t, conn, target)
+	caller, conn, _ := b.orderOnSpare(t)
 	conn.NetConn().Close()
 	_, err := caller.Recv()
 	testutil.CheckStatus(t, "the dial whose data connection ended", err, codes.Unavailable, "the agent's data connection failed before it answered the dial")
@@ -225,12 +229,7 @@ func TestADataConnectionThatEndsBeforeItsAnswerFailsTheDial(t *testing.T) {
 
 func TestADataConnectionWhoseAgentNeverAnswersIsClosedAfterTheDialsTimeout(t *testing.T) {
 	b := startBroker(t, config{dialTimeout: 200 * time.Millisecond})
-	a := b.ConnectAgent(t, agentA, "a", "root")
-	conn := a.DataSpare(t, brokerID)
-	waitForCarrier(t, b, agentA)
-	target := brokertest.Target("root")
-	caller, _ := b.StartDial(t, kcpPath, target)
-	orderOn(t, conn, target)
+	caller, conn, _ := b.orderOnSpare(t)
 	_, err := caller.Recv()
 	testutil.CheckStatus(t, "the dial the agent never answered", err, codes.DeadlineExceeded, "")
 	// The connection is no spare, and counts against no bound: the broker
@@ -411,12 +410,7 @@ func TestAnAgentThatDoesNotAnswerTheBrokersEndIsReset(t *testing.T) {
 
 func TestAnAgentsBytesRightAfterItsAnswerReachTheCaller(t *testing.T) {
 	b := startBroker(t, config{})
-	a := b.ConnectAgent(t, agentA, "a", "root")
-	conn := a.DataSpare(t, brokerID)
-	waitForCarrier(t, b, agentA)
-	target := brokertest.Target("root")
-	caller, _ := b.StartDial(t, kcpPath, target)
-	orderOn(t, conn, target)
+	caller, conn, _ := b.orderOnSpare(t)
 	// The answer and the target's first bytes at once, as a server that
 	// speaks first would have them.
 	if err := wire.WriteAnswer(conn, nil); err != nil {
