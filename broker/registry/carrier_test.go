@@ -94,3 +94,28 @@ func TestASessionIsFoundOnlyForItsOwnAgent(t *testing.T) {
 		t.Error("an ended registration's session was found")
 	}
 }
+
+func TestADialLostOnItsCarrierIsResentOnceOnTheControlStream(t *testing.T) {
+	r := New(Limits{})
+	a := registerAgent(t, r, "a", "root")
+	c := newFakeCarrier()
+	a.AddCarrier(c)
+	d := startDial(t, r, target("root"))
+	order := <-c.carried
+	if !r.Resend(a, order.GetDialId()) {
+		t.Fatal("a pending dial was not resent")
+	}
+	if again := nextOrder(t, a); again.GetDialId() != order.GetDialId() || again.GetTimeoutMs() == 0 {
+		t.Fatalf("the control stream carried %v, want dial %d again with what is left of its timeout", again, order.GetDialId())
+	}
+	if r.Resend(a, order.GetDialId()) {
+		t.Error("a dial was resent twice")
+	}
+	r.Fail(a, &tunnelv1.DialFailure{DialId: order.GetDialId(), Code: 14, Message: "refused"})
+	if o := d.wait(); o.err == nil {
+		t.Fatal("the resent dial's failure did not end it")
+	}
+	if r.Resend(a, order.GetDialId()) {
+		t.Error("a dial no longer pending was resent")
+	}
+}

@@ -26,6 +26,10 @@ type pending struct {
 	// earlyOrdered: the order carried the dial's early data.
 	earlyOrdered bool
 	answer       chan answer // buffered: the one answer never waits
+	// resend asks the dial to order again on the control stream (Resend);
+	// resent says it has, under the registry's mu: once only.
+	resend chan struct{}
+	resent bool
 }
 
 type answer struct {
@@ -103,23 +107,58 @@ func (r *Registry) dialOnce(ctx context.Context, target *tunnelv1.Target, earlyD
 	}
 	if c := p.agent.takeCarrier(); c != nil {
 		c.Carry(order)
-	} else {
+	} else if err := r.orderOnStream(ctx, p, order); err != nil {
+		return r.giveUp(p, err)
+	}
+	for {
 		select {
-		case p.agent.orders <- order:
+		case a := <-p.answer:
+			return a.claim, a.err
+		case <-p.resend:
+			again := &tunnelv1.DialOrder{DialId: order.GetDialId(), Target: order.GetTarget(),
+				EarlyData: order.GetEarlyData(), TimeoutMs: remainingMS(ctx)}
+			if err := r.orderOnStream(ctx, p, again); err != nil {
+				return r.giveUp(p, err)
+			}
 		case <-p.agent.gone:
 			return r.giveUp(p, agentGone(p))
 		case <-ctx.Done():
 			return r.giveUp(p, contextStatus(ctx, p))
 		}
 	}
+}
+
+// orderOnStream sends order on its agent's control stream, and says why
+// not if the agent goes away or ctx ends first.
+func (r *Registry) orderOnStream(ctx context.Context, p *pending, order *tunnelv1.DialOrder) error {
 	select {
-	case a := <-p.answer:
-		return a.claim, a.err
+	case p.agent.orders <- order:
+		return nil
 	case <-p.agent.gone:
-		return r.giveUp(p, agentGone(p))
+		return agentGone(p)
 	case <-ctx.Done():
-		return r.giveUp(p, contextStatus(ctx, p))
+		return contextStatus(ctx, p)
 	}
+}
+
+// Resend orders the pending dial dialID of a once more, on a's control
+// stream: the idle data connection its order went on ended before the
+// agent answered, as an agent may close an idle spare while the broker
+// sends an order on it. Only for a dial whose order cannot have had an
+// effect: the caller knows (the agent closed the connection cleanly, or
+// the order carried no early data). Once only: false if the dial is not
+// pending, is another agent's, or was resent before, and the caller fails
+// it instead.
+func (r *Registry) Resend(a *Agent, dialID uint64) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	p := r.pending[dialID]
+	if p == nil || p.agent != a || p.resent {
+		return false
+	}
+	p.resent = true
+	p.resend <- struct{}{}
+	return true
 }
 
 // newDial picks an agent other than skip for target and makes it a pending
@@ -132,7 +171,7 @@ func (r *Registry) newDial(target *tunnelv1.Target, skip *Agent) (*pending, erro
 		return nil, err
 	}
 	r.lastID++
-	p := &pending{id: r.lastID, agent: a, target: target, answer: make(chan answer, 1)}
+	p := &pending{id: r.lastID, agent: a, target: target, answer: make(chan answer, 1), resend: make(chan struct{}, 1)}
 	r.pending[p.id] = p
 	a.pending[target.GetCluster()]++
 	return p, nil

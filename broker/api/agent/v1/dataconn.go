@@ -157,6 +157,10 @@ func (s *Service) carryOne(conn net.Conn, peer identity.AuthInfo, a *registry.Ag
 		return false
 	}
 	switch {
+	case answer != nil && !isStatus(answer) && mayResend(order, answer) && s.cfg.Registry.Resend(a, order.GetDialId()):
+		s.cfg.Log.Debug("data connection ended before the agent answered its order: ordered again on the control stream", "agent", a.String(), "error", answer)
+		conn.Close()
+		return false
 	case errors.Is(answer, wire.ErrBadAnswer), answer != nil && !isStatus(answer):
 		s.cfg.Registry.Fail(a, lostBeforeAnswer(order))
 		s.cfg.Log.Info("data connection failed before the agent answered its order", "agent", a.String(), "error", answer)
@@ -190,6 +194,20 @@ func (s *Service) carryTunnel(conn net.Conn, peer identity.AuthInfo, a *registry
 		s.cfg.Log.Info("the agent answered a dial that is no longer pending", "peer", peer.ID.String(), "dial", order.GetDialId(), "error", err)
 	}
 	return leg.Finish(err)
+}
+
+// mayResend says whether a dial whose data connection ended with err before
+// the agent's answer may be ordered again: the agent closed the connection
+// cleanly (io.EOF, its close_notify: an agent closes an idle spare it no
+// longer wants, and may do so as the broker's order is on its way), so it
+// sent no answer and, as it writes early data only after its answer, none
+// of the dial's; or the order carried no early data, and a second one does
+// no harm. Not an answer that is not one: that agent is broken.
+func mayResend(order *tunnelv1.DialOrder, err error) bool {
+	if errors.Is(err, wire.ErrBadAnswer) {
+		return false
+	}
+	return errors.Is(err, io.EOF) || len(order.GetEarlyData()) == 0
 }
 
 // lostBeforeAnswer is the dial's failure when its data connection failed,

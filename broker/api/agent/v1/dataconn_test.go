@@ -90,13 +90,21 @@ func waitForCarrier(t *testing.T, b *broker, path string) {
 // connection, which has read the dial's order and not answered it yet.
 func (b *broker) orderOnSpare(t *testing.T) (tunnelv1.DialService_DialClient, *tls.Conn, *tunnelv1.Target) {
 	t.Helper()
-	a := b.ConnectAgent(t, agentA, "a", "root")
+	caller, _, conn, target := b.orderOnSpareWith(t, nil)
+	return caller, conn, target
+}
+
+// orderOnSpareWith is orderOnSpare of a dial with early data, which the
+// agent accepts: it returns the agent too.
+func (b *broker) orderOnSpareWith(t *testing.T, early []byte) (tunnelv1.DialService_DialClient, *brokertest.Agent, *tls.Conn, *tunnelv1.Target) {
+	t.Helper()
+	a := b.ConnectAgentWith(t, agentA, &tunnelv1.Register{Clusters: []string{"root"}, AgentName: "a", AcceptsEarlyData: early != nil})
 	conn := a.DataSpare(t, brokerID)
 	waitForCarrier(t, b, agentA)
 	target := brokertest.Target("root")
-	caller, _ := b.StartDial(t, kcpPath, target)
+	caller, _ := b.StartDialWith(t, kcpPath, target, early)
 	orderOn(t, conn, target)
-	return caller, conn, target
+	return caller, a, conn, target
 }
 
 func TestRegisteredNamesTheSessionDataConnectionsBindTo(t *testing.T) {
@@ -219,12 +227,39 @@ func TestTheAgentsFailedAnswerIsTheDialsFailureAndTheConnectionStaysIdle(t *test
 	established(t, caller)
 }
 
-func TestADataConnectionThatEndsBeforeItsAnswerFailsTheDial(t *testing.T) {
+func TestADialWhoseDataConnectionEndsBeforeItsAnswerIsOrderedAgainOnTheControlStream(t *testing.T) {
 	b := startBroker(t, config{})
-	caller, conn, _ := b.orderOnSpare(t)
+	// An order without early data: a second one does no harm, however the
+	// connection ended.
+	caller, a, conn, target := b.orderOnSpareWith(t, nil)
+	conn.NetConn().Close()
+	order := a.Order(t, target)
+	a.Open(t, order.GetDialId())
+	established(t, caller)
+}
+
+func TestADialWithEarlyDataWhoseSpareTheAgentClosedIsOrderedAgainOnTheControlStream(t *testing.T) {
+	b := startBroker(t, config{})
+	// The agent closes its idle spare cleanly as the order arrives: it
+	// sent no answer, so the early data went nowhere.
+	caller, a, conn, target := b.orderOnSpareWith(t, []byte("client hello"))
+	conn.Close()
+	order := a.Order(t, target)
+	if string(order.GetEarlyData()) != "client hello" {
+		t.Fatalf("the order again carried %q, want the caller's early data", order.GetEarlyData())
+	}
+	a.Open(t, order.GetDialId())
+	established(t, caller)
+}
+
+func TestADialWithEarlyDataWhoseDataConnectionBreaksBeforeItsAnswerFails(t *testing.T) {
+	b := startBroker(t, config{})
+	// No close_notify: the agent may have answered, and sent the early
+	// data on, in what was lost.
+	caller, _, conn, _ := b.orderOnSpareWith(t, []byte("client hello"))
 	conn.NetConn().Close()
 	_, err := caller.Recv()
-	testutil.CheckStatus(t, "the dial whose data connection ended", err, codes.Unavailable, "the agent's data connection failed before it answered the dial")
+	testutil.CheckStatus(t, "the dial whose data connection broke", err, codes.Unavailable, "the agent's data connection failed before it answered the dial")
 }
 
 func TestADataConnectionWhoseAgentNeverAnswersIsClosedAfterTheDialsTimeout(t *testing.T) {
