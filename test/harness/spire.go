@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"net"
 	"os"
 	"os/exec"
 	"os/user"
@@ -165,7 +164,7 @@ func StartSPIRE(t T, opts SPIREOptions) *SPIRE {
 		bin:          bin,
 		serverSocket: filepath.Join(dir, "server", "api.sock"),
 	}
-	port := freePort(t)
+	port := FreePort(t)
 	s.startServer(t, dir, port)
 	token := s.joinToken(t)
 	for _, e := range opts.Entries {
@@ -405,15 +404,4 @@ func svidIDs(svids []*x509svid.SVID) []string {
 		ids = append(ids, s.ID.String())
 	}
 	return ids
-}
-
-// freePort is a loopback TCP port that was free a moment ago.
-func freePort(t T) int {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
 }

@@ -55,8 +55,8 @@ func (r *runner) startPeer() *peer {
 	serverSVID, clientSVID := r.env.SVID("/remotedialer-server"), r.env.SVID("/remotedialer-client")
 	pr := &peer{
 		socket:      filepath.Join(r.m.TempDir(), "connect.sock"),
-		serverPprof: freeAddr(r.m),
-		clientPprof: freeAddr(r.m),
+		serverPprof: harness.FreeAddr(r.m),
+		clientPprof: harness.FreeAddr(r.m),
 	}
 	server := exec.Command(bin, "-role", "server", "-socket", pr.socket,
 		"-cert", serverSVID.Cert, "-key", serverSVID.Key, "-bundle", serverSVID.Bundle,

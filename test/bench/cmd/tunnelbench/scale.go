@@ -180,7 +180,7 @@ func (r *runner) startScale(cfg scaleConfig) *scaleWorld {
 			extra = append(extra, "--max-reregistrations-per-second=-1")
 		}
 		if r.pprof {
-			b.pprof = freeAddr(r.m)
+			b.pprof = harness.FreeAddr(r.m)
 			extra = append(extra, "--pprof-listen", b.pprof)
 		}
 		t := time.Now()

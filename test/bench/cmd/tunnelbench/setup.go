@@ -152,7 +152,7 @@ func (r *runner) startPair() *pair {
 	p := &pair{}
 	var brokerExtra, agentExtra []string
 	if r.pprof {
-		p.brokerPprof, p.agentPprof = freeAddr(r.m), freeAddr(r.m)
+		p.brokerPprof, p.agentPprof = harness.FreeAddr(r.m), harness.FreeAddr(r.m)
 		brokerExtra = []string{"--pprof-listen", p.brokerPprof}
 		agentExtra = []string{"--pprof-listen", p.agentPprof}
 	}
@@ -184,16 +184,6 @@ func (p *pair) stop() {
 	p.conn.Close()
 	_ = p.agent.Stop()
 	_ = p.broker.Stop()
-}
-
-// freeAddr is a loopback address with a port free right now.
-func freeAddr(t harness.T) string {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().String()
 }
 
 // close stops everything once, from main or on a signal.

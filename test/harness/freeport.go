@@ -1,0 +1,56 @@
+package harness
+
+import (
+	"math/rand/v2"
+	"net"
+	"os"
+	"strconv"
+	"strings"
+)
+
+// FreePort is a loopback TCP port that was free a moment ago, for a child
+// process to listen on. It is drawn from below the range the kernel hands
+// out for port 0 and for outgoing connections: between this check and the
+// child's bind, a port from that range may go to any process on the
+// machine (make test runs packages side by side), one from below it only
+// to another caller of FreePort that drew the same number.
+func FreePort(t T) int {
+	t.Helper()
+	low := ephemeralLow()
+	for range 100 {
+		port := 1024 + rand.IntN(low-1024)
+		l, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
+		if err != nil {
+			continue // in use
+		}
+		l.Close()
+		return port
+	}
+	t.Fatal("no free loopback port below the ephemeral range in 100 tries")
+	return 0
+}
+
+// FreeAddr is FreePort as a loopback address.
+func FreeAddr(t T) string {
+	t.Helper()
+	return net.JoinHostPort("127.0.0.1", strconv.Itoa(FreePort(t)))
+}
+
+// ephemeralLow is the first port of the kernel's ephemeral range, 32768 if
+// it cannot be read.
+func ephemeralLow() int {
+	const fallback = 32768
+	b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
+	if err != nil {
+		return fallback
+	}
+	fields := strings.Fields(string(b))
+	if len(fields) == 0 {
+		return fallback
+	}
+	low, err := strconv.Atoi(fields[0])
+	if err != nil || low <= 2048 {
+		return fallback
+	}
+	return low
+}
