@@ -2,7 +2,7 @@ package e2e
 
 import (
 	"context"
-	"net"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -77,21 +77,5 @@ func TestFailoverAgentFollowsDNS(t *testing.T) {
 // freePortOnAll finds a port free on every host, for replicas that share a
 // port on several addresses, as pods behind a headless Service do.
 func freePortOnAll(t *testing.T, hosts ...string) string {
-	for range 50 {
-		_, port, _ := net.SplitHostPort(freeAddr(t, hosts[0]))
-		free := true
-		for _, h := range hosts[1:] {
-			l, err := net.Listen("tcp", net.JoinHostPort(h, port))
-			if err != nil {
-				free = false
-				break
-			}
-			l.Close()
-		}
-		if free {
-			return port
-		}
-	}
-	t.Fatal("no port free on all of", hosts)
-	return ""
+	return strconv.Itoa(harness.FreePortOn(t, hosts...))
 }

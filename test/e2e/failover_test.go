@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -49,12 +50,7 @@ func (r *replicas) start(i int) {
 func (r *replicas) list() string { return strings.Join(r.addrs, ",") }
 
 func freeAddr(t *testing.T, host string) string {
-	l, err := net.Listen("tcp", host+":0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().String()
+	return net.JoinHostPort(host, strconv.Itoa(harness.FreePortOn(t, host)))
 }
 
 // callerConn is kcp's view: one ClientConn that balances over every replica.

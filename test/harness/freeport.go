@@ -16,18 +16,34 @@ import (
 // to another caller of FreePort that drew the same number.
 func FreePort(t T) int {
 	t.Helper()
+	return FreePortOn(t, "127.0.0.1")
+}
+
+// FreePortOn is FreePort free on every one of hosts (loopback addresses),
+// for replicas that share a port on several addresses.
+func FreePortOn(t T, hosts ...string) int {
+	t.Helper()
 	low := ephemeralLow()
 	for range 100 {
 		port := 1024 + rand.IntN(low-1024)
-		l, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
+		if freeOnAll(port, hosts) {
+			return port
+		}
+	}
+	t.Fatalf("no port below the ephemeral range free on %v in 100 tries", hosts)
+	return 0
+}
+
+// freeOnAll says whether port can be listened on at every one of hosts.
+func freeOnAll(port int, hosts []string) bool {
+	for _, h := range hosts {
+		l, err := net.Listen("tcp", net.JoinHostPort(h, strconv.Itoa(port)))
 		if err != nil {
-			continue // in use
+			return false
 		}
 		l.Close()
-		return port
 	}
-	t.Fatal("no free loopback port below the ephemeral range in 100 tries")
-	return 0
+	return true
 }
 
 // FreeAddr is FreePort as a loopback address.
