@@ -68,10 +68,7 @@ var ErrDrained = errors.New("answered at the drain")
 // over.
 func Await[T any](b *Bound, conn net.Conn, id spiffeid.ID, brokerID string, fresh bool, draining context.Context, read func(io.Reader) (T, error)) (T, error) {
 	var none T
-	if draining.Err() != nil {
-		return none, errShuttingDown
-	}
-	release, err := b.Take(id)
+	release, err := b.Admit(id, draining)
 	if err != nil {
 		return none, err
 	}
@@ -81,6 +78,23 @@ func Await[T any](b *Bound, conn net.Conn, id spiffeid.ID, brokerID string, fres
 			return none, err
 		}
 	}
+	return Read(conn, draining, read)
+}
+
+// Admit counts one more spare of id, unless the broker drains (draining
+// has ended: Unavailable) or a bound is reached (Take).
+func (b *Bound) Admit(id spiffeid.ID, draining context.Context) (release func(), err error) {
+	if draining.Err() != nil {
+		return nil, errShuttingDown
+	}
+	return b.Take(id)
+}
+
+// Read reads a spare's next message from its peer with read, as slowly as
+// the peer likes, until the drain (draining ending) answers the spare
+// Unavailable and closes it, which ends the read with ErrDrained.
+func Read[T any](conn net.Conn, draining context.Context, read func(io.Reader) (T, error)) (T, error) {
+	var none T
 	answered := make(chan struct{})
 	stop := context.AfterFunc(draining, func() {
 		defer close(answered)

@@ -52,13 +52,7 @@ func (s *Service) ServeData(conn net.Conn, peer identity.AuthInfo) {
 // and the spares' bounds leave room, and reads which of its registrations
 // it binds to; a refusal closes it. release stops counting the spare.
 func (s *Service) bind(conn net.Conn, id spiffeid.ID) (a *registry.Agent, release func(), ok bool) {
-	if !s.cfg.Policy.IsAgent(id) {
-		metrics.Denied.WithLabelValues(wire.DataProtocol).Inc()
-		s.cfg.Log.Warn("permission denied", "peer", id.String(), "method", wire.DataProtocol)
-		refuse(conn, status.Errorf(codes.PermissionDenied, "%s may not open data connections", id))
-		return nil, nil, false
-	}
-	release, err := s.takeSpare(id)
+	release, err := s.admitSpare(id)
 	if err == nil {
 		a, err = s.readBind(conn, id)
 	}
@@ -91,31 +85,23 @@ func refuse(conn net.Conn, err error) {
 	wire.CloseRefused(conn)
 }
 
-// takeSpare counts one more spare of id, unless the broker drains or a
-// bound is reached.
-func (s *Service) takeSpare(id spiffeid.ID) (release func(), err error) {
-	if s.cfg.Draining.Err() != nil {
-		return nil, errShuttingDown
+// admitSpare counts one more spare of id, a new connection or one idle
+// again after a tunnel, if the policy (which may have changed since) lets
+// id register, the broker does not drain and no bound is reached.
+func (s *Service) admitSpare(id spiffeid.ID) (release func(), err error) {
+	if !s.cfg.Policy.IsAgent(id) {
+		metrics.Denied.WithLabelValues(wire.DataProtocol).Inc()
+		s.cfg.Log.Warn("permission denied", "peer", id.String(), "method", wire.DataProtocol)
+		return nil, status.Errorf(codes.PermissionDenied, "%s may not open data connections", id)
 	}
-	return s.spares.Take(id)
+	return s.spares.Admit(id, s.cfg.Draining)
 }
-
-var errShuttingDown = status.Error(codes.Unavailable, "the broker is shutting down")
 
 // readBind reads the connection's bind, however slowly it comes (the
 // spare counts meanwhile), and finds the registration it names: one of
-// id's on this replica. The drain ends the wait (spares.ErrDrained).
+// id's on this replica. The drain ends the wait (spares.Read).
 func (s *Service) readBind(conn net.Conn, id spiffeid.ID) (*registry.Agent, error) {
-	answered := make(chan struct{})
-	stop := context.AfterFunc(s.cfg.Draining, func() {
-		defer close(answered)
-		refuse(conn, errShuttingDown)
-	})
-	session, err := wire.ReadBind(conn)
-	if !stop() {
-		<-answered
-		return nil, spares.ErrDrained
-	}
+	session, err := spares.Read(conn, s.cfg.Draining, wire.ReadBind)
 	if err != nil {
 		return nil, err
 	}
@@ -130,13 +116,7 @@ func (s *Service) readBind(conn net.Conn, id spiffeid.ID) (*registry.Agent, erro
 // spare of peer id, as a new one would be taken: the policy asked again,
 // the bounds, the drain. Past them it closes the connection.
 func (s *Service) idleAgain(conn net.Conn, id spiffeid.ID) (release func(), ok bool) {
-	var err error
-	if !s.cfg.Policy.IsAgent(id) {
-		metrics.Denied.WithLabelValues(wire.DataProtocol).Inc()
-		err = status.Errorf(codes.PermissionDenied, "%s may not open data connections", id)
-	} else {
-		release, err = s.takeSpare(id)
-	}
+	release, err := s.admitSpare(id)
 	if err != nil {
 		s.cfg.Log.Info("data connection closed after its tunnel", "peer", id.String(), "error", err)
 		conn.Close()
@@ -157,21 +137,22 @@ func (s *Service) carryOne(conn net.Conn, peer identity.AuthInfo, a *registry.Ag
 		return false
 	}
 	switch {
-	case answer != nil && !isStatus(answer) && mayResend(order, answer) && s.cfg.Registry.Resend(a, order.GetDialId()):
+	case answer == nil:
+		return s.carryTunnel(conn, peer, a, order)
+	case isStatus(answer):
+		st := status.Convert(answer)
+		s.cfg.Registry.Fail(a, &tunnelv1.DialFailure{DialId: order.GetDialId(), Code: int32(st.Code()), Message: st.Message()})
+		return true
+	case mayResend(order, answer) && s.cfg.Registry.Resend(a, order.GetDialId()):
 		s.cfg.Log.Debug("data connection ended before the agent answered its order: ordered again on the control stream", "agent", a.String(), "error", answer)
 		conn.Close()
 		return false
-	case errors.Is(answer, wire.ErrBadAnswer), answer != nil && !isStatus(answer):
+	default:
 		s.cfg.Registry.Fail(a, lostBeforeAnswer(order))
 		s.cfg.Log.Info("data connection failed before the agent answered its order", "agent", a.String(), "error", answer)
 		tunnel.Reset(conn)
 		return false
-	case answer != nil:
-		st := status.Convert(answer)
-		s.cfg.Registry.Fail(a, &tunnelv1.DialFailure{DialId: order.GetDialId(), Code: int32(st.Code()), Message: st.Message()})
-		return true
 	}
-	return s.carryTunnel(conn, peer, a, order)
 }
 
 // carryTunnel carries the tunnel of order, which the agent answered OK,
