@@ -39,8 +39,7 @@ func (d *spareDialer) serve(pool *spares, taken *takenSpare, order *tunnelv1.Dia
 		// The broker takes a connection that ends before the answer for
 		// the dial's failure; the target has had nothing yet.
 		dl.target.Close()
-		s.abort()
-		s.conn.Close()
+		s.reset()
 		dl.log.Info("could not answer the dial order", "leg", "data connection", "error", err)
 		return
 	}
@@ -79,8 +78,7 @@ func (d *spareDialer) answerFailure(pool *spares, taken *takenSpare, dl *dialed,
 	s := taken.Conn()
 	if err := wire.WriteAnswer(s.conn, failure); err != nil {
 		dl.log.Info("could not answer the dial order", "leg", "data connection", "error", err)
-		s.abort()
-		s.conn.Close()
+		s.reset()
 		return
 	}
 	pool.Return(taken)
@@ -101,8 +99,7 @@ func (d *spareDialer) carry(pool *spares, taken *takenSpare, dl *dialed) {
 	if idle {
 		pool.Return(taken)
 	} else {
-		s.abort()
-		s.conn.Close()
+		s.reset()
 	}
 	t.report(dl, idle)
 }

@@ -57,6 +57,12 @@ func (s *spare) abort() {
 	_ = s.raw.Close()
 }
 
+// reset aborts the connection and closes it: done with it for good.
+func (s *spare) reset() {
+	s.abort()
+	s.conn.Close()
+}
+
 // spareAnswer is what the goroutine watching an idle spare read: the
 // broker's dial order, or why the connection ended without one.
 type spareAnswer struct {
