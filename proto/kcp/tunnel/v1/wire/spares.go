@@ -60,6 +60,8 @@ type SparesConfig[S, A any] struct {
 	// Serve runs with it in the spare's watching goroutine, which is its
 	// to keep. It gives the spare back to p (Return) or closes it.
 	Serve func(p *Spares[S, A], s *Spare[S, A], answer A)
+	// Taken says whether an answer Read returned takes the spare (an
+	// order) rather than loses it; set with Serve.
 	Taken func(answer A) bool
 	// Pace is how long to wait before the next Open: taken says that a
 	// spare was taken since the last call, setback that the last Open
