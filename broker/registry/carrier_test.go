@@ -20,20 +20,28 @@ func newFakeCarrier() *fakeCarrier {
 func (c *fakeCarrier) Carry(order *tunnelv1.DialOrder) { c.carried <- order }
 func (c *fakeCarrier) Drop()                           { close(c.dropped) }
 
-func TestADialGoesOnAnIdleCarrierOfItsAgentAndTheNextOnTheControlStream(t *testing.T) {
+// dialOnCarrier starts a dial to root, whose one agent has one idle
+// carrier, and returns the order the carrier carried.
+func dialOnCarrier(t *testing.T) (*Registry, *Agent, *fakeCarrier, *dialing, *tunnelv1.DialOrder) {
+	t.Helper()
 	r := New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	c := newFakeCarrier()
 	if !a.AddCarrier(c) {
 		t.Fatal("a registered agent refused a carrier")
 	}
-	first := startDial(t, r, target("root"))
-	var order *tunnelv1.DialOrder
+	d := startDial(t, r, target("root"))
 	select {
-	case order = <-c.carried:
+	case order := <-c.carried:
+		return r, a, c, d, order
 	case <-time.After(waitLong):
 		t.Fatal("the dial's order did not go on the agent's idle carrier")
+		return nil, nil, nil, nil, nil
 	}
+}
+
+func TestADialGoesOnAnIdleCarrierOfItsAgentAndTheNextOnTheControlStream(t *testing.T) {
+	r, a, c, first, order := dialOnCarrier(t)
 	// The carrier's answer claims the dial as a Tunnel's open does.
 	claim, err := r.Claim(order.GetDialId(), a.ID)
 	if err != nil {
@@ -51,12 +59,7 @@ func TestADialGoesOnAnIdleCarrierOfItsAgentAndTheNextOnTheControlStream(t *testi
 }
 
 func TestACarriersFailedAnswerFailsTheDial(t *testing.T) {
-	r := New(Limits{})
-	a := registerAgent(t, r, "a", "root")
-	c := newFakeCarrier()
-	a.AddCarrier(c)
-	d := startDial(t, r, target("root"))
-	order := <-c.carried
+	r, a, _, d, order := dialOnCarrier(t)
 	r.Fail(a, &tunnelv1.DialFailure{DialId: order.GetDialId(), Code: 5, Message: "no such Service"})
 	if o := d.wait(); o.err == nil || o.claim != nil {
 		t.Fatalf("the dial whose carrier failed it ended with %v, %v; want its failure", o.claim, o.err)
@@ -96,12 +99,7 @@ func TestASessionIsFoundOnlyForItsOwnAgent(t *testing.T) {
 }
 
 func TestADialLostOnItsCarrierIsResentOnceOnTheControlStream(t *testing.T) {
-	r := New(Limits{})
-	a := registerAgent(t, r, "a", "root")
-	c := newFakeCarrier()
-	a.AddCarrier(c)
-	d := startDial(t, r, target("root"))
-	order := <-c.carried
+	r, a, _, d, order := dialOnCarrier(t)
 	if !r.Resend(a, order.GetDialId()) {
 		t.Fatal("a pending dial was not resent")
 	}

@@ -43,12 +43,7 @@ func dataAgent(t *testing.T, p *pki, b *fakeBroker, r lookup.Resolver) *Agent {
 // order (not answered yet) and the target's connection.
 func establishedOnData(t *testing.T, order *tunnelv1.DialOrder) (*fakeBroker, *session, *dataLeg, *net.TCPConn) {
 	t.Helper()
-	p := newPKI(t)
-	b := startBroker(t, p)
-	tg := listenTarget(t)
-	run(t, dataAgent(t, p, b, staticResolver(t, tg.addr())))
-	s := b.nextSession(t)
-	b.waitForFullPool(t)
+	b, s, tg, _ := withFullPool(t)
 	leg := b.orderOnData(t, order)
 	conn := tg.accept(t)
 	return b, s, leg, conn
@@ -64,14 +59,23 @@ func tunnelOnDataToStop(t *testing.T) (*fakeBroker, func(), *dataLeg, *net.TCPCo
 	leaks := goleak.IgnoreCurrent()
 	// Runs last, once the broker, the target and the agent are stopped.
 	t.Cleanup(func() { goleak.VerifyNone(t, leaks) })
+	b, _, tg, stop := withFullPool(t)
+	leg, conn := dialOnData(t, b, tg, 1)
+	return b, stop, leg, conn
+}
+
+// withFullPool runs dataAgent against a fresh broker that accepts data
+// connections, and waits until its two spares are open: it returns the
+// broker, the session, the target and the agent's stop.
+func withFullPool(t *testing.T) (*fakeBroker, *session, *target, func()) {
+	t.Helper()
 	p := newPKI(t)
 	b := startBroker(t, p)
 	tg := listenTarget(t)
 	stop := run(t, dataAgent(t, p, b, staticResolver(t, tg.addr())))
-	b.nextSession(t)
+	s := b.nextSession(t)
 	b.waitForFullPool(t)
-	leg, conn := dialOnData(t, b, tg, 1)
-	return b, stop, leg, conn
+	return b, s, tg, stop
 }
 
 func TestAnOrderOnADataConnectionIsConnectedAnsweredOKAndCarriesItsTunnel(t *testing.T) {
@@ -642,12 +646,7 @@ func TestEarlyDataOnADataConnectionFollowsTheAnswerAndPrecedesTheBrokersBytes(t 
 }
 
 func TestAnOrderOnTheControlStreamGoesOnATunnelStreamWhileSparesAreIdle(t *testing.T) {
-	p := newPKI(t)
-	b := startBroker(t, p)
-	tg := listenTarget(t)
-	run(t, dataAgent(t, p, b, staticResolver(t, tg.addr())))
-	s := b.nextSession(t)
-	b.waitForFullPool(t)
+	b, s, tg, _ := withFullPool(t)
 
 	// The broker orders on the control stream when it finds no idle
 	// spare: the agent does not take one of its own.

@@ -65,17 +65,34 @@ func acceptOn(t *testing.T, conn *tls.Conn) *wire.Leg {
 func (b *broker) establishData(t *testing.T) (tunnelv1.DialService_DialClient, context.CancelFunc, *tls.Conn, *wire.Leg) {
 	t.Helper()
 	a := b.ConnectAgentWith(t, agentA, &tunnelv1.Register{Clusters: []string{"root"}, AgentName: "a", AcceptsEarlyData: true})
-	conn := a.DataSpare(t, brokerID)
-	waitForCarrier(t, b, agentA)
-	target := brokertest.Target("root")
-	caller, cancel := b.StartDialWith(t, kcpPath, target, []byte("client hello"))
-	order := orderOn(t, conn, target)
-	if string(order.GetEarlyData()) != "client hello" {
-		t.Fatalf("the order carried %q, want the caller's early data", order.GetEarlyData())
-	}
+	return b.establishOnSpare(t, a, []byte("client hello"))
+}
+
+// establishOnSpare is establishData for agent a, already registered, with
+// early (none: nil).
+func (b *broker) establishOnSpare(t *testing.T, a *brokertest.Agent, early []byte) (tunnelv1.DialService_DialClient, context.CancelFunc, *tls.Conn, *wire.Leg) {
+	t.Helper()
+	caller, cancel, conn, _ := b.dialOnSpare(t, a, early)
 	leg := acceptOn(t, conn)
 	established(t, caller)
 	return caller, cancel, conn, leg
+}
+
+// dialOnSpare opens a data connection of agent a's, and dials root as kcp
+// with early (none: nil): it returns the caller's stream and its cancel,
+// and the data connection, which has read the dial's order, with the
+// caller's early data, and not answered it yet, and the target.
+func (b *broker) dialOnSpare(t *testing.T, a *brokertest.Agent, early []byte) (tunnelv1.DialService_DialClient, context.CancelFunc, *tls.Conn, *tunnelv1.Target) {
+	t.Helper()
+	conn := a.DataSpare(t, brokerID)
+	waitForCarrier(t, b, agentA)
+	target := brokertest.Target("root")
+	caller, cancel := b.StartDialWith(t, kcpPath, target, early)
+	order := orderOn(t, conn, target)
+	if !bytes.Equal(order.GetEarlyData(), early) {
+		t.Fatalf("the order carried %q, want the caller's early data %q", order.GetEarlyData(), early)
+	}
+	return caller, cancel, conn, target
 }
 
 // waitForCarrier waits until the broker holds the agent's idle data
@@ -99,11 +116,7 @@ func (b *broker) orderOnSpare(t *testing.T) (tunnelv1.DialService_DialClient, *t
 func (b *broker) orderOnSpareWith(t *testing.T, early []byte) (tunnelv1.DialService_DialClient, *brokertest.Agent, *tls.Conn, *tunnelv1.Target) {
 	t.Helper()
 	a := b.ConnectAgentWith(t, agentA, &tunnelv1.Register{Clusters: []string{"root"}, AgentName: "a", AcceptsEarlyData: early != nil})
-	conn := a.DataSpare(t, brokerID)
-	waitForCarrier(t, b, agentA)
-	target := brokertest.Target("root")
-	caller, _ := b.StartDialWith(t, kcpPath, target, early)
-	orderOn(t, conn, target)
+	caller, _, conn, target := b.dialOnSpare(t, a, early)
 	return caller, a, conn, target
 }
 
@@ -190,25 +203,12 @@ func TestADialGoesOnTheControlStreamWhileTheAgentHasNoIdleDataConnection(t *test
 	a := b.ConnectAgent(t, agentA, "a", "root")
 	// The agent's only data connection carries a tunnel: the next dial's
 	// order comes on the control stream, and its tunnel on a stream.
-	b.establishDataFor(t, a)
+	b.establishOnSpare(t, a, nil)
 	target := brokertest.Target("root")
 	caller, _ := b.StartDial(t, kcpPath, target)
 	order := a.Order(t, target)
 	a.Open(t, order.GetDialId())
 	established(t, caller)
-}
-
-// establishDataFor is establishData for an agent already registered.
-func (b *broker) establishDataFor(t *testing.T, a *brokertest.Agent) (tunnelv1.DialService_DialClient, context.CancelFunc, *tls.Conn, *wire.Leg) {
-	t.Helper()
-	conn := a.DataSpare(t, brokerID)
-	waitForCarrier(t, b, agentA)
-	target := brokertest.Target("root")
-	caller, cancel := b.StartDial(t, kcpPath, target)
-	orderOn(t, conn, target)
-	leg := acceptOn(t, conn)
-	established(t, caller)
-	return caller, cancel, conn, leg
 }
 
 func TestTheAgentsFailedAnswerIsTheDialsFailureAndTheConnectionStaysIdle(t *testing.T) {
