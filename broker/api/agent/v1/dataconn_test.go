@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"strings"
 	"testing"
 	"time"
 
@@ -315,6 +316,38 @@ func TestADataConnectionThatDoesNotBindIsInvalidArgument(t *testing.T) {
 	if _, err := wire.ReadAccepted(conn); status.Code(err) != codes.InvalidArgument {
 		t.Fatalf("data before the bind: %v, want InvalidArgument", err)
 	}
+}
+
+func TestABindOverItsBoundIsInvalidArgument(t *testing.T) {
+	b := startBroker(t, config{})
+	conn := b.DataConn(t, agentA)
+	if err := wire.WriteBind(conn, strings.Repeat("0", 200)); err != nil {
+		t.Fatal(err)
+	}
+	_, err := wire.ReadAccepted(conn)
+	testutil.CheckStatus(t, "a 200-byte session", err, codes.InvalidArgument, "at most 128 may be")
+}
+
+func TestABindThatNeverCompletesCountsAsASpareUntilTheDrainRefusesIt(t *testing.T) {
+	b := startBroker(t, config{maxSparesPerPeer: 1})
+	a := b.ConnectAgent(t, agentA, "a", "root")
+	// The first bytes of a bind, and never the rest.
+	slow := b.DataConn(t, agentA)
+	if _, err := slow.Write([]byte{14, 0x0a}); err != nil {
+		t.Fatal(err)
+	}
+	testutil.Eventually(t, "the unfinished bind to count as a spare", func() bool { return b.agents.spares.Held(brokertest.ID(agentA)) == 1 })
+	next := b.DataConn(t, agentA)
+	if err := wire.WriteBind(next, a.Session); err != nil {
+		t.Fatal(err)
+	}
+	_, err := wire.ReadAccepted(next)
+	testutil.CheckStatus(t, "a spare beside the unfinished bind", err, codes.ResourceExhausted, "spare_data_connections_per_peer")
+	b.Drain()
+	_ = slow.SetReadDeadline(time.Now().Add(testutil.WaitLong))
+	_, err = wire.ReadAccepted(slow)
+	testutil.CheckStatus(t, "the unfinished bind at the drain", err, codes.Unavailable, "the broker is shutting down")
+	testutil.Eventually(t, "no spare to count", func() bool { return b.agents.spares.TotalHeld() == 0 })
 }
 
 func TestAnAgentThatSpeaksOnAnIdleDataConnectionLosesIt(t *testing.T) {
