@@ -263,6 +263,23 @@ func TestADialWithEarlyDataWhoseDataConnectionBreaksBeforeItsAnswerFails(t *test
 	testutil.CheckStatus(t, "the dial whose data connection broke", err, codes.Unavailable, "the agent's data connection failed before it answered the dial")
 }
 
+func TestAnAnswerThatIsNotOneFailsTheDialAndResetsTheConnection(t *testing.T) {
+	b := startBroker(t, config{})
+	// An order without early data, which a lost connection would have
+	// ordered again: a broken agent's is not. Its answer says it is
+	// 1000 bytes long, where 512 is the most.
+	caller, conn, _ := b.orderOnSpare(t)
+	if _, err := conn.Write([]byte{0xe8, 0x07}); err != nil {
+		t.Fatal(err)
+	}
+	_, err := caller.Recv()
+	testutil.CheckStatus(t, "the dial answered with a 1000-byte answer", err, codes.Unavailable, "the agent's data connection failed before it answered the dial")
+	_ = conn.SetReadDeadline(time.Now().Add(testutil.WaitLong))
+	if n, err := conn.Read(make([]byte, 1)); err == nil || errors.Is(err, io.EOF) || errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("after its bad answer the agent read %d, %v; want a reset", n, err)
+	}
+}
+
 func TestADataConnectionWhoseAgentNeverAnswersIsClosedAfterTheDialsTimeout(t *testing.T) {
 	b := startBroker(t, config{dialTimeout: 200 * time.Millisecond})
 	caller, conn, _ := b.orderOnSpare(t)
