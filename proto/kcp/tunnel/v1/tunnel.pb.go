@@ -1224,13 +1224,9 @@ type Register struct {
 	// target: a DNS-1123 label, or empty.
 	AgentName string `protobuf:"bytes,2,opt,name=agent_name,json=agentName,proto3" json:"agent_name,omitempty"`
 	// More clusters follow in the next Register.
-	More bool `protobuf:"varint,3,opt,name=more,proto3" json:"more,omitempty"`
-	// The agent delivers DialOrder.early_data. Brokers send early data in the
-	// order only to agents that set it, and otherwise as the Tunnel's first
-	// data frame.
-	AcceptsEarlyData bool `protobuf:"varint,4,opt,name=accepts_early_data,json=acceptsEarlyData,proto3" json:"accepts_early_data,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	More          bool `protobuf:"varint,3,opt,name=more,proto3" json:"more,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Register) Reset() {
@@ -1284,27 +1280,13 @@ func (x *Register) GetMore() bool {
 	return false
 }
 
-func (x *Register) GetAcceptsEarlyData() bool {
-	if x != nil {
-		return x.AcceptsEarlyData
-	}
-	return false
-}
-
 // Registered confirms a registration.
 type Registered struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The broker replica that accepted it.
 	BrokerId string `protobuf:"bytes,1,opt,name=broker_id,json=brokerId,proto3" json:"broker_id,omitempty"`
 	// When the broker accepted it.
-	Since *timestamppb.Timestamp `protobuf:"bytes,2,opt,name=since,proto3" json:"since,omitempty"`
-	// The broker accepts data connections (docs/protocol.md §3.5): the agent
-	// MAY carry a tunnel on one instead of on a Tunnel stream.
-	DataConnections bool `protobuf:"varint,3,opt,name=data_connections,json=dataConnections,proto3" json:"data_connections,omitempty"`
-	// This registration's session, which a data connection names in its
-	// DataBind to take the dial orders of this control stream (set with
-	// data_connections).
-	SessionId     string `protobuf:"bytes,4,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
+	Since         *timestamppb.Timestamp `protobuf:"bytes,2,opt,name=since,proto3" json:"since,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1353,257 +1335,6 @@ func (x *Registered) GetSince() *timestamppb.Timestamp {
 	return nil
 }
 
-func (x *Registered) GetDataConnections() bool {
-	if x != nil {
-		return x.DataConnections
-	}
-	return false
-}
-
-func (x *Registered) GetSessionId() string {
-	if x != nil {
-		return x.SessionId
-	}
-	return ""
-}
-
-// DataBind is the first message of a data connection (docs/protocol.md
-// §3.5), length-delimited: the session whose dial orders it takes.
-type DataBind struct {
-	state protoimpl.MessageState `protogen:"open.v1"`
-	// Registered.session_id of the agent's control stream on this replica.
-	SessionId     string `protobuf:"bytes,1,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
-}
-
-func (x *DataBind) Reset() {
-	*x = DataBind{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[17]
-	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-	ms.StoreMessageInfo(mi)
-}
-
-func (x *DataBind) String() string {
-	return protoimpl.X.MessageStringOf(x)
-}
-
-func (*DataBind) ProtoMessage() {}
-
-func (x *DataBind) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[17]
-	if x != nil {
-		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-		if ms.LoadMessageInfo() == nil {
-			ms.StoreMessageInfo(mi)
-		}
-		return ms
-	}
-	return mi.MessageOf(x)
-}
-
-// Deprecated: Use DataBind.ProtoReflect.Descriptor instead.
-func (*DataBind) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{17}
-}
-
-func (x *DataBind) GetSessionId() string {
-	if x != nil {
-		return x.SessionId
-	}
-	return ""
-}
-
-// OpenResult is what the broker says on a data connection (docs/protocol.md
-// §3.5) or a dial connection (§3.6): once as it takes the connection as a
-// spare, with its broker_id, and once to the open or the dial that starts
-// a tunnel on it.
-type OpenResult struct {
-	state protoimpl.MessageState `protogen:"open.v1"`
-	// A google.rpc.Code. OK: the spare is taken, or the tunnel's bytes
-	// follow the answer to the open or the dial. Anything else: the broker
-	// refused the connection, the open or the dial, and closes the
-	// connection. In a ConnFrame's end, the status the tunnel ended with.
-	Code int32 `protobuf:"varint,1,opt,name=code,proto3" json:"code,omitempty"`
-	// Why, for a refusal.
-	Message string `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
-	// The replica, in the first answer: the agent keeps a spare only on
-	// the replica of its control stream, whose dials it names.
-	BrokerId string `protobuf:"bytes,3,opt,name=broker_id,json=brokerId,proto3" json:"broker_id,omitempty"`
-	// The tunnel, in the OK answer to a dial, as Established names it.
-	TunnelId      string `protobuf:"bytes,4,opt,name=tunnel_id,json=tunnelId,proto3" json:"tunnel_id,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
-}
-
-func (x *OpenResult) Reset() {
-	*x = OpenResult{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[18]
-	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-	ms.StoreMessageInfo(mi)
-}
-
-func (x *OpenResult) String() string {
-	return protoimpl.X.MessageStringOf(x)
-}
-
-func (*OpenResult) ProtoMessage() {}
-
-func (x *OpenResult) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[18]
-	if x != nil {
-		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-		if ms.LoadMessageInfo() == nil {
-			ms.StoreMessageInfo(mi)
-		}
-		return ms
-	}
-	return mi.MessageOf(x)
-}
-
-// Deprecated: Use OpenResult.ProtoReflect.Descriptor instead.
-func (*OpenResult) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{18}
-}
-
-func (x *OpenResult) GetCode() int32 {
-	if x != nil {
-		return x.Code
-	}
-	return 0
-}
-
-func (x *OpenResult) GetMessage() string {
-	if x != nil {
-		return x.Message
-	}
-	return ""
-}
-
-func (x *OpenResult) GetBrokerId() string {
-	if x != nil {
-		return x.BrokerId
-	}
-	return ""
-}
-
-func (x *OpenResult) GetTunnelId() string {
-	if x != nil {
-		return x.TunnelId
-	}
-	return ""
-}
-
-// ConnFrame is one frame of a tunnel on a data or dial connection
-// (docs/protocol.md §3.7), once the broker has answered its open or dial
-// with OK: each frame is one ConnFrame with one field set, encoded on its
-// own and sent with no length prefix (its one field's tag and length
-// delimit it). A data frame is encoded as the data frames of DialRequest,
-// DialResponse, TunnelRequest and TunnelResponse are.
-type ConnFrame struct {
-	state protoimpl.MessageState `protogen:"open.v1"`
-	// Types that are valid to be assigned to Frame:
-	//
-	//	*ConnFrame_Data
-	//	*ConnFrame_CloseWrite
-	//	*ConnFrame_End
-	Frame         isConnFrame_Frame `protobuf_oneof:"frame"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
-}
-
-func (x *ConnFrame) Reset() {
-	*x = ConnFrame{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[19]
-	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-	ms.StoreMessageInfo(mi)
-}
-
-func (x *ConnFrame) String() string {
-	return protoimpl.X.MessageStringOf(x)
-}
-
-func (*ConnFrame) ProtoMessage() {}
-
-func (x *ConnFrame) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[19]
-	if x != nil {
-		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-		if ms.LoadMessageInfo() == nil {
-			ms.StoreMessageInfo(mi)
-		}
-		return ms
-	}
-	return mi.MessageOf(x)
-}
-
-// Deprecated: Use ConnFrame.ProtoReflect.Descriptor instead.
-func (*ConnFrame) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{19}
-}
-
-func (x *ConnFrame) GetFrame() isConnFrame_Frame {
-	if x != nil {
-		return x.Frame
-	}
-	return nil
-}
-
-func (x *ConnFrame) GetData() []byte {
-	if x != nil {
-		if x, ok := x.Frame.(*ConnFrame_Data); ok {
-			return x.Data
-		}
-	}
-	return nil
-}
-
-func (x *ConnFrame) GetCloseWrite() *CloseWrite {
-	if x != nil {
-		if x, ok := x.Frame.(*ConnFrame_CloseWrite); ok {
-			return x.CloseWrite
-		}
-	}
-	return nil
-}
-
-func (x *ConnFrame) GetEnd() *OpenResult {
-	if x != nil {
-		if x, ok := x.Frame.(*ConnFrame_End); ok {
-			return x.End
-		}
-	}
-	return nil
-}
-
-type isConnFrame_Frame interface {
-	isConnFrame_Frame()
-}
-
-type ConnFrame_Data struct {
-	// Bytes of the tunnel, in order: 1 to 32752 of them (wire.MaxFrame).
-	Data []byte `protobuf:"bytes,2,opt,name=data,proto3,oneof"`
-}
-
-type ConnFrame_CloseWrite struct {
-	// The sender's direction of the tunnel ends (TCP half-close).
-	CloseWrite *CloseWrite `protobuf:"bytes,3,opt,name=close_write,json=closeWrite,proto3,oneof"`
-}
-
-type ConnFrame_End struct {
-	// The sender is done with the tunnel, with this code and message: it
-	// sends nothing more of it and reads nothing more of it. Once each
-	// side has sent its end and read the other's, the connection is idle
-	// and carries the next tunnel. At most 512 bytes.
-	End *OpenResult `protobuf:"bytes,4,opt,name=end,proto3,oneof"`
-}
-
-func (*ConnFrame_Data) isConnFrame_Frame() {}
-
-func (*ConnFrame_CloseWrite) isConnFrame_Frame() {}
-
-func (*ConnFrame_End) isConnFrame_Frame() {}
-
 // DialOrder asks the agent to connect to a target.
 type DialOrder struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1612,9 +1343,8 @@ type DialOrder struct {
 	Target *Target `protobuf:"bytes,2,opt,name=target,proto3" json:"target,omitempty"`
 	// The agent gives up connecting after this long (milliseconds).
 	TimeoutMs uint32 `protobuf:"varint,3,opt,name=timeout_ms,json=timeoutMs,proto3" json:"timeout_ms,omitempty"`
-	// The caller's early data, sent only to an agent that registered with
-	// accepts_early_data: the agent writes it to the target once its Tunnel
-	// is open, before any data frame of that Tunnel.
+	// The caller's early data, if it sent any: the agent writes it to the
+	// target once its Tunnel is open, before any data frame of that Tunnel.
 	EarlyData     []byte `protobuf:"bytes,4,opt,name=early_data,json=earlyData,proto3" json:"early_data,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1622,7 +1352,7 @@ type DialOrder struct {
 
 func (x *DialOrder) Reset() {
 	*x = DialOrder{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[20]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1634,7 +1364,7 @@ func (x *DialOrder) String() string {
 func (*DialOrder) ProtoMessage() {}
 
 func (x *DialOrder) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[20]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1647,7 +1377,7 @@ func (x *DialOrder) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DialOrder.ProtoReflect.Descriptor instead.
 func (*DialOrder) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{20}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *DialOrder) GetDialId() uint64 {
@@ -1699,7 +1429,7 @@ type DialFailure struct {
 
 func (x *DialFailure) Reset() {
 	*x = DialFailure{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[21]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1711,7 +1441,7 @@ func (x *DialFailure) String() string {
 func (*DialFailure) ProtoMessage() {}
 
 func (x *DialFailure) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[21]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1724,7 +1454,7 @@ func (x *DialFailure) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DialFailure.ProtoReflect.Descriptor instead.
 func (*DialFailure) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{21}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *DialFailure) GetDialId() uint64 {
@@ -1768,7 +1498,7 @@ type TunnelRequest struct {
 
 func (x *TunnelRequest) Reset() {
 	*x = TunnelRequest{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[22]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1780,7 +1510,7 @@ func (x *TunnelRequest) String() string {
 func (*TunnelRequest) ProtoMessage() {}
 
 func (x *TunnelRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[22]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1793,7 +1523,7 @@ func (x *TunnelRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelRequest.ProtoReflect.Descriptor instead.
 func (*TunnelRequest) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{22}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *TunnelRequest) GetFrame() isTunnelRequest_Frame {
@@ -1852,7 +1582,7 @@ type TunnelResponse struct {
 
 func (x *TunnelResponse) Reset() {
 	*x = TunnelResponse{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[23]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1864,7 +1594,7 @@ func (x *TunnelResponse) String() string {
 func (*TunnelResponse) ProtoMessage() {}
 
 func (x *TunnelResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[23]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1877,7 +1607,7 @@ func (x *TunnelResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelResponse.ProtoReflect.Descriptor instead.
 func (*TunnelResponse) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{23}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *TunnelResponse) GetFrame() isTunnelResponse_Frame {
@@ -1933,7 +1663,7 @@ type TunnelOpen struct {
 
 func (x *TunnelOpen) Reset() {
 	*x = TunnelOpen{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[24]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1945,7 +1675,7 @@ func (x *TunnelOpen) String() string {
 func (*TunnelOpen) ProtoMessage() {}
 
 func (x *TunnelOpen) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[24]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1958,7 +1688,7 @@ func (x *TunnelOpen) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelOpen.ProtoReflect.Descriptor instead.
 func (*TunnelOpen) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{24}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *TunnelOpen) GetDialId() uint64 {
@@ -2057,35 +1787,17 @@ const file_kcp_tunnel_v1_tunnel_proto_rawDesc = "" +
 	"\x05Probe\x12\x1a\n" +
 	"\bsequence\x18\x01 \x01(\x04R\bsequence\"\"\n" +
 	"\x05Drain\x12\x19\n" +
-	"\bgrace_ms\x18\x01 \x01(\rR\agraceMs\"\x87\x01\n" +
+	"\bgrace_ms\x18\x01 \x01(\rR\agraceMs\"s\n" +
 	"\bRegister\x12\x1a\n" +
 	"\bclusters\x18\x01 \x03(\tR\bclusters\x12\x1d\n" +
 	"\n" +
 	"agent_name\x18\x02 \x01(\tR\tagentName\x12\x12\n" +
-	"\x04more\x18\x03 \x01(\bR\x04more\x12,\n" +
-	"\x12accepts_early_data\x18\x04 \x01(\bR\x10acceptsEarlyData\"\xa5\x01\n" +
+	"\x04more\x18\x03 \x01(\bR\x04moreJ\x04\b\x04\x10\x05R\x12accepts_early_data\"\x85\x01\n" +
 	"\n" +
 	"Registered\x12\x1b\n" +
 	"\tbroker_id\x18\x01 \x01(\tR\bbrokerId\x120\n" +
-	"\x05since\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x05since\x12)\n" +
-	"\x10data_connections\x18\x03 \x01(\bR\x0fdataConnections\x12\x1d\n" +
-	"\n" +
-	"session_id\x18\x04 \x01(\tR\tsessionId\")\n" +
-	"\bDataBind\x12\x1d\n" +
-	"\n" +
-	"session_id\x18\x01 \x01(\tR\tsessionId\"t\n" +
-	"\n" +
-	"OpenResult\x12\x12\n" +
-	"\x04code\x18\x01 \x01(\x05R\x04code\x12\x18\n" +
-	"\amessage\x18\x02 \x01(\tR\amessage\x12\x1b\n" +
-	"\tbroker_id\x18\x03 \x01(\tR\bbrokerId\x12\x1b\n" +
-	"\ttunnel_id\x18\x04 \x01(\tR\btunnelId\"\x97\x01\n" +
-	"\tConnFrame\x12\x14\n" +
-	"\x04data\x18\x02 \x01(\fH\x00R\x04data\x12<\n" +
-	"\vclose_write\x18\x03 \x01(\v2\x19.kcp.tunnel.v1.CloseWriteH\x00R\n" +
-	"closeWrite\x12-\n" +
-	"\x03end\x18\x04 \x01(\v2\x19.kcp.tunnel.v1.OpenResultH\x00R\x03endB\a\n" +
-	"\x05frame\"\x91\x01\n" +
+	"\x05since\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x05sinceJ\x04\b\x03\x10\x04J\x04\b\x04\x10\x05R\x10data_connectionsR\n" +
+	"session_id\"\x91\x01\n" +
 	"\tDialOrder\x12\x17\n" +
 	"\adial_id\x18\x01 \x01(\x04R\x06dialId\x12-\n" +
 	"\x06target\x18\x02 \x01(\v2\x15.kcp.tunnel.v1.TargetR\x06target\x12\x1d\n" +
@@ -2132,7 +1844,7 @@ func file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP() []byte {
 	return file_kcp_tunnel_v1_tunnel_proto_rawDescData
 }
 
-var file_kcp_tunnel_v1_tunnel_proto_msgTypes = make([]protoimpl.MessageInfo, 25)
+var file_kcp_tunnel_v1_tunnel_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
 var file_kcp_tunnel_v1_tunnel_proto_goTypes = []any{
 	(*ListAgentsRequest)(nil),     // 0: kcp.tunnel.v1.ListAgentsRequest
 	(*ListAgentsResponse)(nil),    // 1: kcp.tunnel.v1.ListAgentsResponse
@@ -2151,59 +1863,54 @@ var file_kcp_tunnel_v1_tunnel_proto_goTypes = []any{
 	(*Drain)(nil),                 // 14: kcp.tunnel.v1.Drain
 	(*Register)(nil),              // 15: kcp.tunnel.v1.Register
 	(*Registered)(nil),            // 16: kcp.tunnel.v1.Registered
-	(*DataBind)(nil),              // 17: kcp.tunnel.v1.DataBind
-	(*OpenResult)(nil),            // 18: kcp.tunnel.v1.OpenResult
-	(*ConnFrame)(nil),             // 19: kcp.tunnel.v1.ConnFrame
-	(*DialOrder)(nil),             // 20: kcp.tunnel.v1.DialOrder
-	(*DialFailure)(nil),           // 21: kcp.tunnel.v1.DialFailure
-	(*TunnelRequest)(nil),         // 22: kcp.tunnel.v1.TunnelRequest
-	(*TunnelResponse)(nil),        // 23: kcp.tunnel.v1.TunnelResponse
-	(*TunnelOpen)(nil),            // 24: kcp.tunnel.v1.TunnelOpen
-	(*timestamppb.Timestamp)(nil), // 25: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 26: google.protobuf.Duration
+	(*DialOrder)(nil),             // 17: kcp.tunnel.v1.DialOrder
+	(*DialFailure)(nil),           // 18: kcp.tunnel.v1.DialFailure
+	(*TunnelRequest)(nil),         // 19: kcp.tunnel.v1.TunnelRequest
+	(*TunnelResponse)(nil),        // 20: kcp.tunnel.v1.TunnelResponse
+	(*TunnelOpen)(nil),            // 21: kcp.tunnel.v1.TunnelOpen
+	(*timestamppb.Timestamp)(nil), // 22: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 23: google.protobuf.Duration
 }
 var file_kcp_tunnel_v1_tunnel_proto_depIdxs = []int32{
 	2,  // 0: kcp.tunnel.v1.ListAgentsResponse.agents:type_name -> kcp.tunnel.v1.AgentInfo
-	25, // 1: kcp.tunnel.v1.AgentInfo.connected_since:type_name -> google.protobuf.Timestamp
-	25, // 2: kcp.tunnel.v1.AgentInfo.last_probe:type_name -> google.protobuf.Timestamp
-	26, // 3: kcp.tunnel.v1.AgentInfo.last_probe_rtt:type_name -> google.protobuf.Duration
+	22, // 1: kcp.tunnel.v1.AgentInfo.connected_since:type_name -> google.protobuf.Timestamp
+	22, // 2: kcp.tunnel.v1.AgentInfo.last_probe:type_name -> google.protobuf.Timestamp
+	23, // 3: kcp.tunnel.v1.AgentInfo.last_probe_rtt:type_name -> google.protobuf.Duration
 	5,  // 4: kcp.tunnel.v1.ListTunnelsResponse.tunnels:type_name -> kcp.tunnel.v1.TunnelInfo
 	6,  // 5: kcp.tunnel.v1.TunnelInfo.target:type_name -> kcp.tunnel.v1.Target
-	25, // 6: kcp.tunnel.v1.TunnelInfo.established:type_name -> google.protobuf.Timestamp
-	26, // 7: kcp.tunnel.v1.TunnelInfo.age:type_name -> google.protobuf.Duration
-	26, // 8: kcp.tunnel.v1.TunnelInfo.idle:type_name -> google.protobuf.Duration
+	22, // 6: kcp.tunnel.v1.TunnelInfo.established:type_name -> google.protobuf.Timestamp
+	23, // 7: kcp.tunnel.v1.TunnelInfo.age:type_name -> google.protobuf.Duration
+	23, // 8: kcp.tunnel.v1.TunnelInfo.idle:type_name -> google.protobuf.Duration
 	6,  // 9: kcp.tunnel.v1.DialRequest.target:type_name -> kcp.tunnel.v1.Target
 	9,  // 10: kcp.tunnel.v1.DialResponse.established:type_name -> kcp.tunnel.v1.Established
 	10, // 11: kcp.tunnel.v1.DialResponse.close_write:type_name -> kcp.tunnel.v1.CloseWrite
 	15, // 12: kcp.tunnel.v1.ConnectRequest.register:type_name -> kcp.tunnel.v1.Register
-	21, // 13: kcp.tunnel.v1.ConnectRequest.dial_failure:type_name -> kcp.tunnel.v1.DialFailure
+	18, // 13: kcp.tunnel.v1.ConnectRequest.dial_failure:type_name -> kcp.tunnel.v1.DialFailure
 	14, // 14: kcp.tunnel.v1.ConnectRequest.drain:type_name -> kcp.tunnel.v1.Drain
 	13, // 15: kcp.tunnel.v1.ConnectRequest.probe:type_name -> kcp.tunnel.v1.Probe
 	16, // 16: kcp.tunnel.v1.ConnectResponse.registered:type_name -> kcp.tunnel.v1.Registered
-	20, // 17: kcp.tunnel.v1.ConnectResponse.dial_order:type_name -> kcp.tunnel.v1.DialOrder
+	17, // 17: kcp.tunnel.v1.ConnectResponse.dial_order:type_name -> kcp.tunnel.v1.DialOrder
 	14, // 18: kcp.tunnel.v1.ConnectResponse.drain:type_name -> kcp.tunnel.v1.Drain
 	13, // 19: kcp.tunnel.v1.ConnectResponse.probe:type_name -> kcp.tunnel.v1.Probe
-	25, // 20: kcp.tunnel.v1.Registered.since:type_name -> google.protobuf.Timestamp
-	10, // 21: kcp.tunnel.v1.ConnFrame.close_write:type_name -> kcp.tunnel.v1.CloseWrite
-	18, // 22: kcp.tunnel.v1.ConnFrame.end:type_name -> kcp.tunnel.v1.OpenResult
-	6,  // 23: kcp.tunnel.v1.DialOrder.target:type_name -> kcp.tunnel.v1.Target
-	24, // 24: kcp.tunnel.v1.TunnelRequest.open:type_name -> kcp.tunnel.v1.TunnelOpen
-	10, // 25: kcp.tunnel.v1.TunnelResponse.close_write:type_name -> kcp.tunnel.v1.CloseWrite
-	7,  // 26: kcp.tunnel.v1.DialService.Dial:input_type -> kcp.tunnel.v1.DialRequest
-	0,  // 27: kcp.tunnel.v1.AdminService.ListAgents:input_type -> kcp.tunnel.v1.ListAgentsRequest
-	3,  // 28: kcp.tunnel.v1.AdminService.ListTunnels:input_type -> kcp.tunnel.v1.ListTunnelsRequest
-	11, // 29: kcp.tunnel.v1.AgentService.Connect:input_type -> kcp.tunnel.v1.ConnectRequest
-	22, // 30: kcp.tunnel.v1.AgentService.Tunnel:input_type -> kcp.tunnel.v1.TunnelRequest
-	8,  // 31: kcp.tunnel.v1.DialService.Dial:output_type -> kcp.tunnel.v1.DialResponse
-	1,  // 32: kcp.tunnel.v1.AdminService.ListAgents:output_type -> kcp.tunnel.v1.ListAgentsResponse
-	4,  // 33: kcp.tunnel.v1.AdminService.ListTunnels:output_type -> kcp.tunnel.v1.ListTunnelsResponse
-	12, // 34: kcp.tunnel.v1.AgentService.Connect:output_type -> kcp.tunnel.v1.ConnectResponse
-	23, // 35: kcp.tunnel.v1.AgentService.Tunnel:output_type -> kcp.tunnel.v1.TunnelResponse
-	31, // [31:36] is the sub-list for method output_type
-	26, // [26:31] is the sub-list for method input_type
-	26, // [26:26] is the sub-list for extension type_name
-	26, // [26:26] is the sub-list for extension extendee
-	0,  // [0:26] is the sub-list for field type_name
+	22, // 20: kcp.tunnel.v1.Registered.since:type_name -> google.protobuf.Timestamp
+	6,  // 21: kcp.tunnel.v1.DialOrder.target:type_name -> kcp.tunnel.v1.Target
+	21, // 22: kcp.tunnel.v1.TunnelRequest.open:type_name -> kcp.tunnel.v1.TunnelOpen
+	10, // 23: kcp.tunnel.v1.TunnelResponse.close_write:type_name -> kcp.tunnel.v1.CloseWrite
+	7,  // 24: kcp.tunnel.v1.DialService.Dial:input_type -> kcp.tunnel.v1.DialRequest
+	0,  // 25: kcp.tunnel.v1.AdminService.ListAgents:input_type -> kcp.tunnel.v1.ListAgentsRequest
+	3,  // 26: kcp.tunnel.v1.AdminService.ListTunnels:input_type -> kcp.tunnel.v1.ListTunnelsRequest
+	11, // 27: kcp.tunnel.v1.AgentService.Connect:input_type -> kcp.tunnel.v1.ConnectRequest
+	19, // 28: kcp.tunnel.v1.AgentService.Tunnel:input_type -> kcp.tunnel.v1.TunnelRequest
+	8,  // 29: kcp.tunnel.v1.DialService.Dial:output_type -> kcp.tunnel.v1.DialResponse
+	1,  // 30: kcp.tunnel.v1.AdminService.ListAgents:output_type -> kcp.tunnel.v1.ListAgentsResponse
+	4,  // 31: kcp.tunnel.v1.AdminService.ListTunnels:output_type -> kcp.tunnel.v1.ListTunnelsResponse
+	12, // 32: kcp.tunnel.v1.AgentService.Connect:output_type -> kcp.tunnel.v1.ConnectResponse
+	20, // 33: kcp.tunnel.v1.AgentService.Tunnel:output_type -> kcp.tunnel.v1.TunnelResponse
+	29, // [29:34] is the sub-list for method output_type
+	24, // [24:29] is the sub-list for method input_type
+	24, // [24:24] is the sub-list for extension type_name
+	24, // [24:24] is the sub-list for extension extendee
+	0,  // [0:24] is the sub-list for field type_name
 }
 
 func init() { file_kcp_tunnel_v1_tunnel_proto_init() }
@@ -2233,15 +1940,10 @@ func file_kcp_tunnel_v1_tunnel_proto_init() {
 		(*ConnectResponse_Probe)(nil),
 	}
 	file_kcp_tunnel_v1_tunnel_proto_msgTypes[19].OneofWrappers = []any{
-		(*ConnFrame_Data)(nil),
-		(*ConnFrame_CloseWrite)(nil),
-		(*ConnFrame_End)(nil),
-	}
-	file_kcp_tunnel_v1_tunnel_proto_msgTypes[22].OneofWrappers = []any{
 		(*TunnelRequest_Open)(nil),
 		(*TunnelRequest_Data)(nil),
 	}
-	file_kcp_tunnel_v1_tunnel_proto_msgTypes[23].OneofWrappers = []any{
+	file_kcp_tunnel_v1_tunnel_proto_msgTypes[20].OneofWrappers = []any{
 		(*TunnelResponse_Data)(nil),
 		(*TunnelResponse_CloseWrite)(nil),
 	}
@@ -2251,7 +1953,7 @@ func file_kcp_tunnel_v1_tunnel_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kcp_tunnel_v1_tunnel_proto_rawDesc), len(file_kcp_tunnel_v1_tunnel_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   25,
+			NumMessages:   22,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

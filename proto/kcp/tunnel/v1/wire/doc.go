@@ -1,9 +1,9 @@
 // Package wire is how the three parties of a tunnel (kcp through kcpplugin,
-// the broker and the syncer agent) carry the kcp.tunnel.v1 messages: write
-// coalescing under TLS, the transport settings all three use, the messages
-// and frames of data and dial connections (a tunnel's end at the caller or
-// the agent is a Leg), and the pool of spare connections (Spares) the
-// agent and kcp open ahead of use and reuse.
+// the broker and the syncer agent) carry the kcp.tunnel.v1 messages on
+// gRPC: the frame codec, which receives data frames into gRPC's buffers and
+// forwards them without decoding (Frame, FrameCodec), write coalescing
+// under TLS (CoalesceWrites), and the transport settings all three use
+// (DialOptions, ServerOptions, MaxFrame, MaxEarlyData).
 //
 // It imports only the standard library, gRPC and protobuf, so that the
 // broker and the agent use it without linking kcpplugin (the webhook

@@ -112,24 +112,6 @@ func (f *Frame) WriteTo(w io.Writer) (int64, error) {
 	return n, err
 }
 
-// WriteFrame writes f whole, its tag and length and its payload, with one
-// Write of w: a data frame on a connection that carries frames
-// (docs/protocol.md §3.7), one TLS record for a small one. A frame in
-// more than one buffer (gRPC may receive a large one so) is copied into
-// one first. Call it on a frame not read from.
-func (f *Frame) WriteFrame(w io.Writer) (int, error) {
-	if len(f.buf) == 1 {
-		return w.Write(f.buf[0].ReadOnlyData())
-	}
-	bp := frameBufs.Get().(*[]byte)
-	defer frameBufs.Put(bp)
-	*bp = (*bp)[:0]
-	for _, b := range f.buf {
-		*bp = append(*bp, b.ReadOnlyData()...)
-	}
-	return w.Write(*bp)
-}
-
 // Free releases the frame's buffers once it is read, or if it is not going
 // to be sent.
 func (f *Frame) Free() {

@@ -11,10 +11,13 @@ import (
 // small: a webhook's request or answer, a TLS handshake message.
 const smallRead = 2 << 10
 
+// maxFrameHead is the room for a data frame's head before its payload: its
+// tag and its length as a 3-byte varint (MaxFrame < 1<<21).
+const maxFrameHead = 4
+
 // bigReads are the pooled buffers of large reads: MaxFrame bytes, after
-// the room for a frame's head (its tag and a 3-byte length), so that a
-// frame made of a read is its encoding in one piece, which a connection's
-// leg writes with one Write (WriteFrame).
+// the room for a frame's head, so that a frame made of a read is its
+// encoding in one piece, which gRPC sends on without a copy.
 var bigReads = sync.Pool{New: func() any { b := make([]byte, maxFrameHead+MaxFrame); return &b }}
 
 // ReadBuffer is the buffer of one connection's reads, sized for what the
@@ -77,14 +80,6 @@ func (b *ReadBuffer) took(n int) []byte {
 func (b *ReadBuffer) ReadFrame(r io.Reader) (Frame, error) {
 	data, err := b.Read(r)
 	return b.frame(data), err
-}
-
-// ReadData is ReadFrame for a connection that carries frames (docs/
-// protocol.md §3.7): it reads what it can of the current data frame's
-// payload, which frames has read the head of, as a data frame of its own.
-func (b *ReadBuffer) ReadData(src io.Reader, frames *FrameReader) (Frame, error) {
-	n, err := frames.Read(src, b.next())
-	return b.frame(b.took(n)), err
 }
 
 // frame is data, just read, as a data frame that owns its bytes.
