@@ -15,9 +15,8 @@ import (
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 
+	"github.com/kcp-dev/tunnel-broker/broker/admission"
 	agentv1 "github.com/kcp-dev/tunnel-broker/broker/api/agent/v1"
-	dialv1 "github.com/kcp-dev/tunnel-broker/broker/api/dial/v1"
-	"github.com/kcp-dev/tunnel-broker/broker/internal/abortable"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/opening"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
@@ -28,7 +27,6 @@ import (
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	"github.com/kcp-dev/tunnel-broker/internal/ops"
 	"github.com/kcp-dev/tunnel-broker/internal/version"
-	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 func main() {
@@ -57,12 +55,6 @@ func run() error {
 	}
 	for _, w := range pol.Warnings() {
 		log.Warn("policy rule can never match as written", "policy", o.policyFile, "rule", w)
-	}
-	// Tunnels end from outside their handlers through a grpc-go method
-	// outside its public API: make sure it works before serving, rather
-	// than fail every Dial.
-	if err := abortable.Check(context.Background()); err != nil {
-		return err
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -134,14 +126,14 @@ func parseFlags() (*options, error) {
 	flag.StringVar(&o.listen, "listen", ":8443", "address to serve gRPC on")
 	flag.StringVar(&c.ID, "id", hostname(), "name of this replica, sent to agents")
 	flag.StringVar(&o.policyFile, "policy", "", "required: authorization policy file (YAML): which SPIFFE IDs may register, dial and administer")
-	flag.DurationVar(&c.DialTimeout, "dial-timeout", dialv1.DefaultTimeout, "how long a dial may wait for its agent")
+	flag.DurationVar(&c.DialTimeout, "dial-timeout", admission.DefaultTimeout, "how long a dial may wait for its agent")
 	flag.DurationVar(&c.Grace, "grace", server.DefaultGrace, "on SIGTERM, how long tunnels in flight may still run")
 	flag.DurationVar(&c.IdleTimeout, "idle-timeout", tunnel.DefaultIdleTimeout, "end tunnels that carry nothing for this long (negative: never)")
 	flag.Int64Var(&c.Limits.MaxPendingPerCluster, "max-pending-dials-per-cluster", registry.DefaultMaxPendingPerCluster, "dials one agent may have waiting for one logical cluster; other clusters' dials never count against it (0: no limit)")
 	flag.Int64Var(&c.Limits.MaxTunnelsPerAgent, "max-tunnels-per-agent", registry.DefaultMaxTunnelsPerAgent, "tunnels one agent may carry, counting the pending dials of the cluster being dialed (0: no limit)")
-	flag.Int64Var(&c.MaxTunnelsPerCaller, "max-tunnels-per-caller", dialv1.DefaultMaxTunnelsPerCaller, "tunnels one caller SPIFFE ID may hold (0: no limit)")
-	flag.Int64Var(&c.MaxEarlyDataPerCaller, "max-early-data-per-caller", dialv1.DefaultMaxEarlyDataPerCaller, "bytes of early data one caller SPIFFE ID's pending dials may hold (0: no limit)")
-	flag.Int64Var(&c.MaxEarlyData, "max-early-data", dialv1.DefaultMaxEarlyData, "bytes of early data all callers' pending dials may hold (0: no limit)")
+	flag.Int64Var(&c.MaxTunnelsPerCaller, "max-tunnels-per-caller", admission.DefaultMaxTunnelsPerCaller, "tunnels one caller SPIFFE ID may hold, through Dial and CONNECT together (0: no limit)")
+	flag.Int64Var(&c.MaxEarlyDataPerCaller, "max-early-data-per-caller", admission.DefaultMaxEarlyDataPerCaller, "bytes of early data one caller SPIFFE ID's pending dials may hold (0: no limit)")
+	flag.Int64Var(&c.MaxEarlyData, "max-early-data", admission.DefaultMaxEarlyData, "bytes of early data all callers' pending dials may hold (0: no limit)")
 	flag.IntVar(&c.MaxMessageSize, "max-message-size", server.DefaultMaxMessageSize, "largest gRPC message accepted, in bytes")
 	flag.Int64Var(&c.MaxOpeningStreamsPerPeer, "max-opening-streams-per-peer", opening.DefaultMaxPerPeer, "streams one peer SPIFFE ID may have open that have not sent their first message (0: no limit)")
 	flag.Int64Var(&c.MaxOpeningStreams, "max-opening-streams", opening.DefaultMaxTotal, "streams all peers together may have open that have not sent their first message (0: no limit)")
@@ -149,11 +141,6 @@ func parseFlags() (*options, error) {
 	flag.Int64Var(&c.MaxRegistrationsPerAgent, "max-registrations-per-agent", agentv1.DefaultMaxRegistrations, "control streams (registrations) one agent SPIFFE ID may hold (0: no limit)")
 	flag.Float64Var(&c.MaxReregistrationsPerSecond, "max-reregistrations-per-second", agentv1.DefaultMaxReregistrationsPerSecond, "changed cluster lists one control stream may put in force a second; a later list replaces one that waits (negative: no pace)")
 	flag.IntVar(&c.MaxClustersPerRegistration, "max-clusters-per-registration", agentv1.DefaultMaxClusters, "logical clusters one registration may serve (0: no limit)")
-	dataConns := flag.Bool("data-connections", true, "let agents carry tunnels on data connections (TLS, ALPN "+wire.DataProtocol+", on the --listen port) instead of Tunnel streams, and callers on dial connections (ALPN "+wire.DialProtocol+") instead of Dial streams")
-	flag.Int64Var(&c.MaxSparesPerPeer, "max-spare-data-connections-per-peer", agentv1.DefaultMaxSparesPerPeer, "data connections one agent SPIFFE ID may hold open before naming a dial (0: no limit)")
-	flag.Int64Var(&c.MaxSpares, "max-spare-data-connections", agentv1.DefaultMaxSpares, "data connections all agents together may hold open before naming a dial (0: no limit)")
-	flag.Int64Var(&c.MaxSpareDialsPerPeer, "max-spare-dial-connections-per-peer", dialv1.DefaultMaxSparesPerPeer, "dial connections one caller SPIFFE ID may hold open before sending its dial (0: no limit)")
-	flag.Int64Var(&c.MaxSpareDials, "max-spare-dial-connections", dialv1.DefaultMaxSpares, "dial connections all callers together may hold open before sending their dial (0: no limit)")
 	window := flag.Int("window-size", server.DefaultWindowSize, "HTTP/2 flow-control window per stream, in bytes (negative: gRPC's dynamic windows)")
 	flag.DurationVar(&c.ProbeEvery, "probe-interval", agentv1.DefaultProbeEvery, "how often each agent is probed over its control stream")
 	flag.DurationVar(&c.HandshakeTimeout, "handshake-timeout", server.DefaultHandshakeTimeout, "how long a new connection may take to finish its TLS and HTTP/2 handshakes")
@@ -174,11 +161,10 @@ func parseFlags() (*options, error) {
 	}
 	c.MaxConcurrentStreams = uint32(min(*maxStreams, math.MaxUint32))
 	c.WindowSize = int32(*window)
-	c.NoDataConnections = !*dataConns
 	// A limit flag's 0 means no limit, and Config's the default.
 	noLimitIfZero(&c.Limits.MaxPendingPerCluster, &c.Limits.MaxTunnelsPerAgent, &c.MaxTunnelsPerCaller,
-		&c.MaxOpeningStreamsPerPeer, &c.MaxOpeningStreams, &c.MaxRegistrationsPerAgent, &c.MaxSparesPerPeer, &c.MaxSpares,
-		&c.MaxSpareDialsPerPeer, &c.MaxSpareDials, &c.MaxEarlyDataPerCaller, &c.MaxEarlyData)
+		&c.MaxOpeningStreamsPerPeer, &c.MaxOpeningStreams, &c.MaxRegistrationsPerAgent,
+		&c.MaxEarlyDataPerCaller, &c.MaxEarlyData)
 	noLimitIfZero(&c.MaxClustersPerRegistration, &c.MaxHandshakes)
 	return o, nil
 }

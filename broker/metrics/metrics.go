@@ -45,35 +45,11 @@ var (
 	})
 
 	// TunnelsOpened counts the tunnels spliced, by the caller's leg: a
-	// Dial stream, a dial connection (docs/protocol.md §3.6) or the
-	// CONNECT front end.
+	// Dial stream or the CONNECT front end.
 	TunnelsOpened = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: ns, Name: "tunnels_opened_total",
-		Help: "Tunnels spliced by this replica, by the caller's leg (stream, dial_connection, connect).",
+		Help: "Tunnels spliced by this replica, by the caller's leg (stream, connect).",
 	}, []string{"caller_leg"})
-
-	// SpareDataConnections is the agents' data connections that wait for
-	// a dial (docs/protocol.md §3.5).
-	SpareDataConnections = prometheus.NewGauge(prometheus.GaugeOpts{
-		Namespace: ns, Name: "spare_data_connections",
-		Help: "Data connections of agents that wait for a dial.",
-	})
-
-	// SpareDialConnections is the callers' dial connections that wait for
-	// their dial (docs/protocol.md §3.6).
-	SpareDialConnections = prometheus.NewGauge(prometheus.GaugeOpts{
-		Namespace: ns, Name: "spare_dial_connections",
-		Help: "Dial connections of callers that wait for their dial.",
-	})
-
-	// ConnectionTunnelsEnded counts the tunnels that ended on a data or
-	// dial connection, by whether the end exchange left the connection
-	// idle for the next tunnel or it was reset (docs/protocol.md §3.7):
-	// each reset costs its peer a new TLS handshake.
-	ConnectionTunnelsEnded = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Namespace: ns, Name: "connection_tunnels_ended_total",
-		Help: "Tunnels ended on data and dial connections, by leg (data_connection, dial_connection) and by what became of the connection (idle, reset).",
-	}, []string{"leg", "connection"})
 
 	// Bytes counts tunneled bytes; up is caller to target.
 	Bytes = prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -153,7 +129,7 @@ func CountRefusedHandshake(reason identity.Reason) {
 func init() {
 	Registry.MustRegister(GRPC, Denied, Dials, DialSeconds, Tunnels, Bytes, LimitsHit,
 		Registrations, ProbeRTT, ProbeSuccess, Reachable, HandshakesRefused, ConnectionsClosed,
-		EgressRequests, EgressTunnels, SpareDataConnections, SpareDialConnections, TunnelsOpened, ConnectionTunnelsEnded)
+		EgressRequests, EgressTunnels, TunnelsOpened)
 	for _, r := range identity.Reasons {
 		HandshakesRefused.WithLabelValues(string(r))
 	}

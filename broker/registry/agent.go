@@ -15,17 +15,13 @@ import (
 // Agent is one registration of an agent: its control stream, the clusters
 // it serves, the dials it was ordered and the tunnels it carries.
 type Agent struct {
-	// SessionID names this connection of the agent in logs, and is what
-	// its data connections bind to (Registry.Session).
+	// SessionID names this registration of the agent in logs.
 	SessionID string
 	// ID is the agent's SPIFFE ID; only it may open tunnels for its dials.
 	ID       spiffeid.ID
 	Name     string
 	Clusters []string
 	Since    time.Time
-	// AcceptsEarlyData: the agent registered with accepts_early_data, so a
-	// dial's early data goes in its order. Set before it is routed.
-	AcceptsEarlyData bool
 
 	// orders is drained by the agent's control stream. Every send selects on
 	// gone as well, so a vanished agent never blocks a dial.
@@ -41,12 +37,6 @@ type Agent struct {
 	// cluster; Registry.mu guards it.
 	pending map[string]int64
 	tunnels atomic.Int64 // tunnels open through the agent
-
-	// carriers are the idle data connections bound to this registration
-	// (carrier.go); none once it has ended (carriersDropped).
-	carrierMu       sync.Mutex
-	carriers        []Carrier
-	carriersDropped bool
 
 	probeMu   sync.Mutex
 	lastProbe time.Time // when the agent last answered a probe

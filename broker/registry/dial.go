@@ -23,13 +23,9 @@ type pending struct {
 	id     uint64
 	agent  *Agent
 	target *tunnelv1.Target
-	// earlyOrdered: the order carried the dial's early data.
+	// earlyOrdered: the order carries early data.
 	earlyOrdered bool
 	answer       chan answer // buffered: the one answer never waits
-	// resend asks the dial to order again on the control stream (Resend);
-	// resent says it has, under the registry's mu: once only.
-	resend chan struct{}
-	resent bool
 }
 
 type answer struct {
@@ -54,9 +50,6 @@ type Claim struct {
 	TunnelID string
 	Agent    *Agent
 	Target   *tunnelv1.Target
-	// EarlyDataOrdered: the dial's early data went to the agent in its
-	// order; otherwise the tunnel sends it as its first data frame.
-	EarlyDataOrdered bool
 
 	dial     *pending
 	tunnel   Tunnel
@@ -66,8 +59,9 @@ type Claim struct {
 // Dial orders an agent that serves target's cluster to connect to it, and
 // waits until the agent claims the dial with the tunnel it opened, reports a
 // failure, goes away, or ctx ends. The order gives the agent what is left of
-// ctx's deadline, and earlyData (the caller's first bytes, if any) when the
-// agent accepts early data. The claim's tunnel must be spliced or ended.
+// ctx's deadline, and earlyData (the caller's first bytes, if any), which
+// the agent writes to the target before anything the tunnel carries. The
+// claim's tunnel must be spliced or ended.
 //
 // A dial that its agent fails before any byte flows, with Unavailable (its
 // target refused, it drains, it went away), is ordered once more, within
@@ -96,74 +90,32 @@ func (r *Registry) Dial(ctx context.Context, target *tunnelv1.Target, earlyData 
 
 // dialOnce is one attempt of Dial, on an agent other than skip.
 func (r *Registry) dialOnce(ctx context.Context, target *tunnelv1.Target, earlyData []byte, skip *Agent) (*Claim, error) {
-	p, err := r.newDial(target, skip)
+	p, err := r.newDial(target, len(earlyData) > 0, skip)
 	if err != nil {
 		return nil, err
 	}
 	defer r.answered(p)
-	order := &tunnelv1.DialOrder{DialId: p.id, Target: target, TimeoutMs: remainingMS(ctx)}
-	if len(earlyData) > 0 && p.agent.AcceptsEarlyData {
-		order.EarlyData, p.earlyOrdered = earlyData, true
-	}
-	if c := p.agent.takeCarrier(); c != nil {
-		c.Carry(order)
-	} else if err := r.orderOnStream(ctx, p, order); err != nil {
-		return r.giveUp(p, err)
-	}
-	for {
-		select {
-		case a := <-p.answer:
-			return a.claim, a.err
-		case <-p.resend:
-			again := &tunnelv1.DialOrder{DialId: order.GetDialId(), Target: order.GetTarget(),
-				EarlyData: order.GetEarlyData(), TimeoutMs: remainingMS(ctx)}
-			if err := r.orderOnStream(ctx, p, again); err != nil {
-				return r.giveUp(p, err)
-			}
-		case <-p.agent.gone:
-			return r.giveUp(p, agentGone(p))
-		case <-ctx.Done():
-			return r.giveUp(p, contextStatus(ctx, p))
-		}
-	}
-}
-
-// orderOnStream sends order on its agent's control stream, and says why
-// not if the agent goes away or ctx ends first.
-func (r *Registry) orderOnStream(ctx context.Context, p *pending, order *tunnelv1.DialOrder) error {
+	order := &tunnelv1.DialOrder{DialId: p.id, Target: target, TimeoutMs: remainingMS(ctx), EarlyData: earlyData}
 	select {
 	case p.agent.orders <- order:
-		return nil
 	case <-p.agent.gone:
-		return agentGone(p)
+		return r.giveUp(p, agentGone(p))
 	case <-ctx.Done():
-		return contextStatus(ctx, p)
+		return r.giveUp(p, contextStatus(ctx, p))
 	}
-}
-
-// Resend orders the pending dial dialID of a once more, on a's control
-// stream: the idle data connection its order went on ended before the
-// agent answered, as an agent may close an idle spare while the broker
-// sends an order on it. Only for a dial whose order cannot have had an
-// effect: the caller knows (the agent closed the connection cleanly, or
-// the order carried no early data). Once only: false if the dial is not
-// pending, is another agent's, or was resent before, and the caller fails
-// it instead.
-func (r *Registry) Resend(a *Agent, dialID uint64) bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	p := r.pending[dialID]
-	if p == nil || p.agent != a || p.resent {
-		return false
+	select {
+	case a := <-p.answer:
+		return a.claim, a.err
+	case <-p.agent.gone:
+		return r.giveUp(p, agentGone(p))
+	case <-ctx.Done():
+		return r.giveUp(p, contextStatus(ctx, p))
 	}
-	p.resent = true
-	p.resend <- struct{}{}
-	return true
 }
 
 // newDial picks an agent other than skip for target and makes it a pending
-// dial.
-func (r *Registry) newDial(target *tunnelv1.Target, skip *Agent) (*pending, error) {
+// dial, whose order carries early data if earlyOrdered.
+func (r *Registry) newDial(target *tunnelv1.Target, earlyOrdered bool, skip *Agent) (*pending, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	a, err := r.pick(target.GetCluster(), skip)
@@ -171,7 +123,7 @@ func (r *Registry) newDial(target *tunnelv1.Target, skip *Agent) (*pending, erro
 		return nil, err
 	}
 	r.lastID++
-	p := &pending{id: r.lastID, agent: a, target: target, answer: make(chan answer, 1), resend: make(chan struct{}, 1)}
+	p := &pending{id: r.lastID, agent: a, target: target, earlyOrdered: earlyOrdered, answer: make(chan answer, 1)}
 	r.pending[p.id] = p
 	a.pending[target.GetCluster()]++
 	return p, nil
@@ -236,7 +188,7 @@ func (r *Registry) Claim(dialID uint64, agentID spiffeid.ID) (*Claim, error) {
 		return nil, status.Errorf(codes.NotFound, "no pending dial %d for %s (it timed out or was cancelled)", dialID, agentID)
 	}
 	p.agent.tunnels.Add(1)
-	return &Claim{TunnelID: tunnelID(p.id), Agent: p.agent, Target: p.target, EarlyDataOrdered: p.earlyOrdered, dial: p}, nil
+	return &Claim{TunnelID: tunnelID(p.id), Agent: p.agent, Target: p.target, dial: p}, nil
 }
 
 // HandOver gives the dial the tunnel its agent opened: Dial returns the claim.

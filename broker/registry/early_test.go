@@ -9,35 +9,35 @@ import (
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
-// A dial's early data goes in its order only to an agent that said it
-// accepts early data; the claim says whether it did, so that the tunnel
-// sends it otherwise.
+// A dial's early data goes in its order: the agent writes it to the target
+// before anything the tunnel carries.
 
-// registerEarlyAgent registers an agent, as registerAgent does, that
-// accepts early data.
+// registerEarlyAgent registers an agent, as registerAgent does.
 func registerEarlyAgent(t *testing.T, r *Registry, name string, clusters ...string) *Agent {
 	t.Helper()
 	a := newTestAgent(t, name, "/agent/"+name, clusters...)
-	a.AcceptsEarlyData = true
 	r.Register(a)
 	return a
 }
 
-func TestEarlyDataGoesInTheOrderOnlyToAnAgentThatAcceptsIt(t *testing.T) {
-	for _, accepts := range []bool{true, false} {
-		r := New(Limits{})
-		a := newTestAgent(t, "a", "/agent/a", "root")
-		a.AcceptsEarlyData = accepts
-		r.Register(a)
-		d := startDialWith(t, r, target("root"), []byte("client hello"))
-		o := nextOrder(t, a)
-		if got, want := string(o.GetEarlyData()), map[bool]string{true: "client hello", false: ""}[accepts]; got != want {
-			t.Errorf("accepts early data %v: the order carries %q, want %q", accepts, got, want)
-		}
-		claim(t, "claim", r, o.GetDialId(), a.ID)
-		if got := d.connected().EarlyDataOrdered; got != accepts {
-			t.Errorf("accepts early data %v: EarlyDataOrdered = %v", accepts, got)
-		}
+func TestEarlyDataGoesInTheOrder(t *testing.T) {
+	r := New(Limits{})
+	a := registerEarlyAgent(t, r, "a", "root")
+	d := startDialWith(t, r, target("root"), []byte("client hello"))
+	o := nextOrder(t, a)
+	if got := string(o.GetEarlyData()); got != "client hello" {
+		t.Errorf("the order carries %q, want the early data", got)
+	}
+	claim(t, "claim", r, o.GetDialId(), a.ID)
+	d.connected()
+}
+
+func TestAnOrderWithoutEarlyDataCarriesNone(t *testing.T) {
+	r := New(Limits{})
+	a := registerEarlyAgent(t, r, "a", "root")
+	startDialWith(t, r, target("root"), nil)
+	if o := nextOrder(t, a); len(o.GetEarlyData()) != 0 {
+		t.Errorf("the order carries %q, want no early data", o.GetEarlyData())
 	}
 }
 

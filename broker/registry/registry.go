@@ -8,7 +8,6 @@ import (
 	"slices"
 	"sync"
 
-	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 )
@@ -23,13 +22,10 @@ type Registry struct {
 	byCluster map[string][]*Agent
 	// bySelf holds the registrations of each agent, by SPIFFE ID and name,
 	// so that a newer one supersedes the older ones.
-	bySelf map[self][]*Agent
-	// bySession holds every registered agent by its session id, for the
-	// data connections that bind to it.
-	bySession map[string]*Agent
-	next      map[string]int // round-robin cursor per cluster
-	pending   map[uint64]*pending
-	lastID    uint64
+	bySelf  map[self][]*Agent
+	next    map[string]int // round-robin cursor per cluster
+	pending map[uint64]*pending
+	lastID  uint64
 
 	stats stats // read without mu, by metrics scrapes
 }
@@ -92,7 +88,6 @@ func New(limits Limits) *Registry {
 		agents:    map[*Agent]struct{}{},
 		byCluster: map[string][]*Agent{},
 		bySelf:    map[self][]*Agent{},
-		bySession: map[string]*Agent{},
 		next:      map[string]int{},
 		pending:   map[uint64]*pending{},
 		// Dial IDs start at a random point so that IDs from an earlier
@@ -111,7 +106,6 @@ func (r *Registry) Register(a *Agent) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.agents[a] = struct{}{}
-	r.bySession[a.SessionID] = a
 	r.stats.agents.Add(1)
 	for _, c := range a.Clusters {
 		r.route(a, c)
@@ -164,25 +158,12 @@ func diff(old, new []string) (added, removed []string) {
 	return added, removed
 }
 
-// Session is the registration whose session id is sessionID, if it is one
-// of the agent id's: the one a data connection of id binds to.
-func (r *Registry) Session(sessionID string, id spiffeid.ID) (*Agent, bool) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	a, ok := r.bySession[sessionID]
-	if !ok || a.ID != id {
-		return nil, false
-	}
-	return a, true
-}
-
 // Unregister removes a and fails the dials that wait on it with
-// Unavailable, and drops its idle data connections.
+// Unavailable.
 func (r *Registry) Unregister(a *Agent) {
 	r.mu.Lock()
 	if _, ok := r.agents[a]; ok {
 		delete(r.agents, a)
-		delete(r.bySession, a.SessionID)
 		r.stats.agents.Add(-1)
 		r.unroute(a, a.Clusters)
 		k := a.self()
@@ -194,7 +175,6 @@ func (r *Registry) Unregister(a *Agent) {
 	}
 	r.mu.Unlock()
 	a.markGone()
-	a.dropCarriers()
 }
 
 // unroute takes a out of the routing table of clusters; r.mu is held.

@@ -8,9 +8,7 @@ import (
 	"context"
 	"crypto/tls"
 	"log/slog"
-	"maps"
 	"net"
-	"slices"
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
@@ -22,6 +20,7 @@ import (
 	"google.golang.org/grpc/reflection"
 	"k8s.io/utils/clock"
 
+	"github.com/kcp-dev/tunnel-broker/broker/admission"
 	adminv1 "github.com/kcp-dev/tunnel-broker/broker/api/admin/v1"
 	agentv1 "github.com/kcp-dev/tunnel-broker/broker/api/agent/v1"
 	dialv1 "github.com/kcp-dev/tunnel-broker/broker/api/dial/v1"
@@ -91,8 +90,8 @@ type Config struct {
 	Identity identity.SVIDSource
 	// Policy says which SPIFFE IDs may do what.
 	Policy *policy.Policy
-	// DialTimeout bounds a dial (dial.DefaultTimeout), and every stream's
-	// first message.
+	// DialTimeout bounds a dial (admission.DefaultTimeout), and every
+	// stream's first message.
 	DialTimeout time.Duration
 	// Grace is how long tunnels in flight may run once shutdown begins
 	// (DefaultGrace).
@@ -101,11 +100,12 @@ type Config struct {
 	// (tunnel.DefaultIdleTimeout).
 	IdleTimeout time.Duration
 	// Limits bound each agent (registry.Limits); MaxTunnelsPerCaller each
-	// caller identity (dial.DefaultMaxTunnelsPerCaller).
+	// caller identity, through the Dial RPC and the CONNECT front ends
+	// together (admission.DefaultMaxTunnelsPerCaller).
 	Limits              registry.Limits
 	MaxTunnelsPerCaller int64
 	// MaxEarlyDataPerCaller and MaxEarlyData bound the early data pending
-	// dials hold, per caller and in all (dial.DefaultMaxEarlyData...).
+	// dials hold, per caller and in all (admission.DefaultMaxEarlyData...).
 	MaxEarlyDataPerCaller, MaxEarlyData int64
 	// MaxMessageSize bounds a received message (DefaultMaxMessageSize).
 	MaxMessageSize int
@@ -142,15 +142,6 @@ type Config struct {
 	// MaxConnectionAge is how long a connection takes new RPCs
 	// (DefaultMaxConnectionAge).
 	MaxConnectionAge time.Duration
-	// NoDataConnections keeps agents on Tunnel streams and callers on Dial
-	// streams: the port offers neither data connections (docs/protocol.md
-	// §3.5) nor dial connections (§3.6). MaxSparesPerPeer and MaxSpares
-	// bound the spare data connections (package agent's defaults),
-	// MaxSpareDialsPerPeer and MaxSpareDials the spare dial connections
-	// (package dial's).
-	NoDataConnections                   bool
-	MaxSparesPerPeer, MaxSpares         int64
-	MaxSpareDialsPerPeer, MaxSpareDials int64
 	// Clock times what time decides in the services: the idle limit,
 	// probes, first messages, registrations' SVID expiry; nil: the real
 	// clock.
@@ -161,7 +152,7 @@ type Config struct {
 // withDefaults is cfg with the server's own defaults resolved; the services
 // resolve theirs.
 func (cfg Config) withDefaults() Config {
-	cfg.DialTimeout = cmp.Or(max(cfg.DialTimeout, 0), dialv1.DefaultTimeout)
+	cfg.DialTimeout = cmp.Or(max(cfg.DialTimeout, 0), admission.DefaultTimeout)
 	cfg.Grace = cmp.Or(cfg.Grace, DefaultGrace)
 	cfg.MaxMessageSize = cmp.Or(cfg.MaxMessageSize, DefaultMaxMessageSize)
 	cfg.MaxConcurrentStreams = cmp.Or(cfg.MaxConcurrentStreams, DefaultMaxConcurrentStreams)
@@ -179,17 +170,15 @@ func (cfg Config) withDefaults() Config {
 
 // Server is one broker replica.
 type Server struct {
-	cfg      Config
-	grpc     *grpc.Server
-	health   *health.Server
-	dial     *dialv1.Service
-	agent    *agentv1.Service
-	egress   []*egressv1.Server
-	draining context.Context // ends when the replica stops taking dials
-	drain    context.CancelFunc
-	stopping context.Context // ends when the grace period is over
-	stop     context.CancelFunc
-	Registry *registry.Registry
+	cfg       Config
+	grpc      *grpc.Server
+	health    *health.Server
+	admission *admission.Admission
+	draining  context.Context // ends when the replica stops taking dials
+	drain     context.CancelFunc
+	stopping  context.Context // ends when the grace period is over
+	stop      context.CancelFunc
+	Registry  *registry.Registry
 	// Tunnels are the tunnels open through the replica.
 	Tunnels *tunnel.Table
 }
@@ -214,10 +203,16 @@ func New(cfg Config) *Server {
 		Clock: cfg.Clock,
 		Log:   cfg.Log,
 	})
-	// The agent and dial services before the server: the server's
-	// credentials hand them the data and dial connections.
-	s.agent = s.agentService()
-	s.dial = s.dialService()
+	// One front door for the Dial RPC and the CONNECT front ends.
+	s.admission = admission.New(admission.Config{
+		Registry: s.Registry, Policy: cfg.Policy, Timeout: cfg.DialTimeout,
+		MaxTunnelsPerCaller:   cfg.MaxTunnelsPerCaller,
+		MaxEarlyDataPerCaller: cfg.MaxEarlyDataPerCaller, MaxEarlyData: cfg.MaxEarlyData,
+		Tunnels:  tunnel.Config{IdleTimeout: cfg.IdleTimeout, Stopping: s.stopping, Clock: cfg.Clock, Table: s.Tunnels},
+		Draining: s.draining,
+		BrokerID: cfg.ID,
+		Log:      cfg.Log.With("component", "dial"),
+	})
 	s.grpc = grpc.NewServer(s.serverOptions(guard)...)
 	s.registerServices()
 	guard.Methods(s.grpc)
@@ -236,23 +231,9 @@ func (s *Server) credentials() credentials.TransportCredentials {
 		identity.MaxConcurrentHandshakes(cfg.MaxHandshakes),
 		identity.CloseExpiredPeers(cfg.ExpiredPeerGrace),
 	}
-	// Data and dial connections are not gRPC's: they go to the agent and
-	// dial services, with coalesced writes but without the HTTP/2 frames'
-	// guard. The handshake offers their protocols before gRPC's.
-	var dispatched map[string]func(net.Conn, identity.AuthInfo)
-	if !cfg.NoDataConnections {
-		dispatched = map[string]func(net.Conn, identity.AuthInfo){
-			wire.DataProtocol: s.agent.ServeData,
-			wire.DialProtocol: s.dial.ServeConn,
-		}
-		opts = append(opts, identity.Protocols(slices.Sorted(maps.Keys(dispatched))...))
-	}
 	creds := identity.ServerCredentials(cfg.Identity, tlsconfig.AuthorizeAny(), opts...)
 	// One write syscall per gRPC flush, not one per 16 KiB TLS record.
 	creds = wire.CoalesceWrites(creds)
-	if dispatched != nil {
-		creds = identity.Dispatch(creds, dispatched)
-	}
 	// A peer that sends its data in tiny or padded DATA frames would make
 	// gRPC hold some 40 times what it sends; its connection is closed.
 	return fragments.Refuse(creds, fragments.Report{Log: cfg.Log, Count: metrics.ClosedFragmented.Inc})
@@ -300,30 +281,15 @@ func (s *Server) serverOptions(guard *opening.Guard) []grpc.ServerOption {
 // registerServices registers the broker's services, health and reflection.
 func (s *Server) registerServices() {
 	cfg := s.cfg
-	dialv1.RegisterService(s.grpc, s.dial)
-	agentv1.RegisterService(s.grpc, s.agent)
+	dialv1.RegisterService(s.grpc, dialv1.New(dialv1.Config{Admission: s.admission}))
+	agentv1.RegisterService(s.grpc, s.agentService())
 	adminv1.RegisterService(s.grpc, adminv1.New(adminv1.Config{Registry: s.Registry, Tunnels: s.Tunnels, BrokerID: cfg.ID}))
 	healthpb.RegisterHealthServer(s.grpc, s.health)
 	reflection.Register(s.grpc)
 	metrics.GRPC.InitializeMetrics(s.grpc)
 }
 
-// dialService is the replica's dial service, with its dial connections.
-func (s *Server) dialService() *dialv1.Service {
-	cfg := s.cfg
-	return dialv1.New(dialv1.Config{
-		Registry: s.Registry, Policy: cfg.Policy, Timeout: cfg.DialTimeout,
-		MaxTunnelsPerCaller:   cfg.MaxTunnelsPerCaller,
-		MaxEarlyDataPerCaller: cfg.MaxEarlyDataPerCaller, MaxEarlyData: cfg.MaxEarlyData,
-		MaxSparesPerPeer: cfg.MaxSpareDialsPerPeer, MaxSpares: cfg.MaxSpareDials,
-		Tunnels:  tunnel.Config{IdleTimeout: cfg.IdleTimeout, Stopping: s.stopping, Clock: cfg.Clock, Table: s.Tunnels},
-		Draining: s.draining,
-		BrokerID: cfg.ID,
-		Log:      cfg.Log.With("component", "dial"),
-	})
-}
-
-// agentService is the replica's agent service, with its data connections.
+// agentService is the replica's agent service.
 func (s *Server) agentService() *agentv1.Service {
 	cfg := s.cfg
 	return agentv1.New(agentv1.Config{
@@ -332,40 +298,28 @@ func (s *Server) agentService() *agentv1.Service {
 		ProbeEvery: cfg.ProbeEvery, RegistrationTimeout: cfg.DialTimeout,
 		MaxRegistrations: cfg.MaxRegistrationsPerAgent, MaxClusters: cfg.MaxClustersPerRegistration,
 		MaxReregistrationsPerSecond: cfg.MaxReregistrationsPerSecond,
-		DataConnections:             !cfg.NoDataConnections,
-		MaxSparesPerPeer:            cfg.MaxSparesPerPeer, MaxSpares: cfg.MaxSpares,
-		Clock: cfg.Clock,
-		Log:   cfg.Log.With("component", "agent"),
+		Clock:                       cfg.Clock,
+		Log:                         cfg.Log.With("component", "agent"),
 	})
 }
 
 // Egress is a CONNECT front end of this replica (package egress): plain
 // for cluster if tlsConfig is nil (a Unix socket), else SPIFFE mTLS with
-// each caller's cluster from the policy. It shares the replica's registry,
-// dial timeout, tunnel limits and shutdown; serve it with its Serve.
+// each caller's cluster from the policy. It admits its tunnels through the
+// replica's front door, as the Dial RPC does: one quota per caller, the
+// same limits, audit and listing; serve it with its Serve.
 func (s *Server) Egress(name string, tlsConfig *tls.Config, cluster string) *egressv1.Server {
 	cfg := s.cfg
-	e := egressv1.New(egressv1.Config{
+	return egressv1.New(egressv1.Config{
 		Name: name, TLS: tlsConfig, Cluster: cluster,
-		Registry: s.Registry, Policy: cfg.Policy, Timeout: cfg.DialTimeout,
-		MaxTunnelsPerCaller: cfg.MaxTunnelsPerCaller,
-		Tunnels:             tunnel.Config{IdleTimeout: cfg.IdleTimeout, Stopping: s.stopping, Clock: cfg.Clock},
-		Draining:            s.draining,
-		Log:                 cfg.Log.With("service", "egress"),
+		Admission: s.admission, Policy: cfg.Policy, Timeout: cfg.DialTimeout,
+		Log: cfg.Log.With("service", "egress"),
 	})
-	s.egress = append(s.egress, e)
-	return e
 }
 
 // active is the number of tunnels the replica splices, Dial's and the
 // CONNECT front ends'.
-func (s *Server) active() int64 {
-	n := s.dial.Active()
-	for _, e := range s.egress {
-		n += e.Active()
-	}
-	return n
-}
+func (s *Server) active() int64 { return s.admission.Active() }
 
 // Ready reports whether the replica takes dials: it serves and does not drain.
 func (s *Server) Ready() bool { return s.draining.Err() == nil }
@@ -375,7 +329,7 @@ func (s *Server) Ready() bool { return s.draining.Err() == nil }
 // flight run for the grace period, then ends them with Unavailable.
 func (s *Server) Serve(ctx context.Context, l net.Listener) error {
 	served := make(chan error, 1)
-	go func() { served <- s.grpc.Serve(identity.HandOver(l)) }()
+	go func() { served <- s.grpc.Serve(l) }()
 	select {
 	case err := <-served:
 		return err

@@ -5,8 +5,6 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
-
-	"github.com/kcp-dev/tunnel-broker/broker/internal/abortable"
 )
 
 // side is whom a failure is laid to.
@@ -23,7 +21,7 @@ const (
 type failure struct {
 	by  side
 	err error
-	// For the broker's own reasons, the statuses of both RPCs.
+	// For the broker's own reasons, the statuses of both legs.
 	callerStatus, agentStatus error
 }
 
@@ -32,7 +30,7 @@ func byBroker(callerStatus, agentStatus error) *failure {
 	return &failure{by: brokerSide, callerStatus: callerStatus, agentStatus: agentStatus}
 }
 
-// statuses are the statuses that end the caller's and the agent's RPC
+// statuses are the statuses that end the caller's and the agent's leg
 // (nil: OK), as docs/protocol.md §4 gives them:
 //
 //	first failure                             caller's status   agent's status
@@ -59,49 +57,33 @@ func (f *failure) statuses() (callerStatus, agentStatus error) {
 	}
 }
 
-// fail ends the tunnel with f, unless its end is decided already: it ends
-// both RPCs with their statuses there and then, which frees both directions
-// whatever the peers do (package abortable).
-func (t *Tunnel) fail(f *failure) {
-	t.endMu.Lock()
-	first := !t.endDecided
-	if first {
-		t.endDecided, t.failure = true, f
-	}
-	t.endMu.Unlock()
-	if !first {
-		return
-	}
-	t.onEnd()
-	callerStatus, agentStatus := f.statuses()
-	abortable.End(t.caller.Context(), callerStatus)
-	abortable.End(t.agent.Context(), agentStatus)
-}
-
-// decideEnd decides the end once both directions have stopped: the first
-// failure, or nil for a clean end.
-func (t *Tunnel) decideEnd() *failure {
+// decide ends the tunnel with f (nil: cleanly), unless its end is decided
+// already: Splice, waiting for it, then ends both legs.
+func (t *Tunnel) decide(f *failure) {
 	t.endMu.Lock()
 	defer t.endMu.Unlock()
-	t.endDecided = true
-	return t.failure
+	if t.ended {
+		return
+	}
+	t.ended, t.failure = true, f
+	close(t.decided)
 }
 
-// watch fails the tunnel when either stream ends, when stopping ends, or when
-// the tunnel has carried nothing for its idle limit, until unwatch. A stream
-// may end while neither direction waits on it: a caller that cancels while
-// the up direction is blocked sending to an agent whose target does not
-// read, say.
+// watch fails the tunnel when either leg's peer goes away, when stopping
+// ends, or when the tunnel has carried nothing for its idle limit, until
+// unwatch. A peer may go away while neither direction waits on its leg: a
+// caller that cancels while the up direction is blocked sending to an
+// agent whose target does not read, say.
 func (t *Tunnel) watch(stopping context.Context) (unwatch func()) {
 	callerCtx, agentCtx := t.caller.Context(), t.agent.Context()
 	// On contexts of the standard library, AfterFunc starts no goroutine
 	// until its context ends.
-	stopCaller := context.AfterFunc(callerCtx, func() { t.fail(&failure{by: callerSide, err: context.Cause(callerCtx)}) })
-	stopAgent := context.AfterFunc(agentCtx, func() { t.fail(&failure{by: agentSide, err: context.Cause(agentCtx)}) })
+	stopCaller := context.AfterFunc(callerCtx, func() { t.decide(&failure{by: callerSide, err: context.Cause(callerCtx)}) })
+	stopAgent := context.AfterFunc(agentCtx, func() { t.decide(&failure{by: agentSide, err: context.Cause(agentCtx)}) })
 	stopStopping := func() bool { return false }
 	if stopping != nil {
 		stopStopping = context.AfterFunc(stopping, func() {
-			t.fail(byBroker(status.Error(codes.Unavailable, "the broker is shutting down and its grace period is over"),
+			t.decide(byBroker(status.Error(codes.Unavailable, "the broker is shutting down and its grace period is over"),
 				status.Error(codes.Unavailable, "the broker is shutting down")))
 		})
 	}

@@ -52,7 +52,7 @@ func (t *Tunnel) checkIdle() {
 	quiet := t.quiet()
 	if quiet < t.idleLimit {
 		t.endMu.Lock()
-		if !t.endDecided && t.idleTimer != nil {
+		if !t.ended && t.idleTimer != nil {
 			t.idleTimer.Reset(t.idleLimit - quiet)
 		}
 		t.endMu.Unlock()
@@ -60,5 +60,5 @@ func (t *Tunnel) checkIdle() {
 	}
 	metrics.LimitsHit.WithLabelValues("idle_timeout").Inc()
 	msg := fmt.Sprintf("tunnel carried nothing for %v", t.idleLimit)
-	t.fail(byBroker(status.Error(codes.DeadlineExceeded, msg), status.Error(codes.DeadlineExceeded, msg)))
+	t.decide(byBroker(status.Error(codes.DeadlineExceeded, msg), status.Error(codes.DeadlineExceeded, msg)))
 }

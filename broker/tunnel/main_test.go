@@ -1,6 +1,7 @@
 package tunnel_test
 
 import (
+	"github.com/kcp-dev/tunnel-broker/broker/admission"
 	"testing"
 	"time"
 
@@ -46,19 +47,19 @@ type config struct {
 // broker is one broker under test.
 type broker struct {
 	*brokertest.Server
-	dial *dialv1.Service
+	admission *admission.Admission
 }
 
 func startBroker(t *testing.T, cfg config) *broker {
 	t.Helper()
 	b := &broker{}
 	b.Server = brokertest.Start(t, testPolicy, func(s *brokertest.Server, srv *grpc.Server) {
-		b.dial = dialv1.New(dialv1.Config{
+		b.admission = admission.New(admission.Config{
 			Registry: s.Registry, Policy: s.Policy, Timeout: testutil.WaitLong,
 			Tunnels:  tunnel.Config{IdleTimeout: cfg.idleTimeout, Stopping: s.Stopping, Clock: cfg.clock},
 			Draining: s.Draining, Log: s.Log,
 		})
-		dialv1.RegisterService(srv, b.dial)
+		dialv1.RegisterService(srv, dialv1.New(dialv1.Config{Admission: b.admission}))
 		agentv1.RegisterService(srv, agentv1.New(agentv1.Config{
 			Registry: s.Registry, Policy: s.Policy, BrokerID: "test-broker",
 			Draining: s.Draining, Stopping: s.Stopping, Grace: time.Second,

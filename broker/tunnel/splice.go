@@ -10,14 +10,11 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"k8s.io/utils/clock"
 
-	"github.com/kcp-dev/tunnel-broker/broker/internal/abortable"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
-	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
@@ -35,12 +32,16 @@ type Config struct {
 	Table *Table
 }
 
-// Splice splices the tunnel with the caller's Dial stream until the tunnel
-// ends, from the caller's Dial RPC, and returns the statuses of the caller's
-// and the agent's RPC (nil: OK); the agent's RPC has ended by then. ended, if
-// set, runs once as soon as the end is known, before either peer can hear
-// of it: a caller told that its tunnel ended may dial again at once.
-func (t *Tunnel) Splice(caller grpc.ServerStream, cfg Config, ended func()) (callerStatus, agentStatus error) {
+// Splice splices the tunnel with the caller's leg until the tunnel ends,
+// and returns the statuses it ended the caller's and the agent's legs with
+// (nil: OK). Each direction is copied by a goroutine of its own; Splice
+// waits for the end, ends both legs, and returns, so that a front end's
+// RPC handler returns its leg's status itself. released, if set, runs once
+// the copiers are gone, which on a clean end is before either peer can hear
+// of it: a caller told that its tunnel ended may dial again at once. After
+// a failure the copiers return as soon as both legs have ended.
+func (t *Tunnel) Splice(caller Leg, cfg Config, released func()) (callerStatus, agentStatus error) {
+	t.endOnce.Do(func() {}) // End no longer ends it: the splice does.
 	t.caller = caller
 	t.clock = cfg.Clock
 	if t.clock == nil {
@@ -52,82 +53,45 @@ func (t *Tunnel) Splice(caller grpc.ServerStream, cfg Config, ended func()) (cal
 		if cfg.Table != nil {
 			cfg.Table.Remove(t)
 		}
-		if ended != nil {
-			ended()
+		if released != nil {
+			released()
 		}
 	})
-	if !abortable.Supported(caller.Context()) || !abortable.Supported(t.agent.Context()) {
-		err := status.Error(codes.Internal, "this build of the broker cannot end a gRPC stream from outside its handler (package abortable)")
-		t.onEnd()
-		t.End(err)
-		return err, err
-	}
-	t.downDone = make(chan struct{})
 	t.touch()
 	if cfg.Table != nil {
 		cfg.Table.Add(t)
 	}
 	unwatch := t.watch(cfg.Stopping)
-	if !t.beginSplice() {
-		// The agent's Tunnel RPC returned before it could copy down.
-		t.fail(&failure{by: agentSide, err: context.Cause(t.agent.Context())})
-		close(t.downDone)
-	}
-	t.copyUp()
-	<-t.downDone
+	t.copiers.Store(2)
+	go t.copy(t.up())
+	go t.copy(t.down())
+	<-t.decided
 	unwatch()
-	callerStatus, agentStatus = t.decideEnd().statuses()
-	t.onEnd()
-	t.End(agentStatus)
+	callerStatus, agentStatus = t.failure.statuses()
+	caller.End(callerStatus)
+	t.agent.End(agentStatus)
 	return callerStatus, agentStatus
 }
 
 // A direction is one way through the tunnel: up, from the caller to the
-// agent, or down, from the agent to the caller. Its messages are made only
-// when needed: an idle tunnel holds none.
+// agent, or down, from the agent to the caller.
 type direction struct {
-	from, to         grpc.ServerStream
+	from, to         Leg
 	fromSide, toSide side
-	// closeWrite is the message that tells to that from half-closed.
-	closeWrite func() any
 	// notData is the failure of a from that sends anything but data.
 	notData func() error
 	bytes   prometheus.Counter
 	carried *atomic.Int64 // this tunnel's bytes this way
 }
 
-// copyUp forwards the caller's bytes to the agent, in the Dial RPC: first
-// the early data its order did not carry, then the caller's frames.
-func (t *Tunnel) copyUp() {
-	d := direction{
-		from: t.caller, to: t.agent, fromSide: callerSide, toSide: agentSide,
-		closeWrite: closeWriteToAgent, notData: callerSentNotData, bytes: metrics.BytesUp, carried: &t.bytesUp,
-	}
-	if early := t.earlyData; len(early) > 0 {
-		t.earlyData = nil
-		if !t.send(d, &tunnelv1.TunnelResponse{Frame: &tunnelv1.TunnelResponse_Data{Data: early}}, len(early)) {
-			return
-		}
-	}
-	t.forward(d)
+func (t *Tunnel) up() direction {
+	return direction{from: t.caller, to: t.agent, fromSide: callerSide, toSide: agentSide,
+		notData: callerSentNotData, bytes: metrics.BytesUp, carried: &t.bytesUp}
 }
 
-// copyDown forwards the agent's bytes to the caller, in the agent's Tunnel
-// RPC.
-func (t *Tunnel) copyDown() {
-	defer close(t.downDone)
-	t.forward(direction{
-		from: t.agent, to: t.caller, fromSide: agentSide, toSide: callerSide,
-		closeWrite: closeWriteToCaller, notData: agentSentNotData, bytes: metrics.BytesDown, carried: &t.bytesDown,
-	})
-}
-
-func closeWriteToAgent() any {
-	return &tunnelv1.TunnelResponse{Frame: &tunnelv1.TunnelResponse_CloseWrite{CloseWrite: &tunnelv1.CloseWrite{}}}
-}
-
-func closeWriteToCaller() any {
-	return &tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_CloseWrite{CloseWrite: &tunnelv1.CloseWrite{}}}
+func (t *Tunnel) down() direction {
+	return direction{from: t.agent, to: t.caller, fromSide: agentSide, toSide: callerSide,
+		notData: agentSentNotData, bytes: metrics.BytesDown, carried: &t.bytesDown}
 }
 
 func callerSentNotData() error {
@@ -138,44 +102,46 @@ func agentSentNotData() error {
 	return errors.New("protocol error: after opening, an agent may only send non-empty data")
 }
 
+// copy runs one direction in its own goroutine. The last copier to return
+// decides a clean end, unless a failure came first, and then stops the
+// tunnel's counting: nothing of the tunnel runs any more.
+func (t *Tunnel) copy(d direction) {
+	t.forward(d)
+	if t.copiers.Add(-1) == 0 {
+		t.onEnd()
+		t.decide(nil)
+	}
+}
+
 // forward copies d's data frames as they were received, without decoding
 // them (wire.Frame), until its sender half-closes, and then tells the
 // receiver so. The first failure on either leg ends the tunnel.
 func (t *Tunnel) forward(d direction) {
 	for {
 		var f wire.Frame
-		err := d.from.RecvMsg(&f)
+		err := d.from.Recv(&f)
 		if errors.Is(err, io.EOF) {
-			if err := d.to.SendMsg(d.closeWrite()); err != nil {
-				t.fail(&failure{by: d.toSide, err: err})
+			if err := d.to.CloseWrite(); err != nil {
+				t.decide(&failure{by: d.toSide, err: err})
 			}
 			return
 		}
 		if err != nil {
-			t.fail(&failure{by: d.fromSide, err: err})
+			t.decide(&failure{by: d.fromSide, err: err})
 			return
 		}
 		t.touch()
 		n, err := f.DataLen()
 		if err != nil {
 			f.Free()
-			t.fail(&failure{by: d.fromSide, err: d.notData()})
+			t.decide(&failure{by: d.fromSide, err: d.notData()})
 			return
 		}
-		if !t.send(d, &f, n) {
+		if err := d.to.Send(&f); err != nil {
+			t.decide(&failure{by: d.toSide, err: err})
 			return
 		}
+		d.bytes.Add(float64(n))
+		d.carried.Add(int64(n))
 	}
-}
-
-// send sends msg, n bytes of data, d's way and counts them; false if that
-// failed the tunnel.
-func (t *Tunnel) send(d direction, msg any, n int) bool {
-	if err := d.to.SendMsg(msg); err != nil {
-		t.fail(&failure{by: d.toSide, err: err})
-		return false
-	}
-	d.bytes.Add(float64(n))
-	d.carried.Add(int64(n))
-	return true
 }

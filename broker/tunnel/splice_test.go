@@ -33,7 +33,7 @@ func TestTunnelCarriesBytesBothWays(t *testing.T) {
 	if n := b.Registry.Agents()[0].Tunnels(); n != 0 {
 		t.Errorf("the agent carries %d tunnels after the end, want 0", n)
 	}
-	if n := b.dial.Active(); n != 0 {
+	if n := b.admission.Active(); n != 0 {
 		t.Errorf("%d tunnels active after the end, want 0", n)
 	}
 }

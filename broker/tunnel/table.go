@@ -57,7 +57,7 @@ func (tb *Table) List(f Filter) (infos []Info, more bool) {
 	tb.mu.Lock()
 	for t := range tb.live {
 		if (f.Cluster == "" || t.Target.GetCluster() == f.Cluster) &&
-			(f.Caller.IsZero() || t.Caller == f.Caller) && t.ID > f.After {
+			(f.Caller.IsZero() || t.CallerID == f.Caller) && t.ID > f.After {
 			matched = append(matched, t)
 		}
 	}

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"net"
 	"runtime/debug"
-	"slices"
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/bundle/x509bundle"
@@ -49,14 +48,6 @@ func CloseExpiredPeers(grace time.Duration) Option {
 	return func(c *spiffeCreds) { c.expiredGrace = &grace }
 }
 
-// Protocols are the ALPN protocols offered besides gRPC's "h2", in the
-// order of preference, before it: a server offers them on the same port
-// (the server hands a connection that picks one to its own handler), and a
-// client's handshake that should pick one asks for it.
-func Protocols(protos ...string) Option {
-	return func(c *spiffeCreds) { c.protocols = protos }
-}
-
 // ServerCredentials is SPIFFE mTLS that admits any peer whose X.509-SVID
 // verifies against the source's bundles and that authorize accepts. Which
 // peer may do what is decided per RPC from PeerID.
@@ -79,9 +70,8 @@ func ClientCredentials(src SVIDSource, authorize tlsconfig.Authorizer, opts ...O
 // AuthInfo of this package's own: the peer's verified SPIFFE ID, never nil,
 // and when its SVID expires.
 type spiffeCreds struct {
-	cfg          *tls.Config // with "h2" after protocols
+	cfg          *tls.Config // offering "h2" by ALPN
 	tls          credentials.TransportCredentials
-	protocols    []string // ALPN, before "h2"
 	refusals     *Refusals
 	slots        *handshakeSlots // server only; nil: no bound
 	expiredGrace *time.Duration  // server only; nil: expiry does not close connections
@@ -96,7 +86,7 @@ func newCreds(cfg *tls.Config, bundles x509bundle.Source, authorize tlsconfig.Au
 	}
 	// "h2" last, as NewTLS would add it; our handshakes (tlsServer,
 	// tlsClient) use cfg, NewTLS's only its Info.
-	cfg.NextProtos = append(slices.Clone(c.protocols), "h2")
+	cfg.NextProtos = []string{"h2"}
 	c.cfg = cfg
 	c.tls = credentials.NewTLS(cfg)
 	return c

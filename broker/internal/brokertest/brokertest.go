@@ -105,9 +105,7 @@ func StartWithCredentials(t *testing.T, pol policy.File, wrap func(credentials.T
 	s.Stopping, s.stop = context.WithCancel(context.Background())
 	t.Cleanup(s.drain)
 	t.Cleanup(s.stop)
-	// Data and dial connections are offered as the broker offers them; a
-	// test serves them by wrapping the credentials with identity.Dispatch.
-	creds := identity.ServerCredentials(source(t, ca, BrokerPath), tlsconfig.AuthorizeAny(), identity.Protocols(wire.DataProtocol, wire.DialProtocol))
+	creds := identity.ServerCredentials(source(t, ca, BrokerPath), tlsconfig.AuthorizeAny())
 	if wrap != nil {
 		creds = wrap(creds)
 	}
@@ -133,7 +131,7 @@ func serve(t *testing.T, srv *grpc.Server) string {
 	served := make(chan struct{})
 	go func() {
 		defer close(served)
-		_ = srv.Serve(identity.HandOver(lis))
+		_ = srv.Serve(lis)
 	}()
 	t.Cleanup(func() {
 		srv.Stop()
@@ -185,49 +183,6 @@ func source(t *testing.T, ca *devca.CA, path string) *devca.Source {
 		t.Fatal(err)
 	}
 	return src
-}
-
-// DataConn opens a data connection (docs/protocol.md §3.5) to the broker as
-// the identity path, expecting the broker's identity; the test t closes it
-// when it ends.
-func (s *Server) DataConn(t *testing.T, path string) *tls.Conn {
-	t.Helper()
-	return s.dispatched(t, path, wire.DataProtocol)
-}
-
-// DialConn opens a dial connection (docs/protocol.md §3.6) to the broker as
-// the identity path, as DataConn opens a data connection.
-func (s *Server) DialConn(t *testing.T, path string) *tls.Conn {
-	t.Helper()
-	return s.dispatched(t, path, wire.DialProtocol)
-}
-
-// Accepted reads the broker's first answer on a data or dial connection
-// and fails the test unless it took conn as a spare of replica brokerID.
-func Accepted(t *testing.T, conn *tls.Conn, brokerID string) *tls.Conn {
-	t.Helper()
-	if id, err := wire.ReadAccepted(conn); err != nil || id != brokerID {
-		t.Fatalf("the broker answered a spare with %q, %v; want its id %q", id, err, brokerID)
-	}
-	return conn
-}
-
-// dispatched opens a connection as the identity path whose handshake picks
-// the ALPN protocol proto.
-func (s *Server) dispatched(t *testing.T, path, proto string) *tls.Conn {
-	t.Helper()
-	cfg := s.ClientTLS(t, path)
-	cfg.NextProtos = []string{proto}
-	conn, err := tls.Dial("tcp", s.Addr, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if got := conn.ConnectionState().NegotiatedProtocol; got != proto {
-		conn.Close()
-		t.Fatalf("the broker negotiated %q, want %q", got, proto)
-	}
-	t.Cleanup(func() { conn.Close() })
-	return conn
 }
 
 // StreamContext bounds a client stream: a test that waits on a stream for

@@ -2,7 +2,6 @@ package brokertest
 
 import (
 	"context"
-	"crypto/tls"
 	"errors"
 	"io"
 	"testing"
@@ -10,7 +9,6 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
-	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // This file plays the broker's peers by hand, with the generated clients:
@@ -21,9 +19,6 @@ type Agent struct {
 	s       *Server
 	path    string
 	Control tunnelv1.AgentService_ConnectClient
-	// Session is the registration's session (Registered.session_id),
-	// which its data connections bind to.
-	Session string
 }
 
 // ConnectAgent registers an agent named name, as the identity path, for
@@ -50,19 +45,7 @@ func (s *Server) ConnectAgentWith(t *testing.T, path string, register *tunnelv1.
 	if err != nil || msg.GetRegistered() == nil {
 		t.Fatalf("registering: %v, %v", msg, err)
 	}
-	return &Agent{s: s, path: path, Control: control, Session: msg.GetRegistered().GetSessionId()}
-}
-
-// DataSpare opens a data connection of the agent's (docs/protocol.md §3.5),
-// binds it to the agent's registration and reads the broker's acceptance:
-// an idle spare of the agent, which takes its next dial order.
-func (a *Agent) DataSpare(t *testing.T, brokerID string) *tls.Conn {
-	t.Helper()
-	conn := a.s.DataConn(t, a.path)
-	if err := wire.WriteBind(conn, a.Session); err != nil {
-		t.Fatal(err)
-	}
-	return Accepted(t, conn, brokerID)
+	return &Agent{s: s, path: path, Control: control}
 }
 
 // Order is the agent's next dial order, which must be for want; a drain on

@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"crypto/tls"
 	"errors"
+	"github.com/kcp-dev/tunnel-broker/broker/admission"
 	"io"
 	"log/slog"
 	"math/rand/v2"
@@ -64,10 +65,10 @@ func startBroker(t *testing.T) *broker {
 		})
 	}
 	b.Server = brokertest.StartWithCredentials(t, testPolicy, refuse, nil, func(s *brokertest.Server, srv *grpc.Server) {
-		dialv1.RegisterService(srv, dialv1.New(dialv1.Config{
+		dialv1.RegisterService(srv, dialv1.New(dialv1.Config{Admission: admission.New(admission.Config{
 			Registry: s.Registry, Policy: s.Policy, Timeout: testutil.WaitLong,
 			Tunnels: brokertunnel.Config{Stopping: s.Stopping}, Draining: s.Draining, Log: s.Log,
-		}))
+		})}))
 		agentv1.RegisterService(srv, agentv1.New(agentv1.Config{
 			Registry: s.Registry, Policy: s.Policy, BrokerID: "test-broker",
 			Draining: s.Draining, Stopping: s.Stopping, ProbeEvery: time.Hour, Log: s.Log,

@@ -43,7 +43,6 @@ import (
 	"google.golang.org/grpc/tap"
 	"k8s.io/utils/clock"
 
-	"github.com/kcp-dev/tunnel-broker/broker/internal/abortable"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/quota"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
@@ -186,7 +185,7 @@ func (g *Guard) stream(srv any, ss grpc.ServerStream, info *grpc.StreamServerInf
 //go:noinline
 func (g *Guard) watch(ss grpc.ServerStream, method string) *firstMessage {
 	id, _ := identity.PeerID(ss.Context())
-	w := &firstMessage{ServerStream: ss, guard: g, peer: id, method: method}
+	w := &firstMessage{ServerStream: ss, guard: g, peer: id, method: method, ended: make(chan struct{})}
 	w.mu.Lock()
 	w.timer = g.cfg.Clock.AfterFunc(min(g.cfg.Patience, g.cfg.Timeout), w.count)
 	w.mu.Unlock()
@@ -229,14 +228,28 @@ type firstMessage struct {
 	mu      sync.Mutex
 	timer   clock.Timer
 	release func() // set while the stream counts against the quota
-	status  error  // what the guard ended the stream with
+	status  error  // what the guard ended the stream with, before ended closes
+	ended   chan struct{}
 }
 
+// RecvMsg receives the first message in a goroutine of its own, so that
+// the guard can end a stream whose first message does not come: the
+// handler, freed, returns the guard's status, and the stream's end frees
+// the receive (what it may still bring is dropped). A handler blocked in
+// RecvMsg could not return, and grpc-go ends a stream from its handler
+// only. Later messages are received as they are.
 func (w *firstMessage) RecvMsg(m any) error {
 	if w.state.Load() == arrived {
 		return w.ServerStream.RecvMsg(m)
 	}
-	err := w.ServerStream.RecvMsg(m)
+	got := make(chan error, 1)
+	go func() { got <- w.ServerStream.RecvMsg(m) }()
+	var err error
+	select {
+	case err = <-got:
+	case <-w.ended:
+		return w.status
+	}
 	w.mu.Lock()
 	if w.state.Load() == ended {
 		// The guard ended the stream first, whatever this Recv got.
@@ -292,7 +305,8 @@ func (w *firstMessage) late() error {
 		fmt.Sprintf("no %s within %v: the first message of this stream must be its %s", what, w.guard.cfg.Timeout, what))
 }
 
-// end ends the stream with err and stops counting it; w.mu is held.
+// end ends the stream with err, which its handler, waiting for its first
+// message, returns; and stops counting it. w.mu is held.
 func (w *firstMessage) end(err error) {
 	w.state.Store(ended)
 	w.status = err
@@ -300,7 +314,7 @@ func (w *firstMessage) end(err error) {
 		w.release()
 		w.release = nil
 	}
-	abortable.End(w.ServerStream.Context(), err)
+	close(w.ended)
 }
 
 // done runs when the handler returns: the stream no longer counts.

@@ -2,6 +2,7 @@ package opening
 
 import (
 	"context"
+	"github.com/kcp-dev/tunnel-broker/broker/admission"
 	"log/slog"
 	"testing"
 	"time"
@@ -51,10 +52,10 @@ func startBroker(t *testing.T, cfg Config) (*Guard, *brokertest.Server) {
 	}
 	g := New(cfg)
 	b := brokertest.StartWithOptions(t, testPolicy, g.ServerOptions(), func(s *brokertest.Server, srv *grpc.Server) {
-		dialv1.RegisterService(srv, dialv1.New(dialv1.Config{
+		dialv1.RegisterService(srv, dialv1.New(dialv1.Config{Admission: admission.New(admission.Config{
 			Registry: s.Registry, Policy: s.Policy, Timeout: testutil.WaitLong,
 			Tunnels: tunnel.Config{Stopping: s.Stopping}, Draining: s.Draining, Log: s.Log,
-		}))
+		})}))
 		agentv1.RegisterService(srv, agentv1.New(agentv1.Config{
 			Registry: s.Registry, Policy: s.Policy, BrokerID: "test-broker",
 			Draining: s.Draining, Stopping: s.Stopping, ProbeEvery: time.Hour, Log: s.Log,

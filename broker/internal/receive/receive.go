@@ -49,3 +49,26 @@ func First[M any, P message[M]](stream grpc.ServerStream, closed string) (P, err
 	}
 	return msg, err
 }
+
+// MessageBefore is Message, unless stop closes first: then it returns
+// stopped. The message is received in a goroutine of its own, so that the
+// handler can return stopped, which ends the stream and frees the receive
+// (whatever it still brings is dropped): grpc-go ends a stream from its
+// handler only.
+func MessageBefore[M any, P message[M]](stream grpc.ServerStream, stop <-chan struct{}, stopped error) (P, error) {
+	type result struct {
+		msg P
+		err error
+	}
+	got := make(chan result, 1)
+	go func() {
+		msg, err := Message[M, P](stream)
+		got <- result{msg, err}
+	}()
+	select {
+	case r := <-got:
+		return r.msg, r.err
+	case <-stop:
+		return nil, stopped
+	}
+}

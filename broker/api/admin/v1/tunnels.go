@@ -35,7 +35,7 @@ func (s *Service) ListTunnels(_ context.Context, req *tunnelv1.ListTunnelsReques
 	for _, t := range infos {
 		resp.Tunnels = append(resp.Tunnels, &tunnelv1.TunnelInfo{
 			TunnelId:       t.ID,
-			CallerSpiffeId: t.Caller.String(),
+			CallerSpiffeId: t.Caller,
 			Target:         t.Target,
 			AgentName:      t.Agent.Name,
 			AgentSpiffeId:  t.Agent.ID.String(),

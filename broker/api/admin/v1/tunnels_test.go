@@ -3,6 +3,7 @@ package admin
 import (
 	"bytes"
 	"encoding/json"
+	"github.com/kcp-dev/tunnel-broker/broker/admission"
 	"log/slog"
 	"slices"
 	"strings"
@@ -52,11 +53,11 @@ func startTunnelBroker(t *testing.T) *tunnelBroker {
 	b := &tunnelBroker{log: &brokertest.LogBuffer{}}
 	table := tunnel.NewTable()
 	b.Server = brokertest.Start(t, pol, func(s *brokertest.Server, srv *grpc.Server) {
-		dialv1.RegisterService(srv, dialv1.New(dialv1.Config{
+		dialv1.RegisterService(srv, dialv1.New(dialv1.Config{Admission: admission.New(admission.Config{
 			Registry: s.Registry, Policy: s.Policy, Timeout: testutil.WaitLong,
 			Tunnels: tunnel.Config{Stopping: s.Stopping, Table: table}, BrokerID: "broker-0",
 			Log: slog.New(slog.NewJSONHandler(b.log, nil)),
-		}))
+		})}))
 		agentv1.RegisterService(srv, agentv1.New(agentv1.Config{
 			Registry: s.Registry, Policy: s.Policy, BrokerID: "broker-0", ProbeEvery: time.Hour, Log: s.Log,
 		}))
@@ -161,7 +162,7 @@ func TestEveryTunnelLeavesOneAuditLineWhenItEnds(t *testing.T) {
 				Level, Msg string
 				Audit      map[string]any
 			}
-			if json.Unmarshal([]byte(line), &entry) == nil && entry.Msg == dialv1.AuditMessage && entry.Level == "INFO" {
+			if json.Unmarshal([]byte(line), &entry) == nil && entry.Msg == admission.AuditMessage && entry.Level == "INFO" {
 				audit = entry.Audit
 				return true
 			}

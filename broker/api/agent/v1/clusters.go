@@ -9,7 +9,6 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/kcp-dev/tunnel-broker/broker/internal/abortable"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/receive"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
@@ -43,13 +42,14 @@ func (s *Service) firstClusters(stream tunnelv1.AgentService_ConnectServer, id s
 	}
 	timeout := s.cfg.RegistrationTimeout
 	late := status.Errorf(codes.DeadlineExceeded, "the registration's clusters did not all arrive within %v: its last register must not set more", timeout)
+	expired := make(chan struct{})
 	timer := s.cfg.Clock.AfterFunc(start.Add(timeout).Sub(s.cfg.Clock.Now()), func() {
 		metrics.LimitsHit.WithLabelValues("first_message_timeout").Inc()
-		abortable.End(stream.Context(), late)
+		close(expired)
 	})
 	defer timer.Stop()
 	for reg.GetMore() {
-		msg, err := receive.Message[tunnelv1.ConnectRequest](stream)
+		msg, err := receive.MessageBefore[tunnelv1.ConnectRequest](stream, expired, late)
 		if errors.Is(err, io.EOF) {
 			return nil, status.Error(codes.InvalidArgument, "stream closed before the registration's last register")
 		}

@@ -45,10 +45,8 @@ func (s *Service) Connect(stream tunnelv1.AgentService_ConnectServer) error {
 	s.cfg.Registry.Register(a)
 	defer s.cfg.Registry.Unregister(a)
 	registered := &tunnelv1.ConnectResponse{Message: &tunnelv1.ConnectResponse_Registered{Registered: &tunnelv1.Registered{
-		BrokerId:        s.cfg.BrokerID,
-		Since:           timestamppb.New(a.Since),
-		DataConnections: s.cfg.DataConnections,
-		SessionId:       sessionOf(a, s.cfg.DataConnections),
+		BrokerId: s.cfg.BrokerID,
+		Since:    timestamppb.New(a.Since),
 	}}}
 	if err := stream.Send(registered); err != nil {
 		return err
@@ -95,9 +93,7 @@ func (s *Service) register(stream tunnelv1.AgentService_ConnectServer, id spiffe
 	if err != nil {
 		return nil, err
 	}
-	a := registry.NewAgent(sessionID(), id, reg.GetAgentName(), clusters)
-	a.AcceptsEarlyData = reg.GetAcceptsEarlyData()
-	return a, nil
+	return registry.NewAgent(sessionID(), id, reg.GetAgentName(), clusters), nil
 }
 
 // serve sends a registered agent its dial orders, probes and the broker's
@@ -196,15 +192,6 @@ func (s *Service) reRegister(a *registry.Agent, update *clusterSet, reg *tunnelv
 	}
 	paced.submit(update.all)
 	return nil
-}
-
-// sessionOf is the session a's data connections bind to, if the broker
-// takes them.
-func sessionOf(a *registry.Agent, dataConnections bool) string {
-	if !dataConnections {
-		return ""
-	}
-	return a.SessionID
 }
 
 func sessionID() string {

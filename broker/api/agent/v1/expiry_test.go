@@ -1,8 +1,6 @@
 package agent
 
 import (
-	"errors"
-	"io"
 	"testing"
 	"time"
 
@@ -15,7 +13,6 @@ import (
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
-	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 func TestAnAgentsRegistrationEndsWhenItsSVIDExpires(t *testing.T) {
@@ -61,30 +58,4 @@ func TestAnAgentsRegistrationEndsWhenItsSVIDExpires(t *testing.T) {
 		"the X.509-SVID of spiffe://example.org/agent-a expired at "+expires.UTC().Format(time.RFC3339))
 	testutil.Eventually(t, "the agent to be unrouted", func() bool { return b.registered("a") == nil })
 	testutil.CheckStatus(t, "Dial", dialStatus(t, b.startDial(t, brokertest.Target("root"))), codes.Unavailable, `no agent serves logical cluster "root"`)
-}
-
-func TestASpareDataConnectionClosesWhenItsSVIDExpires(t *testing.T) {
-	b := startBroker(t, config{})
-	addr := b.ExpiringPort(t, wire.DataProtocol, b.agents.ServeData)
-	// x509 times are whole seconds: this SVID expires in 2 to 3 seconds.
-	src, err := b.CA.Source(devca.Leaf{SPIFFEID: agentA, NotAfter: time.Now().Add(3 * time.Second)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	a := b.ConnectAgent(t, agentA, "a", "root")
-	conn, read := brokertest.ConnAs(t, addr, src, wire.DataProtocol)
-	if err := wire.WriteBind(conn, a.Session); err != nil {
-		t.Fatal(err)
-	}
-	brokertest.Accepted(t, conn, brokerID)
-	testutil.Eventually(t, "the spare to count", func() bool { return b.agents.spares.Held(brokertest.ID(agentA)) == 1 })
-
-	// At the expiry, with no grace, the broker closes the spare's socket
-	// under its TLS: no close_notify, unlike the drain's.
-	got, err := io.ReadAll(read)
-	if len(got) != 0 || !errors.Is(err, wire.ErrNoCloseNotify) {
-		t.Fatalf("after its SVID expired the spare read %x, %v; want its socket closed without a close_notify", got, err)
-	}
-	// And it no longer counts against the agent's spares.
-	testutil.Eventually(t, "the expired spare to stop counting", func() bool { return b.agents.spares.TotalHeld() == 0 })
 }

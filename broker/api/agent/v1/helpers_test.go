@@ -3,15 +3,14 @@ package agent
 import (
 	"context"
 	"errors"
+	"github.com/kcp-dev/tunnel-broker/broker/admission"
 	"io"
-	"net"
 	"testing"
 	"time"
 
 	"go.uber.org/goleak"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials"
 	"google.golang.org/protobuf/proto"
 	"k8s.io/utils/clock"
 
@@ -20,10 +19,8 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
-	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
-	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // This file holds the broker the tests connect to: brokertest's real gRPC
@@ -59,8 +56,6 @@ type config struct {
 	registerTimeout  time.Duration
 	maxRegistrations int64
 	maxClusters      int
-	// maxSparesPerPeer and maxSpares bound spare data connections.
-	maxSparesPerPeer, maxSpares int64
 	// clock times probes, the first registration and SVIDs' expiry; nil:
 	// the real clock.
 	clock clock.WithTickerAndDelayedExecution
@@ -87,25 +82,19 @@ func startBroker(t *testing.T, cfg config) *broker {
 		cfg.registerTimeout = testutil.WaitLong
 	}
 	b := &broker{}
-	// The broker's data connections go to the service under test, as the
-	// broker's server hands them over.
-	dispatch := func(creds credentials.TransportCredentials) credentials.TransportCredentials {
-		return identity.Dispatch(creds, map[string]func(net.Conn, identity.AuthInfo){wire.DataProtocol: func(conn net.Conn, peer identity.AuthInfo) { b.agents.ServeData(conn, peer) }})
-	}
-	b.Server = brokertest.StartWithCredentials(t, testPolicy, dispatch, nil, func(s *brokertest.Server, srv *grpc.Server) {
+	b.Server = brokertest.Start(t, testPolicy, func(s *brokertest.Server, srv *grpc.Server) {
 		b.agents = New(Config{
 			Registry: s.Registry, Policy: s.Policy, BrokerID: brokerID,
 			Draining: s.Draining, Stopping: s.Stopping, Grace: cfg.grace,
 			ProbeEvery: cfg.probeEvery, RegistrationTimeout: cfg.registerTimeout,
 			MaxRegistrations: cfg.maxRegistrations, MaxClusters: cfg.maxClusters,
-			DataConnections: true, MaxSparesPerPeer: cfg.maxSparesPerPeer, MaxSpares: cfg.maxSpares,
 			Clock: cfg.clock, Log: s.Log,
 		})
 		RegisterService(srv, b.agents)
-		dialv1.RegisterService(srv, dialv1.New(dialv1.Config{
+		dialv1.RegisterService(srv, dialv1.New(dialv1.Config{Admission: admission.New(admission.Config{
 			Registry: s.Registry, Policy: s.Policy, Timeout: cfg.dialTimeout,
 			Tunnels: tunnel.Config{Stopping: s.Stopping}, Draining: s.Draining, Log: s.Log,
-		}))
+		})}))
 	})
 	return b
 }

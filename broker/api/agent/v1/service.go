@@ -1,6 +1,6 @@
 // Package agent serves kcp.tunnel.v1.AgentService: agents register the
 // logical clusters they serve on a control stream (connect.go), and open one
-// Tunnel stream or data connection (dataconn.go) per dial the broker orders.
+// Tunnel stream per dial the broker orders.
 package agent
 
 import (
@@ -16,8 +16,6 @@ import (
 
 	"github.com/kcp-dev/tunnel-broker/broker/internal/quota"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/receive"
-	"github.com/kcp-dev/tunnel-broker/broker/internal/spares"
-	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
@@ -77,12 +75,6 @@ type Config struct {
 	// control stream, the latest list winning; zero:
 	// DefaultMaxReregistrationsPerSecond.
 	MaxReregistrationsPerSecond float64
-	// DataConnections tells agents that the server hands this service the
-	// data connections of its port (ServeData, docs/protocol.md §3.5).
-	DataConnections bool
-	// MaxSparesPerPeer and MaxSpares bound the spare data connections of
-	// one SPIFFE ID and of all together (dataconn.go); zero: the defaults.
-	MaxSparesPerPeer, MaxSpares int64
 	// Clock times the probes, the first registration and the end of each
 	// registration at its SVID's expiry; nil: the real clock.
 	Clock clock.WithTickerAndDelayedExecution
@@ -94,8 +86,7 @@ type Service struct {
 	tunnelv1.UnimplementedAgentServiceServer
 
 	cfg           Config
-	registrations quota.Quota  // control streams, per agent SPIFFE ID
-	spares        spares.Bound // idle data connections, bound or binding
+	registrations quota.Quota // control streams, per agent SPIFFE ID
 }
 
 // New is an agent service with cfg, its defaults resolved.
@@ -117,8 +108,6 @@ func New(cfg Config) *Service {
 	return &Service{
 		cfg:           cfg,
 		registrations: quota.Quota{PerID: cmp.Or(cfg.MaxRegistrations, DefaultMaxRegistrations)},
-		spares: spares.Bound{Quota: quota.Quota{PerID: cmp.Or(cfg.MaxSparesPerPeer, DefaultMaxSparesPerPeer), Total: cmp.Or(cfg.MaxSpares, DefaultMaxSpares)},
-			Kind: "data", Gauge: metrics.SpareDataConnections},
 	}
 }
 

@@ -31,10 +31,9 @@ func establishEarly(t *testing.T, b *broker, agent *brokertest.Agent) (*tunnelv1
 	return order, &brokertest.Tunnel{Caller: caller, Agent: tun}
 }
 
-func TestEarlyDataGoesInTheOrderOfAnAgentThatAcceptsIt(t *testing.T) {
+func TestEarlyDataGoesInTheOrder(t *testing.T) {
 	b := startBroker(t, config{})
-	agent := b.ConnectAgentWith(t, agentPath, &tunnelv1.Register{Clusters: []string{"root"}, AgentName: "a", AcceptsEarlyData: true})
-	order, tun := establishEarly(t, b, agent)
+	order, tun := establishEarly(t, b, b.connectAgent(t, "a", "root"))
 	if got := string(order.GetEarlyData()); got != "client hello" {
 		t.Errorf("the order carries %q, want the caller's early data", got)
 	}
@@ -45,22 +44,6 @@ func TestEarlyDataGoesInTheOrderOfAnAgentThatAcceptsIt(t *testing.T) {
 	}
 	if msg, err := tun.Agent.Recv(); err != nil || string(msg.GetData()) != "next" {
 		t.Errorf("the agent's first frame: %v, %v, want data \"next\"", msg, err)
-	}
-}
-
-func TestEarlyDataIsTheFirstFrameToAnAgentThatDoesNotAcceptIt(t *testing.T) {
-	b := startBroker(t, config{})
-	order, tun := establishEarly(t, b, b.connectAgent(t, "old", "root"))
-	if len(order.GetEarlyData()) != 0 {
-		t.Errorf("the order carries early data %q to an agent that did not accept it", order.GetEarlyData())
-	}
-	if err := tun.Caller.Send(brokertest.DataUp([]byte("next"))); err != nil {
-		t.Fatal(err)
-	}
-	for _, want := range []string{"client hello", "next"} {
-		if msg, err := tun.Agent.Recv(); err != nil || string(msg.GetData()) != want {
-			t.Errorf("the agent got %v, %v, want data %q", msg, err, want)
-		}
 	}
 }
 

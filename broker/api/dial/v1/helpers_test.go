@@ -1,23 +1,20 @@
 package dial
 
 import (
+	"github.com/kcp-dev/tunnel-broker/broker/admission"
 	"log/slog"
-	"net"
 	"testing"
 	"time"
 
 	"go.uber.org/goleak"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials"
 
 	agentv1 "github.com/kcp-dev/tunnel-broker/broker/api/agent/v1"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
-	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
-	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // This file holds the broker the tests dial through: brokertest's real gRPC
@@ -49,8 +46,6 @@ var testPolicy = policy.File{
 type config struct {
 	timeout             time.Duration
 	maxTunnelsPerCaller int64
-	// maxSparesPerPeer and maxSpares bound spare dial connections.
-	maxSparesPerPeer, maxSpares int64
 	// maxEarlyDataPerCaller and maxEarlyData bound pending dials' early
 	// data.
 	maxEarlyDataPerCaller, maxEarlyData int64
@@ -73,24 +68,18 @@ func startBroker(t *testing.T, cfg config) *broker {
 		cfg.timeout = testutil.WaitLong
 	}
 	b := &broker{}
-	// The broker's dial connections go to the service under test, as the
-	// broker's server hands them over.
-	dispatch := func(creds credentials.TransportCredentials) credentials.TransportCredentials {
-		return identity.Dispatch(creds, map[string]func(net.Conn, identity.AuthInfo){wire.DialProtocol: func(conn net.Conn, peer identity.AuthInfo) { b.dial.ServeConn(conn, peer) }})
-	}
-	b.Server = brokertest.StartWithCredentials(t, testPolicy, dispatch, nil, func(s *brokertest.Server, srv *grpc.Server) {
+	b.Server = brokertest.Start(t, testPolicy, func(s *brokertest.Server, srv *grpc.Server) {
 		log := s.Log
 		if cfg.log != nil {
 			log = slog.New(slog.NewJSONHandler(cfg.log, &slog.HandlerOptions{Level: slog.LevelDebug}))
 		}
-		b.dial = New(Config{
+		b.dial = New(Config{Admission: admission.New(admission.Config{
 			Registry: s.Registry, Policy: s.Policy, Timeout: cfg.timeout,
-			MaxTunnelsPerCaller: cfg.maxTunnelsPerCaller,
-			MaxSparesPerPeer:    cfg.maxSparesPerPeer, MaxSpares: cfg.maxSpares,
+			MaxTunnelsPerCaller:   cfg.maxTunnelsPerCaller,
 			MaxEarlyDataPerCaller: cfg.maxEarlyDataPerCaller, MaxEarlyData: cfg.maxEarlyData,
 			Tunnels:  tunnel.Config{Stopping: s.Stopping},
 			Draining: s.Draining, BrokerID: brokerID, Log: log,
-		})
+		})})
 		RegisterService(srv, b.dial)
 		agentv1.RegisterService(srv, agentv1.New(agentv1.Config{
 			Registry: s.Registry, Policy: s.Policy, BrokerID: brokerID,

@@ -149,13 +149,16 @@ func TestDialLimitsTunnelsPerCaller(t *testing.T) {
 	other := a.Establish(t, shardPath, brokertest.Target("team-a"))
 	other.Up("other caller")
 
-	// A tunnel that ended no longer counts by the time its caller hears,
-	// whether it closed or failed.
+	// A tunnel that closed no longer counts by the time its caller hears:
+	// its copiers are gone before either leg ends.
 	first.CloseBoth()
 	again := a.Establish(t, kcpPath, brokertest.Target("root"))
 	again.Up("again")
+	// One that failed stops counting once its copiers, freed by the end
+	// of both legs, have returned.
 	again.CancelAgent()
 	testutil.CheckStatus(t, "caller", again.CallerEnd(), codes.Unavailable, "tunnel lost on the agent's side")
+	testutil.Eventually(t, "the failed tunnel to stop counting", func() bool { return b.dial.cfg.Admission.Held(brokertest.ID(kcpPath)) == 0 })
 	a.Establish(t, kcpPath, brokertest.Target("root")).Up("and again")
 }
 
@@ -168,7 +171,7 @@ func TestDialsThatHaveNotNamedATargetCountAgainstTheCaller(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	testutil.Eventually(t, "two dials to be counted", func() bool { return b.dial.callers.Held(brokertest.ID(kcpPath)) == 2 })
+	testutil.Eventually(t, "two dials to be counted", func() bool { return b.dial.cfg.Admission.Held(brokertest.ID(kcpPath)) == 2 })
 	testutil.CheckStatus(t, "a dial with a target", b.dialStatus(t, kcpPath, brokertest.Target("root")),
 		codes.ResourceExhausted, "already holds 2 tunnels, the most a caller may")
 }

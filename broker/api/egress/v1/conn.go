@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"context"
 	"errors"
-	"log/slog"
 	"net"
 	"net/http"
 	"strconv"
@@ -13,10 +12,9 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/kcp-dev/tunnel-broker/broker/internal/quota"
+	"github.com/kcp-dev/tunnel-broker/broker/admission"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
-	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
 // refusal is a CONNECT answered without a tunnel.
@@ -45,27 +43,33 @@ func (s *Server) serveConn(raw net.Conn) {
 		s.cfg.Log.Info("egress handshake failed", "remote", raw.RemoteAddr().String(), "error", err)
 		return
 	}
-	t, br, release, err := s.open(conn, who, deadline)
+	t, ticket, br, err := s.open(conn, who, deadline)
 	s.releaseOpening()
+	if ticket != nil {
+		defer ticket.Release()
+	}
 	if r, ok := errors.AsType[*refusal](err); ok {
 		s.count(r.code)
 		_ = reply(conn, r.code, r.reason, r.header...)
 		return
 	}
 	if _, err := conn.Write([]byte(established)); err != nil {
-		release()
 		s.count(0)
 		t.End(status.Error(codes.Canceled, "the CONNECT client went away before its answer"))
 		return
 	}
 	s.count(http.StatusOK)
 	_ = conn.SetDeadline(time.Time{})
-	s.splice(&bufferedConn{Conn: conn, r: br}, t, release, s.cfg.Log.With("caller", who.String(), "tunnel", t.ID, "agent", t.Agent.String()))
+	gauge := metrics.EgressTunnels.WithLabelValues(s.cfg.Name)
+	gauge.Inc()
+	defer gauge.Dec()
+	ticket.Splice(t, tunnel.NewConnLeg(&bufferedConn{Conn: conn, r: br}), "connect")
 }
 
-// open reads the CONNECT and dials its target: the tunnel, what the client
-// sent after its request, and the release of its quota; or a refusal.
-func (s *Server) open(conn net.Conn, who caller, deadline time.Time) (*tunnel.Tunnel, *bufio.Reader, func(), error) {
+// open reads the CONNECT and dials its target through the front door: the
+// tunnel, the ticket that counts it against its caller, and what the
+// client sent after its request; or a refusal.
+func (s *Server) open(conn net.Conn, who caller, deadline time.Time) (*tunnel.Tunnel, *admission.Ticket, *bufio.Reader, error) {
 	req, br, err := readRequest(conn, s.cfg.MaxHeaderBytes)
 	if err != nil {
 		return nil, nil, nil, refuse(http.StatusBadRequest, err.Error())
@@ -84,53 +88,17 @@ func (s *Server) open(conn net.Conn, who caller, deadline time.Time) (*tunnel.Tu
 	if err != nil {
 		return nil, nil, nil, refuse(http.StatusBadRequest, err.Error())
 	}
-	if s.cfg.Draining.Err() != nil {
-		return nil, nil, nil, refuse(http.StatusServiceUnavailable, "this broker replica is shutting down: connect to another")
-	}
-	release, over := s.callers.Take(who.id)
-	if over != quota.Under {
-		metrics.LimitsHit.WithLabelValues("egress_tunnels_per_caller").Inc()
-		return nil, nil, nil, refuse(http.StatusTooManyRequests, who.String()+" holds the most tunnels a caller may")
-	}
-	t, err := s.dial(target, who, deadline)
+	ticket, err := s.cfg.Admission.Hold(who.admitted())
 	if err != nil {
-		release()
 		return nil, nil, nil, refuse(httpStatus(status.Code(err)), status.Convert(err).Message())
 	}
-	return t, br, release, nil
-}
-
-// dial orders the dial of target within the connection's deadline, and
-// counts and logs it as the Dial RPC does.
-func (s *Server) dial(target *tunnelv1.Target, who caller, deadline time.Time) (*tunnel.Tunnel, error) {
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
-	t, _, failure, err := tunnel.DialCounted(ctx, s.cfg.Registry, target, nil)
+	t, err := ticket.Dial(ctx, target, nil)
 	if err != nil {
-		s.cfg.Log.Info("dial failed", append([]any{"target", target.Key(), "caller", who.String()}, failure...)...)
+		return nil, ticket, nil, refuse(httpStatus(status.Code(err)), status.Convert(err).Message())
 	}
-	return t, err
-}
-
-// splice carries the tunnel until it ends.
-func (s *Server) splice(conn net.Conn, t *tunnel.Tunnel, release func(), log *slog.Logger) {
-	s.active.Add(1)
-	metrics.Tunnels.Inc()
-	gauge := metrics.EgressTunnels.WithLabelValues(s.cfg.Name)
-	gauge.Inc()
-	ended := func() {
-		release()
-		s.active.Add(-1)
-		metrics.Tunnels.Dec()
-		gauge.Dec()
-	}
-	metrics.TunnelsOpened.WithLabelValues("connect").Inc()
-	_, agentStatus := t.SpliceConn(conn, s.cfg.Tunnels, ended)
-	if agentStatus != nil {
-		log.Info("tunnel ended", "agent_code", status.Code(agentStatus).String(), "error", status.Convert(agentStatus).Message())
-	} else {
-		log.Debug("tunnel closed")
-	}
+	return t, ticket, br, nil
 }
 
 func (s *Server) count(code int) {
@@ -150,6 +118,9 @@ func (c *bufferedConn) Read(p []byte) (int, error) {
 	}
 	return c.Conn.Read(p)
 }
+
+// NetConn is the connection under the reader, for tunnel.Reset.
+func (c *bufferedConn) NetConn() net.Conn { return c.Conn }
 
 // CloseWrite half-closes the connection, where it can.
 func (c *bufferedConn) CloseWrite() error {

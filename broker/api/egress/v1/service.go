@@ -5,11 +5,13 @@
 // through the broker and an agent, as Konnectivity's users do, without a
 // change to the API server.
 //
-// One connection is one CONNECT host:port and, after the 200, one tunnel:
-// the same dial, agent leg, limits and metrics as the Dial RPC's
-// (tunnel.SpliceConn). A CONNECT names no cluster: a Unix socket's
-// front end serves the one cluster it was configured with, and a TLS
-// caller goes to the cluster of its SPIFFE ID's egress rule in the policy.
+// One connection is one CONNECT host:port and, after the 200, one tunnel,
+// admitted through the broker's one front door (package admission) as a
+// Dial's is: the same quota per caller, dial, agent leg, limits, metrics,
+// audit line and listing; the connection is the tunnel's caller leg
+// (tunnel.ConnLeg). A CONNECT names no cluster: a Unix socket's front end
+// serves the one cluster it was configured with, and a TLS caller goes to
+// the cluster of its SPIFFE ID's egress rule in the policy.
 package egress
 
 import (
@@ -20,18 +22,19 @@ import (
 	"log/slog"
 	"net"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 
-	"github.com/kcp-dev/tunnel-broker/broker/internal/quota"
+	"github.com/kcp-dev/tunnel-broker/broker/admission"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
-	"github.com/kcp-dev/tunnel-broker/broker/registry"
-	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 )
+
+// Frontend names the CONNECT front ends in the front door's metrics, logs
+// and audit lines.
+const Frontend = "CONNECT"
 
 // Defaults of Config.
 const (
@@ -44,9 +47,6 @@ const (
 	// DefaultMaxOpening bounds the connections that have not had their
 	// answer yet; past it a new connection is closed at once.
 	DefaultMaxOpening = 128
-	// DefaultMaxTunnelsPerCaller bounds the tunnels of one caller (one
-	// SPIFFE ID; all of a Unix socket's callers together).
-	DefaultMaxTunnelsPerCaller = 20000
 )
 
 // Config is one front end. A zero value means the default, and a negative
@@ -60,27 +60,22 @@ type Config struct {
 	TLS *tls.Config
 	// Cluster is the logical cluster of every connection of a plain front
 	// end; a TLS front end takes each caller's from Policy.EgressCluster.
-	Cluster  string
-	Registry *registry.Registry
-	Policy   *policy.Policy
+	Cluster string
+	// Admission is the broker's front door, which it shares with the Dial
+	// RPC; Policy names each TLS caller's cluster.
+	Admission *admission.Admission
+	Policy    *policy.Policy
 	// Timeout bounds a connection until its answer (DefaultTimeout).
-	Timeout             time.Duration
-	MaxHeaderBytes      int   // DefaultMaxHeaderBytes
-	MaxOpening          int   // DefaultMaxOpening
-	MaxTunnelsPerCaller int64 // DefaultMaxTunnelsPerCaller
-	// Tunnels is what ends tunnels besides their peers.
-	Tunnels tunnel.Config
-	// Draining ends when the broker stops taking dials; nil: never.
-	Draining context.Context
-	Log      *slog.Logger
+	Timeout        time.Duration
+	MaxHeaderBytes int // DefaultMaxHeaderBytes
+	MaxOpening     int // DefaultMaxOpening
+	Log            *slog.Logger
 }
 
 // Server is one CONNECT front end.
 type Server struct {
 	cfg     Config
-	callers quota.Quota
 	opening chan struct{} // a token per connection without its answer
-	active  atomic.Int64
 	conns   sync.WaitGroup
 }
 
@@ -90,19 +85,13 @@ func New(cfg Config) *Server {
 	cfg.Timeout = cmp.Or(max(cfg.Timeout, 0), DefaultTimeout)
 	cfg.MaxHeaderBytes = cmp.Or(max(cfg.MaxHeaderBytes, 0), DefaultMaxHeaderBytes)
 	cfg.MaxOpening = cmp.Or(cfg.MaxOpening, DefaultMaxOpening)
-	if cfg.Draining == nil {
-		cfg.Draining = context.Background()
-	}
 	cfg.Log = cmp.Or(cfg.Log, slog.Default()).With("frontend", cfg.Name)
-	s := &Server{cfg: cfg, callers: quota.Quota{PerID: cmp.Or(cfg.MaxTunnelsPerCaller, DefaultMaxTunnelsPerCaller)}}
+	s := &Server{cfg: cfg}
 	if cfg.MaxOpening > 0 {
 		s.opening = make(chan struct{}, cfg.MaxOpening)
 	}
 	return s
 }
-
-// Active is the number of tunnels this front end splices right now.
-func (s *Server) Active() int64 { return s.active.Load() }
 
 // Serve serves connections from l until ctx ends or l fails, and returns
 // once every connection it took has ended (tunnels end with
@@ -161,11 +150,12 @@ type caller struct {
 	cluster string
 }
 
-func (c caller) String() string {
-	if c.id.IsZero() {
-		return "unix socket"
-	}
-	return c.id.String()
+func (c caller) String() string { return c.admitted().String() }
+
+// admitted is the caller as the front door counts it: the front end's
+// cluster is the policy's answer already.
+func (c caller) admitted() admission.Caller {
+	return admission.Caller{ID: c.id, Frontend: Frontend, Authorized: true}
 }
 
 // handshake finishes the TLS handshake of a TLS front end, and says whose

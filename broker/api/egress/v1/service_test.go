@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/tls"
 	"fmt"
+	"github.com/kcp-dev/tunnel-broker/broker/admission"
 	"io"
 	"net"
 	"net/http"
@@ -66,10 +67,13 @@ func startBroker(t *testing.T) *brokertest.Server {
 // serve runs a front end with cfg, completed from b, on l until the test ends.
 func serve(t *testing.T, b *brokertest.Server, cfg Config, l net.Listener) {
 	t.Helper()
-	cfg.Registry, cfg.Policy, cfg.Log, cfg.Draining = b.Registry, b.Policy, b.Log, b.Draining
-	cfg.Tunnels = tunnel.Config{Stopping: b.Stopping}
 	if cfg.Timeout == 0 {
 		cfg.Timeout = testutil.WaitLong
+	}
+	cfg.Policy, cfg.Log = b.Policy, b.Log
+	if cfg.Admission == nil {
+		cfg.Admission = admission.New(admission.Config{Registry: b.Registry, Policy: b.Policy, Log: b.Log, Draining: b.Draining,
+			Tunnels: tunnel.Config{Stopping: b.Stopping}, Timeout: cfg.Timeout})
 	}
 	s := New(cfg)
 	ctx, cancel := context.WithCancel(context.Background())
