@@ -23,7 +23,6 @@ import (
 	"github.com/kcp-dev/tunnel-broker/internal/ops"
 	"github.com/kcp-dev/tunnel-broker/internal/version"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
-	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/agent"
 )
 
@@ -39,7 +38,6 @@ type options struct {
 	brokers, dns      string
 	resolveEvery      time.Duration
 	grace             time.Duration
-	spares            int
 	metricsListen     string
 	pprofListen       string
 	brokerID          string
@@ -56,7 +54,6 @@ func addFlags(fs *flag.FlagSet) *options {
 	fs.StringVar(&o.dns, "broker-dns", "", "required, or --broker: host:port whose host resolves to every broker replica (a headless Service)")
 	fs.DurationVar(&o.resolveEvery, "resolve-interval", 30*time.Second, "how often --broker-dns is resolved again")
 	fs.DurationVar(&o.grace, "grace", agent.DefaultGrace, "on SIGTERM, how long tunnels in flight may still run")
-	fs.IntVar(&o.spares, "spare-data-connections", 2, "spare data connections (TLS connections that carry tunnels without gRPC, one at a time, for shorter round trips) kept idle to each broker replica that accepts them; the broker sends a dial on one, whose tunnel gives it back once it ends, or which a new one replaces 20 ms later, at most 10 a second; with none left, dials go on gRPC streams (0: always)")
 	fs.StringVar(&o.metricsListen, "metrics-listen", ":9091", "address for /metrics, /healthz and /readyz (empty: off)")
 	fs.StringVar(&o.pprofListen, "pprof-listen", "", "address for /debug/pprof (empty: off; keep it on loopback)")
 	fs.StringVar(&o.brokerID, "broker-spiffe-id", "", "SPIFFE ID the broker must present (default: any ID in the agent's trust domain)")
@@ -140,10 +137,7 @@ func (o *options) serve(ctx context.Context, src identity.Source, self spiffeid.
 	// second at most, and counted.
 	refusals := identity.ReportRefusals(&identity.Refusals{Log: log, Count: agent.CountRefusedHandshake})
 	creds := identity.ClientCredentials(src, authorize, refusals)
-	// Data connections: the same mTLS, asking for the data protocol, and
-	// with coalesced writes as gRPC's connections have (wire.DialOptions).
-	dataCreds := wire.CoalesceWrites(identity.ClientCredentials(src, authorize, identity.Protocols(wire.DataProtocol), refusals))
-	fleet := o.fleet(src, creds, dataCreds, resolver, log)
+	fleet := o.fleet(src, creds, resolver, log)
 	ready.Set(fleet.NotReady)
 	log.Info("agent starting", "brokers", o.brokers, "broker_dns", o.dns, "id", self.String(), "clusters", resolver.Clusters(), "version", version.Get().String())
 	if len(resolver.Clusters()) == 0 {
@@ -166,7 +160,7 @@ func (o *options) authorizeBroker(self spiffeid.ID) (tlsconfig.Authorizer, error
 }
 
 // fleet is the agent of every broker replica the flags name.
-func (o *options) fleet(svids identity.Source, creds, dataCreds credentials.TransportCredentials, resolver *resolver, log *slog.Logger) *agent.Fleet {
+func (o *options) fleet(svids identity.Source, creds credentials.TransportCredentials, resolver *resolver, log *slog.Logger) *agent.Fleet {
 	return &agent.Fleet{
 		Addresses:    splitList(o.brokers),
 		DNS:          o.dns,
@@ -178,14 +172,12 @@ func (o *options) fleet(svids identity.Source, creds, dataCreds credentials.Tran
 		Log:            log,
 		Agent: func(addr string) *agent.Agent {
 			return &agent.Agent{
-				Broker:               addr,
-				Credentials:          creds,
-				DataCredentials:      dataCreds,
-				SpareDataConnections: o.spares,
-				Name:                 o.name,
-				Resolver:             resolver.forAgent(),
-				Grace:                o.grace,
-				Log:                  log,
+				Broker:      addr,
+				Credentials: creds,
+				Name:        o.name,
+				Resolver:    resolver.forAgent(),
+				Grace:       o.grace,
+				Log:         log,
 			}
 		},
 	}

@@ -1,11 +1,10 @@
 // Package agent is the syncer agent's side of the tunnel: it keeps a control
 // stream to each broker replica, and for each dial order connects to the
-// target its Resolver names and pipes bytes over a Tunnel stream of its own,
-// or, for an order a broker that accepts data connections sent on one of
-// the agent's spares, over that data connection.
+// target its Resolver names and pipes bytes over a Tunnel stream of its own.
 package agent
 
 import (
+	"cmp"
 	"context"
 	"log/slog"
 	"sync"
@@ -34,22 +33,10 @@ type Agent struct {
 	Broker string
 	// Credentials are the agent's SPIFFE mTLS credentials.
 	Credentials credentials.TransportCredentials
-	// DataCredentials are the credentials of data connections
-	// (docs/protocol.md §3.5): the same mTLS, offering wire.DataProtocol
-	// by ALPN, with coalesced writes. Nil: tunnels go on Tunnel streams
-	// only.
-	DataCredentials credentials.TransportCredentials
-	// SpareDataConnections is how many idle spare data connections each
-	// session keeps open to a broker that accepts them: the broker sends a
-	// dial order on one, which then carries the tunnel without a
-	// handshake or a Tunnel stream to wait for; 0 means none, and every
-	// tunnel goes on a Tunnel stream. A tunnel that ends gives its
-	// connection back, and the pool keeps it up to this many.
-	SpareDataConnections int
-	// StalledWriteTimeout ends a tunnel on a data connection whose target
-	// takes no byte for so long (zero: DefaultStalledWriteTimeout). The
-	// copier blocked in that write reads neither the broker's end nor a
-	// reset, so nothing else would free it.
+	// StalledWriteTimeout ends a tunnel whose target takes no byte of a
+	// write for so long (zero: DefaultStalledWriteTimeout). The copier
+	// blocked in that write does not see the broker end the tunnel, so
+	// nothing else would free it.
 	StalledWriteTimeout time.Duration
 	// Name is shown in the broker's logs and listings.
 	Name     string
@@ -57,9 +44,9 @@ type Agent struct {
 	// Grace is how long tunnels in flight may run once Run's ctx ends.
 	Grace time.Duration
 	Log   *slog.Logger
-	// Clock times the waits between reconnections, the grace period, the
-	// wait for the broker to end a registration and the pace of spare data
-	// connections; nil means the real clock.
+	// Clock times the waits between reconnections, the grace period and
+	// the wait for the broker to end a registration; nil means the real
+	// clock.
 	Clock clock.Clock
 
 	// Registered, if set, is called each time the broker accepts the agent.
@@ -86,6 +73,10 @@ func (a *Agent) clock() clock.Clock {
 		return clock.RealClock{}
 	}
 	return a.Clock
+}
+
+func (a *Agent) stalledWriteTimeout() time.Duration {
+	return cmp.Or(a.StalledWriteTimeout, DefaultStalledWriteTimeout)
 }
 
 func (a *Agent) grace() time.Duration {

@@ -351,6 +351,32 @@ func TestDrainEndsTunnelsAfterGrace(t *testing.T) {
 	s.ended(t)
 }
 
+// TestDrainEndsATunnelWhoseTargetDoesNotReadAtTheEndOfItsGrace: the
+// copier from the broker, blocked writing to the target, is freed when
+// the agent cancels the Tunnel stream, long before its write's own bound.
+func TestDrainEndsATunnelWhoseTargetDoesNotReadAtTheEndOfItsGrace(t *testing.T) {
+	p := newPKI(t)
+	b := startBroker(t, p)
+	tg := listenTarget(t)
+	a := newAgent(t, p, b, staticResolver(t, tg.addr()))
+	a.Grace = time.Minute
+	clk := fakeClock(a)
+	stop := run(t, a)
+	b.nextSession(t).order(t, dialOrder(1))
+	conn := tg.accept(t) // and never read
+	tu := b.nextTunnel(t)
+	sending := sendUntilTheTargetsWriteBlocks(t, tu)
+
+	stopped := stopAsync(stop)
+	waitUntilWaiting(t, clk, "the grace period")
+	clk.Step(time.Minute)
+	testutil.Wait(t, "Run to return once the grace period is over", stopped)
+	testutil.Wait(t, "the broker's sends to fail", sending)
+	if _, err := io.Copy(io.Discard, conn); !errors.Is(err, syscall.ECONNRESET) {
+		t.Errorf("target read after the grace period: %v, want a connection reset", err)
+	}
+}
+
 // A stopping agent ends its registration the clean way: it closes its send
 // direction, after its Drain, rather than cancelling the stream.
 func TestStoppingAgentClosesItsControlStreamCleanly(t *testing.T) {

@@ -1,19 +1,15 @@
 package agent
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"net"
-	"runtime"
-	"slices"
 	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -39,11 +35,7 @@ import (
 // This file holds the fake broker replica the agents under test register
 // with, and small helpers. The fake is a real gRPC server on loopback with
 // SPIFFE mTLS from a throwaway CA; it hands each Connect and Tunnel stream
-// to the test, which plays the broker's side of the protocol. Its port also
-// takes data connections (ALPN wire.DataProtocol): it checks each one's
-// bind against the sessions it registered, keeps it as a spare, and lets
-// the test send dial orders on the idle ones and play the tunnels that
-// follow (dataleg_test.go), one after another on a connection.
+// to the test, which plays the broker's side of the protocol.
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
@@ -99,13 +91,6 @@ func (p *pki) agentCredentials() credentials.TransportCredentials {
 	return identity.ClientCredentials(p.agent, tlsconfig.AuthorizeID(spiffeid.RequireFromString("spiffe://"+trustDomain+"/broker")))
 }
 
-// agentDataCredentials are the agent binary's for data connections: the
-// same, asking for the data protocol, with coalesced writes.
-func (p *pki) agentDataCredentials() credentials.TransportCredentials {
-	return wire.CoalesceWrites(identity.ClientCredentials(p.agent, tlsconfig.AuthorizeID(spiffeid.RequireFromString("spiffe://"+trustDomain+"/broker")),
-		identity.Protocols(wire.DataProtocol)))
-}
-
 // fakeBroker is one broker replica.
 type fakeBroker struct {
 	tunnelv1.UnimplementedAgentServiceServer
@@ -123,37 +108,7 @@ type fakeBroker struct {
 	// the registration.
 	keepsClosedStreams bool
 	readers            sync.WaitGroup
-
-	// dataConnections, if set, makes Registered say that the broker
-	// accepts data connections, and name the session they bind to; its
-	// port offers them in any case. noSessionID leaves the name out.
-	dataConnections, noSessionID bool
-	// forgetsSessions makes the broker refuse every bind NotFound, as a
-	// replica that does not know the session does.
-	forgetsSessions bool
-	// refuseSpares is how many of the next data connections are refused
-	// at once, ResourceExhausted, as a broker over its bound does.
-	refuseSpares atomic.Int32
-	// otherReplica, if set, is the broker_id the data connections'
-	// accept names instead of id: a load balancer led them elsewhere.
-	otherReplica string
-	// sessionNo numbers the registrations, whose ids are sessionIDs.
-	sessionNo atomic.Int32
-	// spares counts the data connections idle now; dataAccepted all
-	// those whose handshake passed, sparesClosed those refused or that
-	// ended while idle.
-	spares, dataAccepted, sparesClosed atomic.Int32
-	dataMu                             sync.Mutex
-	dataStopped                        bool
-	dataDone                           chan struct{} // closed by stopData
-	dataConns                          []net.Conn
-	sessionIDs                         map[string]bool // the sessions registered now
-	binds                              []string        // each bind's session id, in order
-	idle                               map[*dataConn]bool
-	dataServers                        sync.WaitGroup
-	// sockets holds each connection's TCP socket, by its peer's address,
-	// for a test that resets one.
-	sockets sync.Map
+	srv                *grpc.Server
 }
 
 // startBroker serves a fake broker on a loopback port until the test ends.
@@ -169,50 +124,32 @@ func startBroker(t *testing.T, p *pki) *fakeBroker {
 		sessions: make(chan *session, 16),
 		tunnels:  make(chan *tunnel, 16),
 		refusals: make(chan error, 4),
-		dataDone: make(chan struct{}),
 	}
-	// As the broker does: the data protocol beside h2 on the gRPC port,
-	// its connections handed to serveData.
-	creds := identity.ServerCredentials(p.broker, tlsconfig.AuthorizeMemberOf(spiffeid.RequireTrustDomainFromString(trustDomain)),
-		identity.Protocols(wire.DataProtocol))
-	srv := grpc.NewServer(grpc.Creds(wire.CoalesceWrites(identity.Dispatch(creds, map[string]func(net.Conn, identity.AuthInfo){wire.DataProtocol: b.serveData}))),
+	creds := identity.ServerCredentials(p.broker, tlsconfig.AuthorizeMemberOf(spiffeid.RequireTrustDomainFromString(trustDomain)))
+	b.srv = grpc.NewServer(grpc.Creds(wire.CoalesceWrites(creds)),
 		// The agent's pings, as the broker permits them: a test that runs
 		// long is not cut off with too_many_pings.
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}))
-	tunnelv1.RegisterAgentServiceServer(srv, b)
+	tunnelv1.RegisterAgentServiceServer(b.srv, b)
 	served := make(chan struct{})
 	go func() {
 		defer close(served)
-		_ = srv.Serve(socketsOf{lis, &b.sockets})
+		_ = b.srv.Serve(lis)
 	}()
 	t.Cleanup(func() {
-		srv.Stop()
+		b.stop()
 		<-served
-		b.stopData()
 		b.readers.Wait()
 	})
 	return b
 }
 
-// socketsOf is a listener that keeps each connection's socket in sockets:
-// under TLS and the write coalescing, a data connection's socket is not
-// the broker's to reach.
-type socketsOf struct {
-	net.Listener
-	sockets *sync.Map
-}
-
-func (l socketsOf) Accept() (net.Conn, error) {
-	c, err := l.Listener.Accept()
-	if err == nil {
-		l.sockets.Store(c.RemoteAddr().String(), c)
-	}
-	return c, err
-}
+// stop closes the broker's port and every connection to it, as a replica
+// that vanished.
+func (b *fakeBroker) stop() { b.srv.Stop() }
 
 // session is the broker's side of one registered control stream.
 type session struct {
-	id       string // the session_id its Registered named
 	peer     spiffeid.ID
 	register *tunnelv1.Register
 	stream   tunnelv1.AgentService_ConnectServer
@@ -238,11 +175,10 @@ func (b *fakeBroker) Connect(stream tunnelv1.AgentService_ConnectServer) error {
 		return err
 	default:
 	}
-	id := b.startSession(stream.Context())
-	if err := stream.Send(&tunnelv1.ConnectResponse{Message: &tunnelv1.ConnectResponse_Registered{Registered: b.registered(id)}}); err != nil {
+	if err := stream.Send(&tunnelv1.ConnectResponse{Message: &tunnelv1.ConnectResponse_Registered{Registered: &tunnelv1.Registered{BrokerId: b.id}}}); err != nil {
 		return err
 	}
-	s := &session{id: id, peer: peer, register: first.GetRegister(), stream: stream,
+	s := &session{peer: peer, register: first.GetRegister(), stream: stream,
 		msgs: make(chan *tunnelv1.ConnectRequest, 64), end: make(chan error, 1), closedSend: make(chan struct{})}
 	ctx := stream.Context()
 	b.readers.Add(1)
@@ -283,15 +219,6 @@ func (b *fakeBroker) Connect(stream tunnelv1.AgentService_ConnectServer) error {
 	case <-ctx.Done():
 		return ctx.Err()
 	}
-}
-
-// registered confirms the registration of session id.
-func (b *fakeBroker) registered(id string) *tunnelv1.Registered {
-	r := &tunnelv1.Registered{BrokerId: b.id, DataConnections: b.dataConnections}
-	if b.dataConnections && !b.noSessionID {
-		r.SessionId = id
-	}
-	return r
 }
 
 // finish ends the Connect RPC with err's status (nil: OK).
@@ -491,254 +418,6 @@ func (b *fakeBroker) noTunnel(t *testing.T) {
 		t.Errorf("agent opened a Tunnel for dial %d, want none", tu.open.GetDialId())
 	default:
 	}
-}
-
-// startSession registers a session, whose id binds data connections to
-// it until ctx, its Connect's, ends.
-func (b *fakeBroker) startSession(ctx context.Context) string {
-	id := fmt.Sprintf("session-%d", b.sessionNo.Add(1))
-	b.dataMu.Lock()
-	defer b.dataMu.Unlock()
-	if b.sessionIDs == nil {
-		b.sessionIDs = map[string]bool{}
-	}
-	b.sessionIDs[id] = true
-	context.AfterFunc(ctx, func() {
-		b.dataMu.Lock()
-		defer b.dataMu.Unlock()
-		delete(b.sessionIDs, id)
-	})
-	return id
-}
-
-// dataConn is the broker's side of one data connection it accepted.
-type dataConn struct {
-	// conn is what identity.Dispatch hands the broker: TLS, with the
-	// socket under it. The broker reads it through r, which holds what
-	// the idle connection's watch (awaitAnswer) read.
-	conn dispatchedConn
-	r    *bufio.Reader
-	peer spiffeid.ID
-	// connNo numbers the data connections in the order the broker
-	// accepted them: tunnels with the same connNo rode one connection.
-	connNo int32
-	// ordered is the leg of the order the test sent on the idle
-	// connection, which the agent's answer goes to.
-	ordered *dataLeg
-}
-
-// serveData serves one data connection: it reads its bind, accepts it as a
-// spare of the session named, and then, each time the test sends an order
-// on it (orderOnData), hands the test the agent's answer and the tunnel
-// after it (a dataLeg), until the test says that the connection is idle
-// again (dataLeg.reused).
-func (b *fakeBroker) serveData(conn net.Conn, info identity.AuthInfo) {
-	b.dataMu.Lock()
-	if b.dataStopped {
-		b.dataMu.Unlock()
-		conn.Close()
-		return
-	}
-	b.dataConns = append(b.dataConns, conn)
-	b.dataServers.Add(1)
-	b.dataMu.Unlock()
-	defer b.dataServers.Done()
-	connNo := b.dataAccepted.Add(1)
-	if err := b.accept(conn); err != nil {
-		_ = wire.WriteOpenResult(conn, err)
-		b.sparesClosed.Add(1)
-		conn.Close()
-		return
-	}
-	dc := &dataConn{conn: conn.(dispatchedConn), r: bufio.NewReader(conn), peer: info.ID, connNo: connNo}
-	for {
-		leg := b.awaitAnswer(dc)
-		if leg == nil {
-			return
-		}
-		select {
-		case <-leg.done:
-		case <-b.dataDone:
-			return
-		}
-	}
-}
-
-// accept reads a new data connection's bind and accepts it as a spare of
-// the session it names; an error is the refusal to send instead.
-func (b *fakeBroker) accept(conn net.Conn) error {
-	id, err := wire.ReadBind(conn)
-	if err != nil {
-		return status.Convert(err).Err()
-	}
-	b.dataMu.Lock()
-	b.binds = append(b.binds, id)
-	known := b.sessionIDs[id] && !b.forgetsSessions
-	b.dataMu.Unlock()
-	switch {
-	case !known:
-		return status.Errorf(codes.NotFound, "no session %q of this agent on this replica", id)
-	case b.refuseSpares.Add(-1) >= 0:
-		return status.Error(codes.ResourceExhausted, "too many spare data connections")
-	}
-	return wire.WriteAccepted(conn, b.acceptAs())
-}
-
-// awaitAnswer keeps dc as an idle spare until something comes on it: the
-// agent's answer to the order the test sent, handed to that order's leg,
-// or the connection's end, which closes it and returns nil.
-func (b *fakeBroker) awaitAnswer(dc *dataConn) *dataLeg {
-	// The deadline of the tunnel before, if any (orderOnData).
-	_ = dc.conn.SetDeadline(time.Time{})
-	b.setIdle(dc, true)
-	// What comes, or how the connection ends, is for the leg's reads.
-	_, _ = dc.r.Peek(1)
-	b.setIdle(dc, false)
-	b.dataMu.Lock()
-	leg := dc.ordered
-	dc.ordered = nil
-	b.dataMu.Unlock()
-	if leg == nil {
-		// The agent closed its spare, or sent what no order asked for.
-		b.sparesClosed.Add(1)
-		dc.conn.Close()
-		return nil
-	}
-	close(leg.arrived)
-	return leg
-}
-
-// acceptAs is the replica a data connection's accept names.
-func (b *fakeBroker) acceptAs() string {
-	if b.otherReplica != "" {
-		return b.otherReplica
-	}
-	return b.id
-}
-
-// setIdle marks dc as an idle spare, or no more.
-func (b *fakeBroker) setIdle(dc *dataConn, idle bool) {
-	b.dataMu.Lock()
-	defer b.dataMu.Unlock()
-	if b.idle == nil {
-		b.idle = map[*dataConn]bool{}
-	}
-	if idle {
-		b.idle[dc] = true
-		b.spares.Add(1)
-	} else if b.idle[dc] {
-		delete(b.idle, dc)
-		b.spares.Add(-1)
-	}
-}
-
-// takeIdle waits for an idle data connection, the first the broker
-// accepted of those, and takes it out of the spares for ordered.
-func (b *fakeBroker) takeIdle(t *testing.T, ordered *dataLeg) *dataConn {
-	t.Helper()
-	var taken *dataConn
-	testutil.Eventually(t, "an idle data connection", func() bool {
-		b.dataMu.Lock()
-		defer b.dataMu.Unlock()
-		for dc := range b.idle {
-			if taken == nil || dc.connNo < taken.connNo {
-				taken = dc
-			}
-		}
-		if taken == nil {
-			return false
-		}
-		delete(b.idle, taken)
-		b.spares.Add(-1)
-		taken.ordered = ordered
-		return true
-	})
-	return taken
-}
-
-// orderOnData sends order on an idle data connection, as the broker does
-// when the session has one, and returns the broker's side of it: the
-// agent's answer is read next (dataLeg.answer).
-func (b *fakeBroker) orderOnData(t *testing.T, order *tunnelv1.DialOrder) *dataLeg {
-	t.Helper()
-	return b.sendOnData(t, func(w io.Writer) error { return wire.WriteOrder(w, order) })
-}
-
-// sendOnData is orderOnData for whatever write writes.
-func (b *fakeBroker) sendOnData(t *testing.T, write func(io.Writer) error) *dataLeg {
-	t.Helper()
-	leg := &dataLeg{arrived: make(chan struct{}), done: make(chan struct{})}
-	leg.dataConn = b.takeIdle(t, leg)
-	if err := leg.conn.SetDeadline(time.Now().Add(waitLong)); err != nil {
-		t.Fatal(err)
-	}
-	if err := write(leg.conn); err != nil {
-		t.Fatalf("sending an order on a data connection: %v", err)
-	}
-	return leg
-}
-
-// closeASpare closes one of the idle spares with a close_notify, as a
-// broker that drains does.
-func (b *fakeBroker) closeASpare(t *testing.T) {
-	t.Helper()
-	b.dataMu.Lock()
-	defer b.dataMu.Unlock()
-	for dc := range b.idle {
-		dc.conn.Close()
-		return
-	}
-	t.Fatal("no spare to close")
-}
-
-// bindsSoFar are the session ids the binds named so far.
-func (b *fakeBroker) bindsSoFar() []string {
-	b.dataMu.Lock()
-	defer b.dataMu.Unlock()
-	return slices.Clone(b.binds)
-}
-
-// stopData closes the data connections, and waits for their servers.
-func (b *fakeBroker) stopData() {
-	b.dataMu.Lock()
-	b.dataStopped = true
-	close(b.dataDone)
-	for _, c := range b.dataConns {
-		c.Close()
-	}
-	b.dataMu.Unlock()
-	b.dataServers.Wait()
-}
-
-// waitForSpares waits until the agent holds n spare data connections to b.
-func (b *fakeBroker) waitForSpares(t *testing.T, n int32) {
-	t.Helper()
-	testutil.Eventually(t, fmt.Sprintf("%d spare data connections", n), func() bool { return b.spares.Load() == n })
-}
-
-// waitForFullPool waits until the agent holds its two spares, and has put
-// both in its pool: the broker sees a spare as its handshake ends, a moment
-// before the agent has it, and the agent's filler then waits for one to be
-// taken or lost.
-func (b *fakeBroker) waitForFullPool(t *testing.T) {
-	t.Helper()
-	b.waitForPoolOf(t, 2)
-}
-
-// waitForPoolOf is waitForFullPool for an agent that keeps n spares.
-func (b *fakeBroker) waitForPoolOf(t *testing.T, n int32) {
-	t.Helper()
-	b.waitForSpares(t, n)
-	testutil.Eventually(t, "the agent's pool to be full", func() bool {
-		buf := make([]byte, 1<<20)
-		buf = buf[:runtime.Stack(buf, true)]
-		for g := range strings.SplitSeq(string(buf), "\n\n") {
-			if strings.Contains(g, "[select") && strings.Contains(g, "wire.(*Spares[...]).waitForRoom") {
-				return true
-			}
-		}
-		return false
-	})
 }
 
 // newAgent makes an agent of broker b that resolves with r. Its grace is

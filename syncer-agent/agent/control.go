@@ -58,15 +58,13 @@ func (c *controlStream) closeSend() {
 const ClustersPerRegister = 256
 
 // registers are the Register messages that state clusters: all but the last
-// set more, and the broker puts the set in force with the last. Each says
-// that the agent delivers early data (serve.go), which the broker reads
-// from the first registration.
+// set more, and the broker puts the set in force with the last.
 func registers(clusters []string, name string) []*tunnelv1.ConnectRequest {
 	var out []*tunnelv1.ConnectRequest
 	for {
 		n := min(len(clusters), ClustersPerRegister)
 		out = append(out, &tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_Register{Register: &tunnelv1.Register{
-			Clusters: clusters[:n], AgentName: name, More: n < len(clusters), AcceptsEarlyData: true,
+			Clusters: clusters[:n], AgentName: name, More: n < len(clusters),
 		}}})
 		if clusters = clusters[n:]; len(clusters) == 0 {
 			return out

@@ -26,20 +26,14 @@ var (
 		Namespace: ns, Name: "tunnels",
 		Help: "Tunnels open through this agent.",
 	})
-	tunnelsOpened = prometheus.NewCounterVec(prometheus.CounterOpts{
+	tunnelsOpened = prometheus.NewCounter(prometheus.CounterOpts{
 		Namespace: ns, Name: "tunnels_opened_total",
-		Help: "Tunnels opened to the broker (a Tunnel stream's open sent, or a data connection's order answered OK), by the leg that carries them: stream or data_connection (docs/protocol.md §3.5).",
-	}, []string{"leg"})
+		Help: "Tunnels opened to the broker: a Tunnel stream's open sent.",
+	})
 	handshakesRefused = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: ns, Name: "handshakes_refused_total",
 		Help: "TLS handshakes with broker replicas that failed, by reason (invalid_id, untrusted, unauthorized, timeout, ...).",
 	}, []string{"reason"})
-)
-
-// The legs of tunnelsOpened.
-const (
-	legStream         = "stream"
-	legDataConnection = "data_connection"
 )
 
 // CountRefusedHandshake counts one failed TLS handshake with a broker.
@@ -50,9 +44,6 @@ func CountRefusedHandshake(reason identity.Reason) {
 // RegisterMetrics adds the agent's metrics to r.
 func RegisterMetrics(r prometheus.Registerer) {
 	r.MustRegister(reconnects, registeredBrokers, dials, tunnelsOpen, tunnelsOpened, handshakesRefused)
-	for _, leg := range []string{legStream, legDataConnection} {
-		tunnelsOpened.WithLabelValues(leg)
-	}
 	for _, reason := range identity.Reasons {
 		handshakesRefused.WithLabelValues(string(reason))
 	}

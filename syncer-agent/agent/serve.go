@@ -29,16 +29,13 @@ const defaultConnectTimeout = 5 * time.Second
 // shows its callers no more of it (docs/protocol.md §5).
 const maxFailureMessage = 256
 
-// open answers one dial order of the control stream up to its pipe:
-// connect to the target, then open the tunnel's leg to the broker on a
-// Tunnel stream of its own; or report why not, and return nil. The broker
-// orders a dial on the control stream only when the session has no idle
-// data connection, so none is taken here (dataconn.go serves the orders
-// sent on one). What it returns is the rest of the tunnel's life: write
-// the order's early data to the target, pipe, and clean up. The early data
+// open answers one dial order up to its pipe: connect to the target, then
+// open the tunnel's Tunnel stream to the broker; or report why not, and
+// return nil. What it returns is the rest of the tunnel's life: write the
+// order's early data to the target, pipe, and clean up. The early data
 // goes only after the open, so that a dial whose early data reached a
 // target is one the broker has claimed, or one it is told not to order
-// again.
+// again (docs/protocol.md §3.4).
 //
 // What it reports may reach kcp's end users in admission errors: a short
 // reason in words, without addresses. The details stay in the agent's log,
@@ -54,11 +51,11 @@ func (a *Agent) open(ctx context.Context, client tunnelv1.AgentServiceClient, or
 		d.report(err.code, err.message, false)
 		return nil
 	}
-	return openStream(ctx, client, d)
+	return openStream(ctx, client, d, a.stalledWriteTimeout())
 }
 
 // newDialed is the dial of order before it connects, with a log that
-// names its tunnel id and target, whichever leg carries it.
+// names its tunnel id and target.
 func (a *Agent) newDialed(order *tunnelv1.DialOrder) *dialed {
 	t := order.GetTarget()
 	return &dialed{
@@ -83,13 +80,12 @@ func (a *Agent) dialTarget(ctx context.Context, d *dialed, order *tunnelv1.DialO
 	return nil
 }
 
-// redacted is a failure's message as the broker gets it, on the control
-// stream or a data connection: its callers see no more of it, and nothing
-// of the addresses behind the agent.
+// redacted is a failure's message as the broker gets it: its callers see
+// no more of it, and nothing of the addresses behind the agent.
 func redacted(message string) string { return redact.Text(message, maxFailureMessage) }
 
-// dialed is a dial whose target accepted: what either leg needs to carry
-// it.
+// dialed is a dial whose target accepted: what its Tunnel stream needs to
+// carry it.
 type dialed struct {
 	id     uint64
 	target *net.TCPConn
@@ -101,8 +97,9 @@ type dialed struct {
 }
 
 // openStream carries a dial on a Tunnel stream of its own: it opens the
-// stream and returns the rest of the tunnel's life, as open does.
-func openStream(ctx context.Context, client tunnelv1.AgentServiceClient, d *dialed) (run func()) {
+// stream and returns the rest of the tunnel's life, as open does. stall
+// bounds each write to the target (pipe).
+func openStream(ctx context.Context, client tunnelv1.AgentServiceClient, d *dialed, stall time.Duration) (run func()) {
 	ctx, cancel := context.WithCancel(ctx)
 	stream, err := client.Tunnel(ctx, wire.FrameCallOption())
 	if err == nil {
@@ -111,18 +108,18 @@ func openStream(ctx context.Context, client tunnelv1.AgentServiceClient, d *dial
 	if err != nil {
 		cancel()
 		d.target.Close()
-		d.log.Info("could not open tunnel", "leg", "stream", "error", err)
+		d.log.Info("could not open tunnel", "error", err)
 		d.report(codes.Unavailable, "the agent could not open a tunnel to the broker", false)
 		return nil
 	}
-	d.log.Debug("tunnel open", "leg", "stream", "target", d.target.RemoteAddr().String())
+	d.log.Debug("tunnel open", "target", d.target.RemoteAddr().String())
 	return func() {
 		defer d.target.Close()
 		defer cancel()
 		tunnelsOpen.Inc()
 		defer tunnelsOpen.Dec()
-		tunnelsOpened.WithLabelValues(legStream).Inc()
-		if err := pipe(d.target, stream, d.early, cancel); err != nil {
+		tunnelsOpened.Inc()
+		if err := pipe(d.target, stream, d.early, cancel, stall); err != nil {
 			d.log.Info("tunnel ended", "error", err)
 			// A stream cancelled right after open (a target that resets at
 			// once) may end before the broker read the open, and the dial
@@ -140,10 +137,6 @@ type dialError struct {
 	message string
 	detail  error
 }
-
-// status is the failure as the answer to an order on a data connection
-// carries it: what a dial_failure would.
-func (e *dialError) status() error { return status.Error(e.code, redacted(e.message)) }
 
 // connect dials the addresses the resolver returns, in order, until one
 // accepts. It dials nothing else.
@@ -234,15 +227,18 @@ var buffers = sync.Pool{New: func() any { b := make([]byte, wire.MaxFrame); retu
 
 // pipe carries bytes between the target connection and the tunnel stream,
 // early data first, until both directions are closed or either fails; cancel
-// aborts the stream.
-func pipe(conn *net.TCPConn, stream tunnelv1.AgentService_TunnelClient, early []byte, cancel context.CancelFunc) error {
+// aborts the stream. Each write to the target must make progress within
+// stall (targetWriter).
+func pipe(conn *net.TCPConn, stream tunnelv1.AgentService_TunnelClient, early []byte, cancel context.CancelFunc, stall time.Duration) error {
 	// A Write blocked on a target that does not read would not see the
-	// stream end: fail it then. On a clean end nothing is being written.
+	// stream end: fail it once the stream's context ends, which it does
+	// when the agent cancels the stream (its target failed, or the
+	// grace period is over). On a clean end nothing is being written.
 	stop := context.AfterFunc(stream.Context(), func() { _ = conn.SetWriteDeadline(time.Now()) })
 	defer stop()
 	upErr := make(chan error, 1)
 	go func() { upErr <- targetToStream(conn, stream, cancel) }()
-	downErr := streamToTarget(stream, conn, early)
+	downErr := streamToTarget(stream, targetWriter{conn, stream.Context(), stall}, early)
 	if downErr != nil {
 		// The stream failed: abort the target, which ends the other side.
 		conn.SetLinger(0)
@@ -252,6 +248,49 @@ func pipe(conn *net.TCPConn, stream tunnelv1.AgentService_TunnelClient, early []
 		return downErr
 	}
 	return <-upErr
+}
+
+// DefaultStalledWriteTimeout is the broker's default --idle-timeout: by
+// then a tunnel whose target takes nothing has carried nothing, and the
+// broker has ended it.
+const DefaultStalledWriteTimeout = 10 * time.Minute
+
+// targetWriter is the target connection as the copier from the broker
+// writes to it: every write must make progress within stall. A target
+// that stops reading blocks the copier in its write, where it reads
+// neither the broker's end of the stream nor anything else: gRPC cancels
+// the stream's context only once the copier's next receive returns the
+// broker's status, so without a bound the tunnel's goroutines and sockets
+// would stay until the target read again. One deadline per write costs a
+// timer update, not a goroutine.
+type targetWriter struct {
+	conn *net.TCPConn
+	// ctx is the stream's: once it has ended, pipe's deadline of now
+	// holds, and a write sets no later one.
+	ctx   context.Context
+	stall time.Duration
+}
+
+// bound sets the deadline of the next write.
+func (w targetWriter) bound() {
+	_ = w.conn.SetWriteDeadline(time.Now().Add(w.stall))
+	// The stream's context ends before pipe's AfterFunc runs: if it has
+	// not ended by now, that deadline comes after this one.
+	if w.ctx.Err() != nil {
+		_ = w.conn.SetWriteDeadline(time.Now())
+	}
+}
+
+func (w targetWriter) Write(p []byte) (int, error) {
+	w.bound()
+	return w.conn.Write(p)
+}
+
+// writeFrame writes f's data to the target in one vectored write.
+func (w targetWriter) writeFrame(f *wire.Frame) error {
+	w.bound()
+	_, err := f.WriteTo(w.conn)
+	return err
 }
 
 // targetToStream forwards the target's bytes, then its half-close.
@@ -280,9 +319,9 @@ func targetToStream(conn *net.TCPConn, stream tunnelv1.AgentService_TunnelClient
 // streamToTarget forwards the caller's bytes, early data first, then its
 // half-close, until the broker ends the stream. It returns nil only for a
 // clean end.
-func streamToTarget(stream tunnelv1.AgentService_TunnelClient, conn *net.TCPConn, early []byte) error {
+func streamToTarget(stream tunnelv1.AgentService_TunnelClient, target targetWriter, early []byte) error {
 	if len(early) > 0 {
-		if _, err := conn.Write(early); err != nil {
+		if _, err := target.Write(early); err != nil {
 			return fmt.Errorf("writing early data to target: %w", err)
 		}
 	}
@@ -298,7 +337,7 @@ func streamToTarget(stream tunnelv1.AgentService_TunnelClient, conn *net.TCPConn
 			return err
 		}
 		if _, err := f.DataLen(); err == nil {
-			_, err := f.WriteTo(conn)
+			err := target.writeFrame(&f)
 			f.Free()
 			if err != nil {
 				return fmt.Errorf("writing to target: %w", err)
@@ -311,7 +350,7 @@ func streamToTarget(stream tunnelv1.AgentService_TunnelClient, conn *net.TCPConn
 		if err != nil || msg.GetCloseWrite() == nil {
 			return fmt.Errorf("protocol error: unexpected %T from broker", msg.GetFrame())
 		}
-		if err := conn.CloseWrite(); err != nil {
+		if err := target.conn.CloseWrite(); err != nil {
 			return fmt.Errorf("half-closing target: %w", err)
 		}
 	}

@@ -6,11 +6,14 @@ import (
 	"crypto/rand"
 	"errors"
 	"io"
+	"runtime"
 	"slices"
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
+	promtestutil "github.com/prometheus/client_golang/prometheus/testutil"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
@@ -454,4 +457,82 @@ func TestResolvingPastTheOrderTimeoutIsDeadlineExceeded(t *testing.T) {
 	}
 	tg.noConnection(t)
 	b.noTunnel(t)
+}
+
+func TestATunnelIsCountedWhileOpenAndItsDialAsOK(t *testing.T) {
+	opened := promtestutil.ToFloat64(tunnelsOpened)
+	open := promtestutil.ToFloat64(tunnelsOpen)
+	dialed := promtestutil.ToFloat64(dials.WithLabelValues(codes.OK.String()))
+	_, tu, conn := established(t)
+	testutil.Eventually(t, "the tunnel to be counted", func() bool {
+		return promtestutil.ToFloat64(tunnelsOpen) == open+1
+	})
+	if got := promtestutil.ToFloat64(tunnelsOpened) - opened; got != 1 {
+		t.Errorf("tunnels_opened_total grew by %v, want 1", got)
+	}
+	if got := promtestutil.ToFloat64(dials.WithLabelValues(codes.OK.String())) - dialed; got != 1 {
+		t.Errorf("dials_total{code=OK} grew by %v, want 1", got)
+	}
+
+	endTunnelCleanly(t, tu, conn)
+	testutil.Eventually(t, "the tunnel to be counted no more", func() bool {
+		return promtestutil.ToFloat64(tunnelsOpen) == open
+	})
+}
+
+// TestATunnelWhoseTargetStopsReadingEndsAtTheStalledWritesBound: the
+// copier from the broker is blocked writing to a target that takes
+// nothing, where it does not see the broker end the Tunnel stream; the
+// write fails at its bound, and the agent aborts the target.
+func TestATunnelWhoseTargetStopsReadingEndsAtTheStalledWritesBound(t *testing.T) {
+	open := promtestutil.ToFloat64(tunnelsOpen)
+	p := newPKI(t)
+	b := startBroker(t, p)
+	tg := listenTarget(t)
+	a := newAgent(t, p, b, staticResolver(t, tg.addr()))
+	a.StalledWriteTimeout = time.Second
+	run(t, a)
+	b.nextSession(t).order(t, dialOrder(1))
+	conn := tg.accept(t) // and never read
+	tu := b.nextTunnel(t)
+	sending := sendUntilTheTargetsWriteBlocks(t, tu)
+
+	// kcp went away: the broker ends the tunnel.
+	tu.finish(status.Error(codes.Canceled, "the caller went away"))
+	testutil.Eventually(t, "the tunnel to end once its target's write stalled", func() bool {
+		return promtestutil.ToFloat64(tunnelsOpen) == open
+	})
+	testutil.Wait(t, "the broker's sends to fail", sending)
+	if _, err := io.Copy(io.Discard, conn); !errors.Is(err, syscall.ECONNRESET) {
+		t.Errorf("target read after the tunnel ended: %v, want a connection reset", err)
+	}
+}
+
+// sendUntilTheTargetsWriteBlocks sends on tu from the broker until the
+// target's buffers and the agent's are full, and the agent's write to the
+// target blocks; the channel closes once a send fails.
+func sendUntilTheTargetsWriteBlocks(t *testing.T, tu *tunnel) <-chan struct{} {
+	t.Helper()
+	sending := make(chan struct{})
+	go func() {
+		defer close(sending)
+		chunk := make([]byte, 16<<10)
+		for tu.send(chunk) == nil {
+		}
+	}()
+	testutil.Eventually(t, "the agent's write to the target to block", writeToTargetBlocked)
+	return sending
+}
+
+// writeToTargetBlocked reports whether a tunnel's copier from the broker
+// waits for its write to the target to make progress.
+func writeToTargetBlocked() bool {
+	buf := make([]byte, 1<<20)
+	buf = buf[:runtime.Stack(buf, true)]
+	for g := range strings.SplitSeq(string(buf), "\n\n") {
+		if strings.Contains(g, "[IO wait") && strings.Contains(g, ".streamToTarget(") {
+			return true
+		}
+	}
+	return false
 }

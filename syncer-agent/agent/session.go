@@ -14,7 +14,7 @@ import (
 )
 
 // shuttingDown is why a draining agent refuses the orders that still
-// come, on its control stream or its data connections.
+// come.
 const shuttingDown = "the agent is shutting down"
 
 // unregisterTimeout bounds how long an agent that stops waits for the broker
@@ -46,12 +46,6 @@ func (r *agentRun) session() (registered bool, err error) {
 	}
 	cancelUnlessRegistered()
 	defer r.markRegistered(confirmed.GetBrokerId())()
-	spares := r.startSpares(ctx, stream, confirmed)
-	defer spares.Close()
-	// Before the pool closes its spares: an order still read on one then
-	// finds the session over (spareDialer.admit).
-	defer cancel()
-
 	control := r.newControlStream(stream)
 	go r.announce(ctx, control)
 	sessionOver := make(chan struct{})
@@ -98,8 +92,7 @@ func (a *Agent) markRegistered(brokerID string) (unmark func()) {
 
 // serveOrders answers the broker's messages until the control stream ends:
 // a tunnel for each dial order, on a Tunnel stream, and an echo for each
-// probe. The orders the broker sends on the session's data connections
-// are served there (spareDialer.serve).
+// probe.
 func (r *agentRun) serveOrders(control *controlStream) error {
 	for {
 		msg, err := control.stream.Recv()
@@ -138,7 +131,7 @@ func (r *agentRun) startTunnel(order *tunnelv1.DialOrder, control *controlStream
 			return
 		}
 		// The tunnel's life gets a goroutine of its own. Setting it up
-		// (resolving, connecting, opening its leg) grows this one's
+		// (resolving, connecting, opening its Tunnel stream) grows this one's
 		// stack to 8 KiB, which it would keep while it waits on an idle
 		// tunnel; a new goroutine starts small (docs/perf-history.md, idle
 		// tunnels' stacks).
