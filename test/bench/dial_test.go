@@ -41,12 +41,11 @@ func BenchmarkDialFirstEcho(b *testing.B) {
 
 // BenchmarkDialFirstEchoPaced is BenchmarkDialFirstEcho at a webhook
 // client's pace, 50 ms between ops, as tunnelbench's paced phase: each
-// dial on dial connections takes a spare, whose replacement
-// (wire.ReplaceAfterTake) then falls between ops rather than into one.
-// The pauses count in ns/op, so that -benchtime bounds the whole run:
-// read p50-ns and p99-ns.
+// dial finds the processes idle, as a webhook call does. The pauses count
+// in ns/op, so that -benchtime bounds the whole run: read p50-ns and
+// p99-ns.
 func BenchmarkDialFirstEchoPaced(b *testing.B) {
-	for _, p := range []benchPath{paths[0], earlyPath, dialConnEarlyPath} {
+	for _, p := range []benchPath{paths[0], earlyPath} {
 		b.Run(p.name, func(b *testing.B) { dialFirstEcho(b, p, 50*time.Millisecond) })
 	}
 }

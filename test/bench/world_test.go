@@ -32,11 +32,9 @@ import (
 //   - conn:   kcpplugin's conn over one gRPC leg to a minimal DialService
 //     (fakeBroker) that answers the bytes itself: the conn's copy path, gRPC
 //     and TLS, without splice or agent;
-//   - tunnel: kcpplugin -> broker (splice) -> agent (pipe) -> target, the
-//     agent's leg on its data connections (docs/protocol.md §3.5), as the
-//     binary's by default;
-//   - tunnel_dialconn: the same, kcpplugin on dial connections
-//     (docs/protocol.md §3.6): no gRPC on the caller's leg.
+//   - tunnel: kcpplugin -> broker (splice) -> agent (pipe) -> target, on
+//     a Dial stream and a Tunnel stream, each dial waiting for its tunnel
+//     (EarlyData off).
 //
 // tunnel minus conn is what the broker's splice, the agent's leg and its
 // pipe add.
@@ -44,13 +42,10 @@ import (
 // world is shared by all benchmarks of the process.
 var world struct {
 	echo, bulk *Target
-	broker     string // in-process broker's address
-	tunnel     *kcpplugin.Dialer
-	dialConn   *kcpplugin.Dialer // on dial connections
+	broker     string            // in-process broker's address
+	tunnel     *kcpplugin.Dialer // EarlyData off
 	early      *kcpplugin.Dialer // tunnel's connection, with EarlyData
-	// dialConnEarly is dialConn's connection and spares, with EarlyData.
-	dialConnEarly *kcpplugin.Dialer
-	fake          *kcpplugin.Dialer
+	fake       *kcpplugin.Dialer
 }
 
 const (
@@ -92,20 +87,14 @@ func runMain(m *testing.M) int {
 
 	b := env.StartBroker(harness.BrokerOptions{})
 	world.broker = b.Addr
-	// The agent keeps the binary's default of two data connections: the
-	// broker sends its dials on them, and their tunnels go in frames.
-	env.StartAgentWithDataConnections(b.Addr, "/agent/sync-target-1", lookup.StaticFile{Services: []lookup.StaticService{
+	env.StartAgent(b.Addr, "/agent/sync-target-1", lookup.StaticFile{Services: []lookup.StaticService{
 		{Cluster: benchCluster, Namespace: benchNamespace, Name: "echo", Ports: map[string]string{"80": world.echo.Addr}},
 		{Cluster: benchCluster, Namespace: benchNamespace, Name: "bulk", Ports: map[string]string{"80": world.bulk.Addr}},
-	}}, 2)
-	world.tunnel = env.Dialer(b.Addr, "/kcp")
-	world.dialConn = env.DirectDialer(b.Addr, "/kcp")
-	early := *world.tunnel
-	early.EarlyData = true
-	world.early = &early
-	dialConnEarly := *world.dialConn
-	dialConnEarly.EarlyData = true
-	world.dialConnEarly = &dialConnEarly
+	}})
+	world.early = env.Dialer(b.Addr, "/kcp") // EarlyData is kcpplugin's default
+	tunnel := *world.early
+	tunnel.EarlyData = false
+	world.tunnel = &tunnel
 
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -254,9 +243,6 @@ var paths = []benchPath{
 	{"tunnel", func(ctx context.Context, svc string) (net.Conn, error) {
 		return world.tunnel.DialService(ctx, benchCluster, benchNamespace, svc, 80)
 	}},
-	{"tunnel_dialconn", func(ctx context.Context, svc string) (net.Conn, error) {
-		return world.dialConn.DialService(ctx, benchCluster, benchNamespace, svc, 80)
-	}},
 }
 
 // earlyPath is the tunnel with kcpplugin's EarlyData, for the benchmarks
@@ -264,11 +250,6 @@ var paths = []benchPath{
 // first round trip measures it.
 var earlyPath = benchPath{"tunnel_early", func(ctx context.Context, svc string) (net.Conn, error) {
 	return world.early.DialService(ctx, benchCluster, benchNamespace, svc, 80)
-}}
-
-// dialConnEarlyPath is the tunnel on dial connections with EarlyData.
-var dialConnEarlyPath = benchPath{"tunnel_dialconn_early", func(ctx context.Context, svc string) (net.Conn, error) {
-	return world.dialConnEarly.DialService(ctx, benchCluster, benchNamespace, svc, 80)
 }}
 
 func dial(b *testing.B, d func(context.Context, string) (net.Conn, error), svc string) net.Conn {

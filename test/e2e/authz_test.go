@@ -56,10 +56,10 @@ func dialAs(t *testing.T, d *kcpplugin.Dialer, cluster string) error {
 
 func TestAuthzCallers(t *testing.T) {
 	env, b := startAuthzWorld(t)
-	kcp := kcpplugin.NewDialer(env.ConnWith(b.Addr, env.Identity("/kcp")))
-	teamA := kcpplugin.NewDialer(env.ConnWith(b.Addr, env.Identity("/team-a")))
-	stranger := kcpplugin.NewDialer(env.ConnWith(b.Addr, env.Identity("/stranger")))
-	agentAsCaller := kcpplugin.NewDialer(env.ConnWith(b.Addr, env.Identity("/syncer-east")))
+	kcp := waitingDialer(env.ConnWith(b.Addr, env.Identity("/kcp")))
+	teamA := waitingDialer(env.ConnWith(b.Addr, env.Identity("/team-a")))
+	stranger := waitingDialer(env.ConnWith(b.Addr, env.Identity("/stranger")))
+	agentAsCaller := waitingDialer(env.ConnWith(b.Addr, env.Identity("/syncer-east")))
 
 	for _, tc := range []struct {
 		name    string
@@ -116,7 +116,7 @@ func TestAuthzAgentClaimingAnotherSyncTargetIsRefused(t *testing.T) {
 		})
 	}
 	// Nothing the refused agents claimed is routed: team-b has no agent.
-	kcp := kcpplugin.NewDialer(env.ConnWith(b.Addr, env.Identity("/kcp")))
+	kcp := waitingDialer(env.ConnWith(b.Addr, env.Identity("/kcp")))
 	testutil.CheckStatus(t, "dial", dialAs(t, kcp, "team-b"), codes.Unavailable, `no agent serves logical cluster "team-b"`)
 
 	// An agent that re-registers with a cluster it is not bound to loses its
@@ -154,7 +154,7 @@ func TestAuthzHandshakeRefusesForeignAndExpiredSVIDs(t *testing.T) {
 	}{
 		{"trust domain the broker does not trust", func() *kcpplugin.Dialer {
 			// It trusts the broker (federated bundle), not the other way round.
-			return kcpplugin.NewDialer(env.ConnWith(b.Addr, env.Source(other, devca.Leaf{SPIFFEID: "/kcp"}, env.CA)))
+			return waitingDialer(env.ConnWith(b.Addr, env.Source(other, devca.Leaf{SPIFFEID: "/kcp"}, env.CA)))
 		}},
 		{"same path, impostor CA in our trust domain", func() *kcpplugin.Dialer {
 			impostor, err := devca.New("impostor", harness.TrustDomain)
@@ -162,11 +162,11 @@ func TestAuthzHandshakeRefusesForeignAndExpiredSVIDs(t *testing.T) {
 				t.Fatal(err)
 			}
 			src := env.Source(impostor, devca.Leaf{SPIFFEID: "/kcp"})
-			return kcpplugin.NewDialer(env.ConnWith(b.Addr, src))
+			return waitingDialer(env.ConnWith(b.Addr, src))
 		}},
 		{"expired SVID", func() *kcpplugin.Dialer {
 			src := env.Source(env.CA, devca.Leaf{SPIFFEID: "/kcp", NotBefore: time.Now().Add(-2 * time.Hour), NotAfter: time.Now().Add(-time.Hour)})
-			return kcpplugin.NewDialer(env.ConnWith(b.Addr, src))
+			return waitingDialer(env.ConnWith(b.Addr, src))
 		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

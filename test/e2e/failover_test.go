@@ -75,7 +75,7 @@ func callerConn(t *testing.T, env *harness.Env, addrs []string) *grpc.ClientConn
 
 // brokerDialer dials through one replica only.
 func brokerDialer(env *harness.Env, addr string) *kcpplugin.Dialer {
-	return kcpplugin.NewDialer(env.BrokerConn(addr, "/kcp"))
+	return waitingDialer(env.BrokerConn(addr, "/kcp"))
 }
 
 // traffic keeps a tunnel busy with round trips until stopped, and records
@@ -144,7 +144,7 @@ func TestFailoverBrokerReplicaDies(t *testing.T) {
 		}
 	}
 
-	kcp := kcpplugin.NewDialer(callerConn(t, env, r.addrs))
+	kcp := waitingDialer(callerConn(t, env, r.addrs))
 	stop := make(chan struct{})
 	tunnels := carryTunnels(t, 210, func() (net.Conn, error) { return dialEchoConn(kcp) }, stop, "every tunnel to carry traffic")
 
@@ -273,7 +273,7 @@ func TestFailoverAgentDies(t *testing.T) {
 	}
 	env.StartAgentProcess(r.list(), "/agent/sync-target-1", services("root"))
 	solo := env.StartAgentProcess(r.list(), "/agent/sync-target-2", services("root", "solo"))
-	kcp := kcpplugin.NewDialer(callerConn(t, env, r.addrs))
+	kcp := waitingDialer(callerConn(t, env, r.addrs))
 
 	stop := make(chan struct{})
 	tunnels := carryTunnels(t, 20, func() (net.Conn, error) {

@@ -170,7 +170,7 @@ func (w *faults) targetResetsMidStream(t *testing.T) {
 func (w *faults) callerConnectionDrops(t *testing.T) {
 	cc := w.rowEnv(t).BrokerConn(w.broker.Addr, "/kcp")
 	defer cc.Close()
-	conn := w.midTransfer(t, kcpplugin.NewDialer(cc))
+	conn := w.midTransfer(t, waitingDialer(cc))
 	defer conn.Close()
 	cc.Close()
 	// Data already received may come first; then the end.

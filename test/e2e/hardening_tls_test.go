@@ -234,7 +234,7 @@ func kcpDialerWith(t *testing.T, addr string, f devca.Files) *kcpplugin.Dialer {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close() })
-	return kcpplugin.NewDialer(conn)
+	return waitingDialer(conn)
 }
 
 func TestHardeningAnExpiredAgentIsUnrouted(t *testing.T) {

@@ -10,11 +10,22 @@ import (
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
+	"google.golang.org/grpc"
 
 	"github.com/kcp-dev/tunnel-broker/internal/devca"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
+	"github.com/kcp-dev/tunnel-broker/kcpplugin"
 	"github.com/kcp-dev/tunnel-broker/test/harness"
 )
+
+// waitingDialer is kcpplugin's dialer over conn with EarlyData off, as
+// harness.Env.Dialer's: DialService waits for the tunnel, and a failed
+// dial's status comes from it, where these tests look for it.
+func waitingDialer(conn grpc.ClientConnInterface) *kcpplugin.Dialer {
+	d := kcpplugin.NewDialer(conn)
+	d.EarlyData = false
+	return d
+}
 
 // roundTrip writes a line to an echo tunnel and reads it back.
 func roundTrip(t *testing.T, conn net.Conn, what string) {

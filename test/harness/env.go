@@ -77,31 +77,14 @@ func ID(path string) spiffeid.ID {
 
 // Dialer is a kcpplugin dialer with the caller identity path (e.g. "/kcp"),
 // connected to the broker at addr. The connection closes with the test.
+// Its dials wait for their tunnels (EarlyData off), so that a failed dial's
+// status comes from DialService, where the tests look for it; a test of
+// kcp's default sets EarlyData.
 func (e *Env) Dialer(addr, path string) *kcpplugin.Dialer {
 	e.T.Helper()
-	conn := e.BrokerConn(addr, path)
-	return kcpplugin.NewDialer(conn)
-}
-
-// DirectDialer is a kcpplugin dialer with the caller identity path, whose
-// tunnels ride on dial connections to the broker at addr (its Dial streams
-// when it has no spare left). The dialer and its connection close with the
-// test.
-func (e *Env) DirectDialer(addr, path string) *kcpplugin.Dialer {
-	e.T.Helper()
-	d := kcpplugin.NewDialer(e.BrokerConn(addr, path), kcpplugin.WithDialConnections(e.DialConnections(addr, path)))
-	e.T.Cleanup(func() { d.Close() })
+	d := kcpplugin.NewDialer(e.BrokerConn(addr, path))
+	d.EarlyData = false
 	return d
-}
-
-// DialConnections are the dial connections of the caller identity path to
-// the broker at addr, with the mTLS kcp would use: go-spiffe's, accepting
-// any broker of the trust domain.
-func (e *Env) DialConnections(addr, path string) kcpplugin.DialConnections {
-	e.T.Helper()
-	src := e.Identity(path)
-	return kcpplugin.DialConnections{Address: addr,
-		TLS: tlsconfig.MTLSClientConfig(src, src, tlsconfig.AuthorizeMemberOf(src.ID().TrustDomain()))}
 }
 
 // BrokerConn is a gRPC client connection to the broker at addr, as path.

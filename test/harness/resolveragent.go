@@ -10,7 +10,6 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
 
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
-	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/agent"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
 )
@@ -30,26 +29,6 @@ func (e *Env) StartAgentWithResolver(brokerAddr, path string, r lookup.Resolver)
 // broker at brokerAddr has registered it.
 func (e *Env) StartAgentAs(brokerAddr, name string, src identity.SVIDSource, r lookup.Resolver) *Agent {
 	e.T.Helper()
-	return e.startAgent(brokerAddr, name, src, r, 0)
-}
-
-// StartAgentWithDataConnections is StartAgent of an agent that keeps spares
-// data connections to the broker (docs/protocol.md §3.5), as the
-// syncer-agent binary does by default: the broker then sends its dials on
-// them, and their tunnels go in frames rather than on Tunnel streams.
-func (e *Env) StartAgentWithDataConnections(brokerAddr, path string, services lookup.StaticFile, spares int) *Agent {
-	e.T.Helper()
-	resolver, err := lookup.NewStatic(services)
-	if err != nil {
-		e.T.Fatal(err)
-	}
-	return e.startAgent(brokerAddr, filepath.Base(path), e.Identity(path), resolver, spares)
-}
-
-// startAgent runs an in-process agent with spares data connections (none:
-// every tunnel on a Tunnel stream) and waits until it has registered.
-func (e *Env) startAgent(brokerAddr, name string, src identity.SVIDSource, r lookup.Resolver, spares int) *Agent {
-	e.T.Helper()
 	registered := make(chan struct{}, 1)
 	authorize := tlsconfig.AuthorizeID(ID("/broker"))
 	a := &agent.Agent{
@@ -64,11 +43,6 @@ func (e *Env) startAgent(brokerAddr, name string, src identity.SVIDSource, r loo
 			default:
 			}
 		},
-	}
-	if spares > 0 {
-		// As the binary's: the data protocol, and coalesced writes.
-		a.DataCredentials = wire.CoalesceWrites(identity.ClientCredentials(src, authorize, identity.Protocols(wire.DataProtocol)))
-		a.SpareDataConnections = spares
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})

@@ -77,10 +77,11 @@ func TestReleaseConsumerGetsKcppluginAndCallsAWebhookThroughTheTunnel(t *testing
 					t.Errorf("go get kcpplugin@%s moved %s from %s to %s: kcpplugin's floor is above what it claims", ver, p, before[p], after[p])
 				}
 			}
-			legs, _ := harness.Scrape(t, brokerProcess, `kcp_tunnel_broker_tunnels_opened_total{caller_leg="dial_connection"}`)
+			const dialed = `kcp_tunnel_broker_dials_total{code="OK"}`
+			tunnels, _ := harness.Scrape(t, brokerProcess, dialed)
 			run(t, dir, append(goEnv, tunnelEnv...), "go", "test", "-count=1", "-v", "./...")
-			if after, _ := harness.Scrape(t, brokerProcess, `kcp_tunnel_broker_tunnels_opened_total{caller_leg="dial_connection"}`); after <= legs {
-				t.Errorf("the consumer's webhook calls rode on %v dial connections, want at least one", after-legs)
+			if now, _ := harness.Scrape(t, brokerProcess, dialed); now <= tunnels {
+				t.Errorf("the consumer's webhook calls opened %v tunnels through the broker, want at least one", now-tunnels)
 			}
 			if testing.Verbose() {
 				goMod, _ := os.ReadFile(filepath.Join(dir, "go.mod"))

@@ -75,13 +75,8 @@ func TestSPIRE(t *testing.T) {
 	r.startWorkloads(t)
 
 	// (2) kcp's real webhook client reaches the webhook through the tunnel.
-	// Its tunnels ride on dial connections, whose spares made before the
-	// rotation close at their SVID's expiry and are replaced.
 	r.conn = brokerConn(t, r.caller, r.brokerAddr)
-	r.dialer = kcpplugin.NewDialer(r.conn, kcpplugin.WithDialConnections(kcpplugin.DialConnections{
-		Address: r.brokerAddr, TLS: tlsconfig.MTLSClientConfig(r.caller, r.caller, tlsconfig.AuthorizeID(brokerID)),
-	}))
-	defer r.dialer.Close()
+	r.dialer = kcpplugin.NewDialer(r.conn)
 	r.adm = harness.NewAdmission(t, harness.AdmissionOptions{
 		Service: harness.WebhookService{Namespace: "default", Name: "webhook", Path: "/admit", Port: 443, CABundle: r.wh.CABundle},
 		Wrapper: kcpplugin.AuthInfoResolverWrapper(cluster, r.dialer),
@@ -107,7 +102,6 @@ func TestSPIRE(t *testing.T) {
 	// Tunnels end with kcp's connection (the webhook client keeps idle
 	// ones); then the agent and the broker shut down by themselves.
 	longLived.Close()
-	r.dialer.Close()
 	r.conn.Close()
 	for _, c := range []*harness.Command{r.agent, r.broker} {
 		stopping := time.Now()

@@ -81,7 +81,10 @@ func main() {
 	defer conn.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	c, err := kcpplugin.NewDialer(conn).DialService(ctx, *cluster, *namespace, *service, int32(*port))
+	// The dial waits for its tunnel, so that its outcome is DialService's.
+	dialer := kcpplugin.NewDialer(conn)
+	dialer.EarlyData = false
+	c, err := dialer.DialService(ctx, *cluster, *namespace, *service, int32(*port))
 	if err != nil {
 		fmt.Printf("dial-error: %s: %s\n", status.Code(err), status.Convert(err).Message())
 		conn.Close()

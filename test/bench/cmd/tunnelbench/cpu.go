@@ -71,7 +71,7 @@ type middleUse struct {
 // the peer's server and client; none for the direct path.
 func (t cpuTimes) middleOf(path string) middleUse {
 	switch path {
-	case "tunneled", earlyName, connectName, streamName:
+	case "tunneled", earlyName, connectName:
 		return middleUse{[2]string{"broker", "agent"}, [2]time.Duration{t.broker, t.agent}}
 	case "relay":
 		return middleUse{[2]string{"relay1", "relay2"}, [2]time.Duration{t.relay1, t.relay2}}

@@ -38,11 +38,10 @@ func (r *runner) dialLatency(ctx context.Context) {
 
 // pacedDials is the dial phase at a webhook client's pace: cfg.pacedDials
 // rounds of one dial and first round trip per path, with cfg.pacedPause
-// after each, so that every dial finds the processes idle and the spares
-// replaced, where back-to-back dials keep the processes busy and use the
-// spares up. Its rows are paced_dial_first_echo_* and the CPU a dial
-// costs; the relay, whose two handshakes a dial are no floor for either
-// case, is left out.
+// after each, so that every dial finds the processes idle, where
+// back-to-back dials keep the processes busy. Its rows are
+// paced_dial_first_echo_* and the CPU a dial costs; the relay, whose two
+// handshakes a dial are no floor for either case, is left out.
 func (r *runner) pacedDials(ctx context.Context) {
 	var paths []path
 	for _, p := range r.newConnectionPaths() {
@@ -157,8 +156,8 @@ func (r *runner) dialAndEcho(ctx context.Context, p path, msg, buf []byte) (echo
 // cost the middle processes, from their CPU over the whole loop: the
 // tunnel's over the dials of all its caller legs (the broker and agent
 // serve them all), the peer's over its own; the processes of the other
-// paths idle meanwhile but for their spares and pings, which a dial's
-// cost includes. With the peer, it also prints how many of the peer's new
+// paths idle meanwhile but for their pings, which a dial's cost
+// includes. With the peer, it also prints how many of the peer's new
 // connections failed.
 func (r *runner) reportDialCPU(stem string, s dialSamples) {
 	perDial := func(d time.Duration, n int) float64 {
@@ -168,7 +167,7 @@ func (r *runner) reportDialCPU(stem string, s dialSamples) {
 		return bench.Micros(d) / float64(n)
 	}
 	tunnelDials := 0
-	for _, name := range []string{"tunneled", earlyName, streamName, connectName} {
+	for _, name := range []string{"tunneled", earlyName, connectName} {
 		tunnelDials += len(s.dials[name])
 	}
 	m := s.cpu.middleOf("tunneled")
@@ -222,7 +221,7 @@ func (r *runner) reportFirstEchoes(stem string, s dialSamples) {
 	r.report.row(stem+"_first_echo_p99_us", us(de, 0.99), us(s.firstEchoes["tunneled"], 0.99))
 	// With early data the dial returns at once: only its first echo says
 	// what it costs.
-	for _, name := range []string{earlyName, peerName, streamName, connectName} {
+	for _, name := range []string{earlyName, peerName, connectName} {
 		if e, ok := s.firstEchoes[name]; ok {
 			r.report.floorRow(name, stem+"_first_echo_p50_us", us(de, 0.5), us(e, 0.5))
 			r.report.floorRow(name, stem+"_first_echo_p99_us", us(de, 0.99), us(e, 0.99))

@@ -47,11 +47,9 @@ type config struct {
 	webhookConns int           // concurrent kept-alive connections of the webhook rate figure
 	phases       []string
 	profileDir   string
-	relay        bool   // also measure the relay reference path (relay.go)
-	peerBin      string // if set, also measure the remotedialer peer (peer.go) with this binary
-	// dialConnections has kcp's dialers use dial connections.
-	dialConnections bool
-	timeout         time.Duration // bound of one bulk transfer
+	relay        bool          // also measure the relay reference path (relay.go)
+	peerBin      string        // if set, also measure the remotedialer peer (peer.go) with this binary
+	timeout      time.Duration // bound of one bulk transfer
 
 	// The hostile phase (hostile.go).
 	hostileStreams int
@@ -115,11 +113,10 @@ func parseFlags() (config, time.Duration) {
 	flag.IntVar(&cfg.conns, "conns", 16, "connections for the round-trips-per-second figure")
 	flag.IntVar(&cfg.dials, "dials", 1000, "dials per path for the dial latency figure")
 	flag.IntVar(&cfg.pacedDials, "paced-dials", 100, "paced phase: dials per path at a webhook client's pace")
-	flag.DurationVar(&cfg.pacedPause, "paced-pause", 500*time.Millisecond, "paced phase: pause after each round of dials (one per path), so that every dial finds the processes idle and the spares replaced")
+	flag.DurationVar(&cfg.pacedPause, "paced-pause", 500*time.Millisecond, "paced phase: pause after each round of dials (one per path), so that every dial finds the processes idle")
 	flag.IntVar(&cfg.webhookConns, "webhook-conns", 16, "concurrent kept-alive connections for the webhook rate figure")
 	flag.StringVar(&cfg.profileDir, "profile-dir", "", "if set and the binaries serve pprof (--pprof-listen), save their CPU and heap profiles of the throughput, round-trip and dial runs here")
 	flag.BoolVar(&cfg.relay, "relay", true, "also measure the relay reference path (caller -mTLS-> relay -mTLS-> relay -TCP-> target, plain TLS copy processes) in the throughput, latency, rps and dial phases and for the webhook on new connections, as relay_* rows")
-	flag.BoolVar(&cfg.dialConnections, "dial-connections", true, "kcp's dialers carry tunnels on dial connections (kcpplugin.WithDialConnections) when the broker accepts them; false: on Dial streams")
 	flag.StringVar(&cfg.peerBin, "peer-remotedialer", "", "if set, the remotedialer-peer binary (test/bench/peers/remotedialer/build.sh prints its path): also measure rancher's remotedialer as a peer in the throughput, latency, rps, dial, isolation, webhook and idle phases, as peer_remotedialer_* rows")
 	flag.DurationVar(&cfg.timeout, "timeout", 3*time.Minute, "bound of one bulk transfer")
 	flag.IntVar(&cfg.hostileStreams, "hostile-streams", 1000, "hostile phase: streams one identity opens and never finishes, per case")

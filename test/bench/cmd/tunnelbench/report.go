@@ -113,8 +113,8 @@ func (rep *report) header(r *runner) {
 	}
 	rep.note("pprof endpoints: %s", pprof)
 	c := r.cfg
-	rep.note("config: size=%s duration=%v conns=%d dials=%d paced-dials=%d paced-pause=%v idle=%v flood=%s webhook-conns=%d phases=%s relay=%v peer-remotedialer=%v dial-connections=%v hostile-streams=%d hostile-message=%d hostile-frame=%d hostile-pad=%d hostile-tunnels=%d",
-		bytesString(c.size), c.duration, c.conns, c.dials, c.pacedDials, c.pacedPause, c.idle, bytesString(c.flood), c.webhookConns, strings.Join(c.phases, ","), r.relay != nil, c.peerBin != "", c.dialConnections,
+	rep.note("config: size=%s duration=%v conns=%d dials=%d paced-dials=%d paced-pause=%v idle=%v flood=%s webhook-conns=%d phases=%s relay=%v peer-remotedialer=%v hostile-streams=%d hostile-message=%d hostile-frame=%d hostile-pad=%d hostile-tunnels=%d",
+		bytesString(c.size), c.duration, c.conns, c.dials, c.pacedDials, c.pacedPause, c.idle, bytesString(c.flood), c.webhookConns, strings.Join(c.phases, ","), r.relay != nil, c.peerBin != "",
 		c.hostileStreams, c.hostileMessage, c.hostileFrame, c.hostilePad, c.hostileTunnels)
 	if slices.Contains(c.phases, "hostile") {
 		rep.note("hostile_* rows: a fresh broker, and streams from one identity that never send a whole first message, or tunnels of one agent (hostile_tunnel_*); hostile= is the figure")

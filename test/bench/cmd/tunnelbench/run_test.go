@@ -17,7 +17,7 @@ import (
 
 // rowPattern is one figure of the table: name, direct value, path and its
 // value, ratio; "-" where a value does not apply.
-var rowPattern = regexp.MustCompile(`^(\S+) +direct=(\S+) +(tunneled|relay|grpc|hostile|peer_remotedialer|early|connect|stream)=(\S+) +ratio=(\S+)$`)
+var rowPattern = regexp.MustCompile(`^(\S+) +direct=(\S+) +(tunneled|relay|grpc|hostile|peer_remotedialer|early|connect)=(\S+) +ratio=(\S+)$`)
 
 // TestTinyRunPrintsEveryFigure runs make bench's tool on tiny sizes, every
 // phase with the real binaries and the remotedialer peer, and checks the
@@ -67,13 +67,12 @@ var tinyRunFigures = []string{
 	// Every path's new-connection figures, and the peer's of each phase.
 	"dial_first_echo_p50_us", "relay_dial_2handshakes_first_echo_p99_us", "throughput_upload_middle_cpu_s_per_GiB",
 	"paced_dial_first_echo_p50_us", "early_paced_dial_first_echo_p99_us", "connect_paced_dial_first_echo_p50_us",
-	"stream_paced_dial_first_echo_p99_us", "paced_dial_first_echo_agent_cpu_us",
+	"paced_dial_first_echo_agent_cpu_us",
 	"peer_remotedialer_paced_dial_first_echo_p50_us", "peer_remotedialer_paced_dial_first_echo_middle_cpu_us",
 	"peer_remotedialer_paced_dial_first_echo_failed",
 	"webhook_dial_tls_first_request_p50_us", "relay_webhook_dial_tls_first_request_p99_us",
 	"early_dial_first_echo_p50_us", "early_webhook_dial_tls_first_request_p99_us", "dial_first_echo_broker_cpu_us",
 	"connect_rtt64_p50_us", "connect_rtt64_broker_cpu_us_per_rt", "connect_rtt64_4conns_per_s", "connect_dial_first_echo_p99_us",
-	"stream_rtt64_p50_us", "stream_rtt64_4conns_per_s", "stream_dial_first_echo_p50_us", "stream_webhook_dial_tls_first_request_p99_us",
 	"idle_20_middle_rss_KiB_per_tunnel",
 	"peer_remotedialer_throughput_download_MiBps", "peer_remotedialer_throughput_upload_middle_cpu_s_per_GiB",
 	"peer_remotedialer_rtt64_p99_us", "peer_remotedialer_rtt64_server_cpu_us_per_rt", "peer_remotedialer_rtt64_4conns_per_s",

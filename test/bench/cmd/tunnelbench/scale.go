@@ -153,7 +153,7 @@ func (r *runner) startScale(cfg scaleConfig) *scaleWorld {
 	td := "spiffe://" + harness.TrustDomain
 	f := policy.File{
 		// One syncer per sync target, each bound to its clusters, as a
-		// kcp deployment would write it; one spare cluster each for the
+		// kcp deployment would write it; one cluster more each for the
 		// re-registrations.
 		Agents:      []policy.AgentRule{{ID: td + "/agent/{syncTarget}"}},
 		SyncTargets: map[string][]string{scaleAgentName(bigAgent): scaleClusters(bigAgent, 0, cfg.big+1)},
@@ -187,7 +187,10 @@ func (r *runner) startScale(cfg scaleConfig) *scaleWorld {
 		b.proc, b.addr = r.env.StartBrokerProcess(extra...)
 		r.logf("scale: broker %s started in %v with a policy of %d KiB", label, time.Since(t).Round(time.Millisecond), len(raw)>>10)
 		b.metrics = b.proc.MetricsAddr(r.m)
+		// Each dial waits for its tunnel: the phase times dials and counts
+		// those the broker could not route.
 		b.dialer = kcpplugin.NewDialer(r.env.BrokerConn(b.addr, "/kcp"))
+		b.dialer.EarlyData = false
 		return b
 	}
 	w.one, w.many = start("one"), start("many")

@@ -79,9 +79,6 @@ type pair struct {
 	// early dials over conn too, with kcpplugin's EarlyData: the first
 	// write goes with the dial.
 	early *kcpplugin.Dialer
-	// streams, when dialer and early use dial connections, is early on
-	// Dial streams; nil otherwise.
-	streams *kcpplugin.Dialer
 }
 
 func newBench(cfg config) *runner {
@@ -161,26 +158,17 @@ func (r *runner) startPair() *pair {
 	p.broker, p.brokerAddr = r.env.StartBrokerProcess(append(brokerExtra, egress...)...)
 	p.agent = r.env.StartAgentProcess(p.brokerAddr, agentPath, r.services(), agentExtra...)
 	p.conn = r.env.BrokerConn(p.brokerAddr, "/kcp")
-	var opts []kcpplugin.Option
-	if r.cfg.dialConnections {
-		opts = append(opts, kcpplugin.WithDialConnections(r.env.DialConnections(p.brokerAddr, "/kcp")))
-		// The same tunnel on Dial streams, beside it in the same runs.
-		p.streams = kcpplugin.NewDialer(p.conn)
-		p.streams.EarlyData = true
-	}
-	p.dialer = kcpplugin.NewDialer(p.conn, opts...)
-	p.early = kcpplugin.NewDialer(p.conn, opts...)
+	// dialer waits for each tunnel before it returns; early is kcp's
+	// default.
+	p.dialer = kcpplugin.NewDialer(p.conn)
+	p.dialer.EarlyData = false
+	p.early = kcpplugin.NewDialer(p.conn)
 	p.early.EarlyData = true
 	return p
 }
 
 // stop ends the pair's processes and connection.
 func (p *pair) stop() {
-	p.dialer.Close()
-	p.early.Close()
-	if p.streams != nil {
-		p.streams.Close()
-	}
 	p.conn.Close()
 	_ = p.agent.Stop()
 	_ = p.broker.Stop()
@@ -215,10 +203,6 @@ func (p *pair) tunneledEarly() path { return tunnelPath(earlyName, p.early) }
 
 // earlyName names the tunnel path with early data in rows and logs.
 const earlyName = "early"
-
-// streamName names the tunnel path whose caller's leg is a Dial stream,
-// with early data, when the tunneled and early paths use dial connections.
-const streamName = "stream"
 
 func tunnelPath(name string, d *kcpplugin.Dialer) path {
 	return path{name: name, dial: func(ctx context.Context, svc string) (net.Conn, error) {
@@ -268,16 +252,12 @@ func (r *runner) newConnectionPaths() []path {
 // logging); in a fixed order it always slowed the same path.
 func inTurn(i, j, n int) int { return (i + j) % n }
 
-// withOtherLegs is ps and the tunnel with the other caller legs that run:
-// Dial streams, when the tunneled path uses dial connections, and the
-// broker's CONNECT front end on a Unix socket, if it serves one. The phases
-// that compare a message's and a new connection's cost with the peer's,
-// whose caller speaks CONNECT over a Unix socket too, measure them beside
-// the tunneled path.
+// withOtherLegs is ps and the tunnel with the other caller leg, if it
+// runs: the broker's CONNECT front end on a Unix socket. The phases that
+// compare a message's and a new connection's cost with the peer's, whose
+// caller speaks CONNECT over a Unix socket too, measure it beside the
+// tunneled path.
 func (r *runner) withOtherLegs(ps []path) []path {
-	if r.main.streams != nil {
-		ps = append(ps, tunnelPath(streamName, r.main.streams))
-	}
 	if c, ok := r.main.connect(); ok {
 		ps = append(ps, c)
 	}

@@ -150,10 +150,6 @@ func (r *runner) webhookFirstRequest(ctx context.Context, body []byte) {
 		r.report.floorRow(peerName, name+"p99_us", us(d, 0.99), us(pr, 0.99))
 		r.report.floorRow(peerName, name+"failed", none, float64(failed))
 	}
-	if st, ok := samples[streamName]; ok {
-		r.report.floorRow(streamName, name+"p50_us", us(d, 0.5), us(st, 0.5))
-		r.report.floorRow(streamName, name+"p99_us", us(d, 0.99), us(st, 0.99))
-	}
 }
 
 // webhookClient is an HTTPS client for the webhook over path p, keeping up
