@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // This file holds the fake broker the tests dial through, and small helpers.
@@ -59,6 +60,15 @@ func startBroker(t *testing.T, handle dialHandler) *Dialer {
 	return serveFakeBroker(t, handle)
 }
 
+// waitingDialer is startBroker's Dialer without EarlyData: DialService
+// waits for the broker's answer.
+func waitingDialer(t *testing.T, handle dialHandler) *Dialer {
+	t.Helper()
+	d := startBroker(t, handle)
+	d.EarlyData = false
+	return d
+}
+
 // serveFakeBroker serves handle as the broker's Dial on a loopback port until
 // the test ends, and returns a Dialer connected to it, in plaintext.
 func serveFakeBroker(tb testing.TB, handle dialHandler, opts ...grpc.ServerOption) *Dialer {
@@ -70,11 +80,23 @@ func serveFakeBroker(tb testing.TB, handle dialHandler, opts ...grpc.ServerOptio
 // client's (which must name transport credentials) given.
 func serveFakeBrokerWith(tb testing.TB, handle dialHandler, serverOpts []grpc.ServerOption, clientOpts ...grpc.DialOption) *Dialer {
 	tb.Helper()
+	cc, err := grpc.NewClient("passthrough:///"+serveDialService(tb, handle, serverOpts...), clientOpts...)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { _ = cc.Close() })
+	return NewDialer(cc)
+}
+
+// serveDialService serves handle as the broker's Dial, with opts, on a
+// loopback port until the test ends, and returns its address.
+func serveDialService(tb testing.TB, handle dialHandler, opts ...grpc.ServerOption) string {
+	tb.Helper()
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		tb.Fatal(err)
 	}
-	srv := grpc.NewServer(serverOpts...)
+	srv := grpc.NewServer(opts...)
 	tunnelv1.RegisterDialServiceServer(srv, &fakeBroker{handle: handle})
 	served := make(chan struct{})
 	go func() {
@@ -85,13 +107,7 @@ func serveFakeBrokerWith(tb testing.TB, handle dialHandler, serverOpts []grpc.Se
 		srv.Stop()
 		<-served
 	})
-
-	cc, err := grpc.NewClient("passthrough:///"+lis.Addr().String(), clientOpts...)
-	if err != nil {
-		tb.Fatal(err)
-	}
-	tb.Cleanup(func() { _ = cc.Close() })
-	return NewDialer(cc)
+	return lis.Addr().String()
 }
 
 // startTunnels starts a broker that establishes every dial and then hands the
@@ -101,7 +117,11 @@ func startTunnels(t *testing.T, serve func(p *peer) error) *Dialer {
 	return startBroker(t, establish(serve))
 }
 
-// establish reads the target, answers Established and runs serve.
+// established is the broker's answer to a dial it established.
+var established = &tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_Established{Established: &tunnelv1.Established{TunnelId: "test"}}}
+
+// establish reads the target, answers Established and runs serve, whose
+// peer reads the dial's early data first, as the target does.
 func establish(serve func(p *peer) error) dialHandler {
 	return func(stream tunnelv1.DialService_DialServer) error {
 		first, err := stream.Recv()
@@ -111,12 +131,10 @@ func establish(serve func(p *peer) error) dialHandler {
 		if first.GetTarget() == nil {
 			return status.Error(codes.InvalidArgument, "the first message of a dial must name a target")
 		}
-		established := &tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_Established{
-			Established: &tunnelv1.Established{TunnelId: "test"}}}
 		if err := stream.Send(established); err != nil {
 			return err
 		}
-		return serve(&peer{stream: stream, target: first.GetTarget()})
+		return serve(&peer{stream: stream, target: first.GetTarget(), early: first.GetEarlyData()})
 	}
 }
 
@@ -124,6 +142,8 @@ func establish(serve func(p *peer) error) dialHandler {
 type peer struct {
 	stream tunnelv1.DialService_DialServer
 	target *tunnelv1.Target
+	// early is the dial's early data, which recv returns first.
+	early []byte
 }
 
 func (p *peer) ctx() context.Context { return p.stream.Context() }
@@ -141,6 +161,10 @@ func (p *peer) closeWrite() error {
 // recv returns the next data frame, io.EOF once the caller half-closed, or an
 // error for anything else, including a frame that breaks the protocol.
 func (p *peer) recv() ([]byte, error) {
+	if early := p.early; len(early) > 0 {
+		p.early = nil
+		return early, nil
+	}
 	msg, err := p.stream.Recv()
 	if err != nil {
 		return nil, err
@@ -182,6 +206,84 @@ func (p *peer) echo() error {
 			return err
 		}
 	}
+}
+
+// spliceToLoopback is a broker that carries each tunnel to a real TCP
+// connection, as the broker and the agent together do: it connects to
+// 127.0.0.1 at the target's port, writes the dial's early data there,
+// answers established, and then copies both ways, each half-close to the
+// other side. The tunnel ends when both directions have.
+func spliceToLoopback(stream tunnelv1.DialService_DialServer) error {
+	first, err := stream.Recv()
+	if err != nil {
+		return err
+	}
+	target := first.GetTarget()
+	if target == nil {
+		return status.Error(codes.InvalidArgument, "the first message of a dial must name a target")
+	}
+	var d net.Dialer
+	tcp, err := d.DialContext(stream.Context(), "tcp", net.JoinHostPort("127.0.0.1", fmt.Sprint(target.GetPort())))
+	if err != nil {
+		return status.Error(codes.Unavailable, err.Error())
+	}
+	defer tcp.Close()
+	if err := stream.Send(established); err != nil {
+		return err
+	}
+	p := &peer{stream: stream, target: target, early: first.GetEarlyData()}
+	toTarget := make(chan error, 1)
+	go func() {
+		toTarget <- func() error {
+			for {
+				data, err := p.recv()
+				if errors.Is(err, io.EOF) {
+					return tcp.(*net.TCPConn).CloseWrite()
+				}
+				if err != nil {
+					return err
+				}
+				if _, err := tcp.Write(data); err != nil {
+					return err
+				}
+			}
+		}()
+	}()
+	fromTarget := make(chan error, 1)
+	go func() {
+		fromTarget <- func() error {
+			buf := make([]byte, wire.MaxFrame)
+			for {
+				n, err := tcp.Read(buf)
+				if n > 0 {
+					if err := p.send(buf[:n]); err != nil {
+						return err
+					}
+				}
+				if errors.Is(err, io.EOF) {
+					return p.closeWrite()
+				}
+				if err != nil {
+					return status.Error(codes.Unavailable, err.Error())
+				}
+			}
+		}()
+	}()
+	// A direction that fails ends the tunnel: closing the connection ends
+	// the other's copy, and returning the stream's.
+	for range 2 {
+		select {
+		case err := <-toTarget:
+			if err != nil {
+				return err
+			}
+		case err := <-fromTarget:
+			if err != nil {
+				return err
+			}
+		}
+	}
+	return nil
 }
 
 // dial opens a tunnel to the test target and closes it when the test ends.

@@ -13,30 +13,13 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/resolver"
 	"google.golang.org/grpc/resolver/manual"
-
-	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
 // serveReplica serves handle over mTLS on a loopback port until the test
 // ends, as one broker replica, and returns its address.
 func serveReplica(t *testing.T, certs mtlsConfigs, handle dialHandler) string {
 	t.Helper()
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := grpc.NewServer(grpc.Creds(credentials.NewTLS(certs.server)))
-	tunnelv1.RegisterDialServiceServer(srv, &fakeBroker{handle: handle})
-	served := make(chan struct{})
-	go func() {
-		defer close(served)
-		_ = srv.Serve(lis)
-	}()
-	t.Cleanup(func() {
-		srv.Stop()
-		<-served
-	})
-	return lis.Addr().String()
+	return serveDialService(t, handle, grpc.Creds(credentials.NewTLS(certs.server)))
 }
 
 // replicas resolves to addrs, as DNS resolves a headless Service to every

@@ -8,10 +8,11 @@ import (
 	"net"
 	"os"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/encoding"
+	"google.golang.org/grpc/mem"
 	"google.golang.org/grpc/status"
 
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
@@ -25,14 +26,19 @@ const (
 	closeLinger = 2 * time.Second
 )
 
-// conn is a net.Conn over one Dial stream.
+// conn is a net.Conn over one Dial stream: the one type DialService
+// returns. It passes golang.org/x/net/nettest's TestConn
+// (nettest_test.go), with no deviation: Close and a passed deadline fail a
+// blocked Read or Write at once, with net.ErrClosed or
+// os.ErrDeadlineExceeded (a net.Error whose Timeout is true), and a write
+// deadline that passes mid-write leaves the tunnel usable (Write).
 type conn struct {
 	stream tunnelv1.DialService_DialClient
 	cancel context.CancelFunc
 	local  net.Addr
 	remote net.Addr
 
-	// The dial, until the broker answers it (establish.go).
+	// The dial, until the broker answers it (dialer.go).
 	dial dialState
 
 	// frames carries data frames from the receive goroutine to Read, one
@@ -59,10 +65,10 @@ type conn struct {
 	writeMu     sync.Mutex
 	writeDL     *deadline
 	writeClosed bool
-	writeErr    error // sticky after a write failed or timed out
-	// writing is set while Write sends; writeAborted once the write
-	// deadline passed during it and cancelled the tunnel.
-	writing, writeAborted atomic.Bool
+	writeErr    error // sticky after a Send failed
+	// sending is the last data frame Write handed to gRPC, which may
+	// still wait for flow control after Write returned (send).
+	sending *sending
 
 	closeOnce  sync.Once
 	closed     chan struct{}
@@ -82,12 +88,12 @@ func newConn(stream tunnelv1.DialService_DialClient, cancel context.CancelFunc, 
 		remote:     addr(target.Key()),
 		dial:       dialState{target: target, timeout: timeout, answered: make(chan struct{})},
 		frames:     make(chan *wire.Frame),
-		readDL:     newDeadline(nil),
+		readDL:     newDeadline(),
+		writeDL:    newDeadline(),
 		closed:     make(chan struct{}),
 		sendFailed: make(chan struct{}),
 		received:   make(chan struct{}),
 	}
-	c.writeDL = newDeadline(c.writeDeadlinePassed)
 	c.dial.timer = time.AfterFunc(timeout, c.dialTimedOut)
 	go c.receive()
 	return c
@@ -255,9 +261,11 @@ func (c *conn) Read(b []byte) (int, error) {
 	return n, nil
 }
 
-// Write implements net.Conn. A write deadline that passes while Write is
-// blocked aborts the tunnel, as a timed-out write leaves a TLS conn unusable
-// anyway.
+// Write implements net.Conn. It returns once gRPC has taken every byte of
+// b, or when the write deadline passes: then n counts the frame that
+// waits for flow control, which still goes, in order, and the tunnel stays
+// usable (the next Write, CloseWrite or Close comes after that frame), as
+// a TCP socket keeps what it has buffered.
 func (c *conn) Write(b []byte) (int, error) {
 	c.writeMu.Lock()
 	defer c.writeMu.Unlock()
@@ -273,46 +281,114 @@ func (c *conn) Write(b []byte) (int, error) {
 	case len(b) == 0:
 		return 0, nil
 	}
-
-	c.writing.Store(true)
-	if isClosed(c.writeDL.wait()) {
-		// It passed between the check above and now, when nothing could
-		// abort this Write yet.
-		c.writing.Store(false)
-		return 0, os.ErrDeadlineExceeded
+	// A frame an earlier Write left to flow control goes first.
+	if err := c.waitSent(); err != nil {
+		return 0, err
 	}
 	// The first Write's first bytes go with the target, as early data.
 	written, err := c.sendTarget(b)
+	if err != nil {
+		c.writeErr = c.sendError(err)
+		return 0, c.writeErr
+	}
 	b = b[written:]
-	for err == nil && len(b) > 0 {
+	for len(b) > 0 {
 		chunk := b[:min(len(b), wire.MaxFrame)]
-		if err = c.stream.Send(&tunnelv1.DialRequest{Frame: &tunnelv1.DialRequest_Data{Data: chunk}}); err != nil {
-			break
+		c.send(chunk)
+		switch err := c.waitSent(); {
+		case errors.Is(err, os.ErrDeadlineExceeded):
+			return written + len(chunk), err
+		case err != nil:
+			return written, err
 		}
 		written += len(chunk)
 		b = b[len(chunk):]
 	}
-	c.writing.Store(false)
-	switch {
-	case c.writeAborted.Load():
-		// The deadline passed and aborted the tunnel, maybe after the last
-		// Send: what was written may not arrive.
-		c.writeErr = os.ErrDeadlineExceeded
-	case err != nil:
-		c.writeErr = c.sendError(err)
-	default:
-		return written, nil
-	}
-	return written, c.writeErr
+	return written, nil
 }
 
-// writeDeadlinePassed aborts the tunnel if a Write is blocked when the write
-// deadline passes (a timed-out write leaves a TLS conn unusable anyway).
-func (c *conn) writeDeadlinePassed() {
-	if c.writing.Load() {
-		c.writeAborted.Store(true)
-		c.cancel()
+// sending is one data frame on its way into gRPC.
+type sending struct {
+	req *tunnelv1.DialRequest
+	// encoded is closed once gRPC has encoded req (sendCodec): from then
+	// on, gRPC holds a copy of the data and no longer reads the caller's
+	// bytes. done is closed when Send returned, err after it is set.
+	encoded, done chan struct{}
+	err           error
+}
+
+// send hands data to gRPC on a goroutine of its own, so that Write can
+// return at its deadline while the Send waits for flow control: gRPC's
+// Send can only be cut short by ending the stream. c.writeMu is held and
+// the previous Send has returned.
+func (c *conn) send(data []byte) {
+	s := &sending{req: &tunnelv1.DialRequest{Frame: &tunnelv1.DialRequest_Data{Data: data}},
+		encoded: make(chan struct{}), done: make(chan struct{})}
+	c.sending = s
+	go func() {
+		defer close(s.done)
+		s.err = c.stream.SendMsg(s)
+	}()
+}
+
+// waitSent waits, under c.writeMu, until the last data frame's Send has
+// returned; it returns the Send's failure, net.ErrClosed after Close, or
+// os.ErrDeadlineExceeded once the write deadline passes and gRPC has
+// encoded the frame, which then goes later.
+func (c *conn) waitSent() error {
+	s := c.sending
+	if s == nil {
+		return nil
 	}
+	var early error
+	select {
+	case <-s.done:
+	case <-c.closed:
+		early = net.ErrClosed
+	case <-c.writeDL.wait():
+		early = os.ErrDeadlineExceeded
+	}
+	if early != nil {
+		// gRPC encodes a message before it waits for flow control, so
+		// this wait is short; once encoded, the caller's bytes are free.
+		select {
+		case <-s.encoded:
+		case <-s.done:
+		}
+		return early
+	}
+	c.sending = nil
+	if s.err != nil {
+		c.writeErr = c.sendError(s.err)
+		return c.writeErr
+	}
+	return nil
+}
+
+// closeSend half-closes the stream, under c.writeMu, after the last data
+// frame's Send (gRPC's CloseSend must not run beside a Send).
+func (c *conn) closeSend() error {
+	s := c.sending
+	if s == nil || isClosed(s.done) {
+		return c.stream.CloseSend()
+	}
+	go func() {
+		<-s.done
+		_ = c.stream.CloseSend()
+	}()
+	return nil
+}
+
+// sendCodec is the stream's codec: wire.FrameCodec, which also encodes a
+// sending's request and then tells Write so.
+type sendCodec struct{ encoding.CodecV2 }
+
+func (c sendCodec) Marshal(v any) (mem.BufferSlice, error) {
+	if s, ok := v.(*sending); ok {
+		defer close(s.encoded)
+		return c.CodecV2.Marshal(s.req)
+	}
+	return c.CodecV2.Marshal(v)
 }
 
 // sendError is what a failed Send means. Send reports io.EOF, and the
@@ -350,7 +426,7 @@ func (c *conn) CloseWrite() error {
 	}
 	c.writeClosed = true
 	c.sendTarget(nil) // a failed send is the stream's status, which Read returns
-	return c.stream.CloseSend()
+	return c.closeSend()
 }
 
 // Close implements net.Conn. Bytes already written still reach the target,
@@ -365,7 +441,7 @@ func (c *conn) Close() error {
 		} else if c.writeMu.TryLock() {
 			if !c.writeClosed && c.writeErr == nil {
 				c.writeClosed = true
-				_ = c.stream.CloseSend()
+				_ = c.closeSend()
 			}
 			c.writeMu.Unlock()
 			time.AfterFunc(closeLinger, c.cancel)

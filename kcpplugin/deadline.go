@@ -11,21 +11,10 @@ type deadline struct {
 	mu     sync.Mutex
 	timer  *time.Timer
 	passed chan struct{} // closed when the deadline passes
-	// onPass, if set, runs each time the deadline passes, after passed is
-	// closed; it lets a blocked Write be aborted without a watcher goroutine.
-	onPass func()
 }
 
-func newDeadline(onPass func()) *deadline {
-	return &deadline{passed: make(chan struct{}), onPass: onPass}
-}
-
-// pass closes passed and runs onPass.
-func (d *deadline) pass(passed chan struct{}) {
-	close(passed)
-	if d.onPass != nil {
-		d.onPass()
-	}
+func newDeadline() *deadline {
+	return &deadline{passed: make(chan struct{})}
 }
 
 // set moves the deadline; the zero time means none.
@@ -49,11 +38,11 @@ func (d *deadline) set(t time.Time) {
 			d.passed = make(chan struct{})
 		}
 		passed := d.passed
-		d.timer = time.AfterFunc(dur, func() { d.pass(passed) })
+		d.timer = time.AfterFunc(dur, func() { close(passed) })
 		return
 	}
 	if !closed {
-		d.pass(d.passed)
+		close(d.passed)
 	}
 }
 

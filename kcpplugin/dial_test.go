@@ -17,10 +17,10 @@ import (
 
 func TestDialSendsTargetAndReturnsUsableConn(t *testing.T) {
 	targets := make(chan *tunnelv1.Target, 1)
-	d := startTunnels(t, func(p *peer) error {
+	d := waitingDialer(t, establish(func(p *peer) error {
 		targets <- p.target
 		return p.echo()
-	})
+	}))
 	c, err := d.DialService(context.Background(), "1x2y3z4w5v6u7t8s", "kube-system", "my-webhook", 8443)
 	if err != nil {
 		t.Fatalf("DialService: %v", err)
@@ -109,7 +109,7 @@ func TestDialRejectsInvalidTargetsWithoutContactingBroker(t *testing.T) {
 func TestDialReturnsBrokerStatus(t *testing.T) {
 	for _, code := range []codes.Code{codes.NotFound, codes.Unavailable, codes.PermissionDenied, codes.ResourceExhausted, codes.DeadlineExceeded} {
 		t.Run(code.String(), func(t *testing.T) {
-			d := startBroker(t, func(stream tunnelv1.DialService_DialServer) error {
+			d := waitingDialer(t, func(stream tunnelv1.DialService_DialServer) error {
 				if _, err := stream.Recv(); err != nil {
 					return err
 				}
@@ -132,7 +132,7 @@ func TestDialReturnsBrokerStatus(t *testing.T) {
 
 func TestDialFailsWhenBrokerNeverAnswers(t *testing.T) {
 	handlerDone := make(chan error, 1)
-	d := startBroker(t, func(stream tunnelv1.DialService_DialServer) error {
+	d := waitingDialer(t, func(stream tunnelv1.DialService_DialServer) error {
 		if _, err := stream.Recv(); err != nil {
 			return err
 		}
@@ -157,7 +157,7 @@ func TestDialFailsWhenBrokerNeverAnswers(t *testing.T) {
 }
 
 func TestDialHonoursCallerDeadline(t *testing.T) {
-	d := startBroker(t, func(stream tunnelv1.DialService_DialServer) error {
+	d := waitingDialer(t, func(stream tunnelv1.DialService_DialServer) error {
 		<-stream.Context().Done() // never answer
 		return nil
 	})
@@ -176,7 +176,7 @@ func TestDialHonoursCallerDeadline(t *testing.T) {
 
 func TestDialCancelled(t *testing.T) {
 	received := make(chan struct{}, 1)
-	d := startBroker(t, func(stream tunnelv1.DialService_DialServer) error {
+	d := waitingDialer(t, func(stream tunnelv1.DialService_DialServer) error {
 		if _, err := stream.Recv(); err != nil {
 			return err
 		}
@@ -218,10 +218,13 @@ func TestDialCancelled(t *testing.T) {
 	})
 }
 
-func TestDialDefaultTimeout(t *testing.T) {
+func TestNewDialerBoundsDialsByDefaultDialTimeoutAndSendsEarlyData(t *testing.T) {
 	d := NewDialer(noServer{t})
 	if d.Timeout != DefaultDialTimeout {
 		t.Errorf("Timeout = %v, want DefaultDialTimeout", d.Timeout)
+	}
+	if !d.EarlyData {
+		t.Error("EarlyData is off, want it on by default")
 	}
 }
 
@@ -281,7 +284,7 @@ func TestDialProtocolErrors(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			d := startBroker(t, tt.handle)
+			d := waitingDialer(t, tt.handle)
 			c, err := d.DialService(context.Background(), testCluster, testNamespace, testService, testPort)
 			if err == nil {
 				c.Close()

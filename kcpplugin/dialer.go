@@ -5,7 +5,11 @@ package kcpplugin
 
 import (
 	"context"
+	"errors"
+	"io"
 	"net"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"google.golang.org/grpc"
@@ -26,49 +30,30 @@ type ServiceDialer interface {
 	DialService(ctx context.Context, cluster, namespace, name string, port int32) (net.Conn, error)
 }
 
-// Dialer opens tunnels with the broker's Dial RPC, or on dial connections
-// (WithDialConnections).
+// Dialer opens tunnels with the broker's Dial RPC, one Dial stream each.
 type Dialer struct {
 	client tunnelv1.DialServiceClient
-	spares *spares // nil without dial connections
-	// live are the tunnels on dial connections, shared by copies of the
-	// Dialer (a copy that sets EarlyData, say) as spares are.
-	live *liveConns
 	// Timeout bounds each dial, from the call to a usable connection.
 	Timeout time.Duration
-	// EarlyData makes DialService return the connection at once, before the
-	// broker has established the tunnel, and send the connection's first
-	// Write (up to wire.MaxEarlyData bytes of it) with the dial: a TLS
-	// ClientHello leaves with the target instead of a round trip later,
-	// which saves that round trip on every new connection. A dial that
-	// fails then surfaces on the first Read or Write, with the status
-	// DialService would have returned (status.Code works on it), and
+	// EarlyData, on by default, makes DialService return the connection at
+	// once, before the broker has established the tunnel, and send the
+	// connection's first Write (up to wire.MaxEarlyData bytes of it) with
+	// the dial: a TLS ClientHello leaves with the target instead of a round
+	// trip later, which saves that round trip on every new connection. A
+	// dial that fails then surfaces on the first Read or Write, with the
+	// status DialService would have returned (status.Code works on it), and
 	// Timeout still bounds it. Off, DialService waits for the tunnel.
 	EarlyData bool
 }
 
 var _ ServiceDialer = (*Dialer)(nil)
 
-// NewDialer returns a ServiceDialer that uses the broker's Dial RPC over conn,
-// with opts. The caller builds conn with its own transport credentials
-// (SPIFFE mTLS). Close it when done.
-func NewDialer(conn grpc.ClientConnInterface, opts ...Option) *Dialer {
-	d := &Dialer{client: tunnelv1.NewDialServiceClient(conn), Timeout: DefaultDialTimeout}
-	for _, opt := range opts {
-		opt(d)
-	}
-	return d
-}
-
-// Close closes the Dialer's dial connections: those it keeps ahead of its
-// dials, and those its tunnels ride on, which end as the tunnels on the
-// gRPC connection's streams end when that connection closes (a reset, even
-// for a tunnel whose end exchange is under way). It returns once nothing
-// of them runs. The gRPC connection is its owner's to close.
-func (d *Dialer) Close() error {
-	d.live.closeAll()
-	d.spares.Close()
-	return nil
+// NewDialer returns a ServiceDialer that uses the broker's Dial RPC over
+// conn, with EarlyData on. The caller builds conn with its own transport
+// credentials (SPIFFE mTLS), NewClient for instance, and closes it when
+// done: that ends every tunnel on it.
+func NewDialer(conn grpc.ClientConnInterface) *Dialer {
+	return &Dialer{client: tunnelv1.NewDialServiceClient(conn), Timeout: DefaultDialTimeout, EarlyData: true}
 }
 
 // DialService opens a tunnel to port of Service namespace/name in cluster.
@@ -101,31 +86,148 @@ func (d *Dialer) DialService(ctx context.Context, cluster, namespace, name strin
 	return c, nil
 }
 
-// dialingConn is a tunnel's conn whose dial the broker has not answered
-// yet: on a dial connection, or on a Dial stream.
-type dialingConn interface {
-	net.Conn
-	waitEstablished(ctx context.Context) error
-}
-
-// open starts a dial of target on a spare dial connection if there is
-// one, else on a Dial stream.
-func (d *Dialer) open(ctx context.Context, target *tunnelv1.Target, timeout time.Duration) (dialingConn, error) {
-	if s := d.spares.Take(); s != nil {
-		c := newDirectConn(s, target, timeout, d.spares, d.live)
-		if !d.live.add(c) {
-			c.Close()
-			return nil, status.Error(codes.Canceled, "the dialer is closed")
-		}
-		return c, nil
-	}
+// open starts a dial of target on a Dial stream of its own.
+func (d *Dialer) open(ctx context.Context, target *tunnelv1.Target, timeout time.Duration) (*conn, error) {
 	// The stream outlives the dial, so it must not die with ctx; the dial
 	// is bounded by timeout, and a dial that waits also by ctx.
 	streamCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	stream, err := d.client.Dial(streamCtx, wire.FrameCallOption())
+	stream, err := d.client.Dial(streamCtx, grpc.ForceCodecV2(sendCodec{wire.FrameCodec()}))
 	if err != nil {
 		cancel()
 		return nil, err
 	}
 	return newConn(stream, cancel, target, timeout), nil
+}
+
+// A conn's dial goes in two steps. Its target is sent with the conn's first
+// Write (carrying that Write's first bytes as early data, so that a TLS
+// ClientHello needs no round trip of its own), or its first Read or
+// CloseWrite if one comes first. The broker then answers with established,
+// or ends the stream with the dial's failure, within the dial's timeout.
+// Dialer.DialService sends the target at once and waits for that answer,
+// unless Dialer.EarlyData lets the conn's first Read or Write meet it.
+
+// The outcomes of a dial. A dial that fails otherwise ends its stream.
+const (
+	dialing int32 = iota
+	dialEstablished
+	dialTimedOut
+)
+
+// dialState is a conn's dial until the broker answers it.
+type dialState struct {
+	// mu guards target, and keeps the target's Send apart from Write's.
+	mu sync.Mutex
+	// target is what the dial names, until it is sent (or abandoned).
+	target *tunnelv1.Target
+
+	timeout time.Duration
+	timer   *time.Timer // ends the dial when timeout passes unanswered
+	outcome atomic.Int32
+	// answered is closed when the broker has established the tunnel or the
+	// dial has failed; err is the failure, set before.
+	answered chan struct{}
+	err      error
+}
+
+// sendTarget sends the dial's target, with up to wire.MaxEarlyData bytes of
+// early as early data, if it has not gone yet; it returns how much of early
+// went. A failed send is reported as Send reports it (io.EOF: the stream's
+// status says why).
+func (c *conn) sendTarget(early []byte) (int, error) {
+	c.dial.mu.Lock()
+	defer c.dial.mu.Unlock()
+	if c.dial.target == nil {
+		return 0, nil
+	}
+	early = early[:min(len(early), wire.MaxEarlyData)]
+	err := c.stream.Send(&tunnelv1.DialRequest{Frame: &tunnelv1.DialRequest_Target{Target: c.dial.target}, EarlyData: early})
+	c.dial.target = nil
+	if err != nil {
+		return 0, err
+	}
+	return len(early), nil
+}
+
+// abandon forgets a target that has not been sent; true if it had not.
+func (d *dialState) abandon() bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	unsent := d.target != nil
+	d.target = nil
+	return unsent
+}
+
+// waitEstablished sends the target and waits until the broker establishes
+// the tunnel, the dial fails, or ctx ends; on an error the conn is done.
+func (c *conn) waitEstablished(ctx context.Context) error {
+	if _, err := c.sendTarget(nil); err != nil && !errors.Is(err, io.EOF) {
+		c.cancel()
+		<-c.received
+		return err
+	}
+	select {
+	case <-c.dial.answered:
+	case <-ctx.Done():
+		c.cancel()
+		<-c.received
+		return status.FromContextError(ctx.Err()).Err()
+	}
+	if c.dial.err != nil {
+		<-c.received
+		return c.dial.err
+	}
+	return nil
+}
+
+// dialTimedOut ends a dial that is still unanswered when its timeout passes.
+func (c *conn) dialTimedOut() {
+	if c.dial.outcome.CompareAndSwap(dialing, dialTimedOut) {
+		c.cancel()
+	}
+}
+
+// answer takes the broker's first message on the stream, which must be
+// established.
+func (r *receiver) answer(f *wire.Frame) {
+	var msg tunnelv1.DialResponse
+	err := f.Decode(&msg)
+	f.Free()
+	switch {
+	case r.protocolErr != nil:
+		// The stream is being cancelled for a protocol error: whatever
+		// follows, an established included, changes nothing.
+	case err == nil && msg.GetEstablished() != nil:
+		if r.dial.outcome.CompareAndSwap(dialing, dialEstablished) {
+			r.dial.timer.Stop()
+			close(r.dial.answered)
+		}
+		// Otherwise the timeout came first and has cancelled the stream:
+		// its end is the dial's failure.
+	default:
+		r.protocolErr = status.Errorf(codes.Internal, "protocol error: broker answered a dial with %T", msg.GetFrame())
+		r.cancel()
+	}
+}
+
+// dialFailure is what the end of the stream before established means: the
+// dial's status, which must not be OK.
+func (r *receiver) dialFailure(err error) error {
+	switch {
+	case r.dial.outcome.Load() == dialTimedOut:
+		return status.Errorf(codes.DeadlineExceeded, "dial %s timed out after %v", r.remote, r.dial.timeout)
+	case errors.Is(err, io.EOF):
+		return status.Error(codes.Internal, "protocol error: broker ended a dial without answering")
+	}
+	return err
+}
+
+// unanswered is true until the broker has established the tunnel or the
+// dial has failed.
+func (d *dialState) unanswered() bool { return !isClosed(d.answered) }
+
+// fail ends an unanswered dial with err.
+func (d *dialState) fail(err error) {
+	d.err = err
+	close(d.answered)
 }

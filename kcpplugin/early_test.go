@@ -17,16 +17,6 @@ import (
 	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
-// earlyDialer is a Dialer with EarlyData over a fake broker serving handle.
-func earlyDialer(t *testing.T, handle dialHandler) *Dialer {
-	t.Helper()
-	d := startBroker(t, handle)
-	d.EarlyData = true
-	return d
-}
-
-var established = &tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_Established{Established: &tunnelv1.Established{TunnelId: "test"}}}
-
 // reportFirst is a Dial handler that hands the dial's first message to
 // firsts, establishes the tunnel and runs serve.
 func reportFirst(firsts chan<- *tunnelv1.DialRequest, serve func(p *peer) error) dialHandler {
@@ -46,7 +36,7 @@ func reportFirst(firsts chan<- *tunnelv1.DialRequest, serve func(p *peer) error)
 func TestEarlyDialReturnsBeforeTheBrokerAnswersAndSendsTheFirstWriteWithTheTarget(t *testing.T) {
 	firsts := make(chan *tunnelv1.DialRequest, 1)
 	answer := make(chan struct{})
-	d := earlyDialer(t, func(stream tunnelv1.DialService_DialServer) error {
+	d := startBroker(t, func(stream tunnelv1.DialService_DialServer) error {
 		first, err := stream.Recv()
 		if err != nil {
 			return err
@@ -84,7 +74,7 @@ func TestEarlyDialReturnsBeforeTheBrokerAnswersAndSendsTheFirstWriteWithTheTarge
 func TestEarlyDialCarriesAtMostMaxEarlyDataAndSendsTheRestAsData(t *testing.T) {
 	firsts := make(chan *tunnelv1.DialRequest, 1)
 	rest := make(chan []byte, 1)
-	d := earlyDialer(t, reportFirst(firsts, func(p *peer) error {
+	d := startBroker(t, reportFirst(firsts, func(p *peer) error {
 		all, err := p.recvAll()
 		rest <- all
 		return err
@@ -107,7 +97,7 @@ func TestEarlyDialCarriesAtMostMaxEarlyDataAndSendsTheRestAsData(t *testing.T) {
 
 func TestEarlyDialThatReadsFirstSendsTheTargetAlone(t *testing.T) {
 	firsts := make(chan *tunnelv1.DialRequest, 1)
-	d := earlyDialer(t, reportFirst(firsts, func(p *peer) error {
+	d := startBroker(t, reportFirst(firsts, func(p *peer) error {
 		if err := p.send([]byte("220 ready")); err != nil {
 			return err
 		}
@@ -138,14 +128,14 @@ func TestEarlyDialFailureSurfacesOnReadAndWriteWithItsStatus(t *testing.T) {
 				}
 				return status.Error(code, message)
 			}
-			waited, err := startBroker(t, handle).DialService(context.Background(), testCluster, testNamespace, testService, testPort)
+			waited, err := waitingDialer(t, handle).DialService(context.Background(), testCluster, testNamespace, testService, testPort)
 			if err == nil {
 				waited.Close()
 				t.Fatal("a dial that waits succeeded, want the broker's status")
 			}
 			checkDialStatus(t, "DialService without EarlyData", err, code, message)
 
-			c := dial(t, earlyDialer(t, handle))
+			c := dial(t, startBroker(t, handle))
 			if _, err := c.Write([]byte("client hello")); err != nil {
 				checkDialStatus(t, "the first Write", err, code, message)
 			}
@@ -166,7 +156,7 @@ func checkDialStatus(t *testing.T, what string, err error, code codes.Code, mess
 }
 
 func TestEarlyDialThatTheBrokerNeverAnswersTimesOut(t *testing.T) {
-	d := earlyDialer(t, func(stream tunnelv1.DialService_DialServer) error {
+	d := startBroker(t, func(stream tunnelv1.DialService_DialServer) error {
 		<-stream.Context().Done()
 		return stream.Context().Err()
 	})
@@ -195,13 +185,13 @@ func TestEarlyDialAnsweredWithDataIsAProtocolError(t *testing.T) {
 		return nil
 	}
 	const want = "protocol error: broker answered a dial with *tunnelv1.DialResponse_Data"
-	waited, err := startBroker(t, handle).DialService(context.Background(), testCluster, testNamespace, testService, testPort)
+	waited, err := waitingDialer(t, handle).DialService(context.Background(), testCluster, testNamespace, testService, testPort)
 	if err == nil {
 		waited.Close()
 	}
 	checkDialStatus(t, "DialService without EarlyData", err, codes.Internal, want)
 
-	c := dial(t, earlyDialer(t, handle))
+	c := dial(t, startBroker(t, handle))
 	write(t, c, []byte("client hello"))
 	_, err = c.Read(make([]byte, 16))
 	checkDialStatus(t, "Read", err, codes.Internal, want)
@@ -209,7 +199,7 @@ func TestEarlyDialAnsweredWithDataIsAProtocolError(t *testing.T) {
 
 func TestEarlyConnClosedBeforeUseDialsNothing(t *testing.T) {
 	ended := make(chan error, 1)
-	d := earlyDialer(t, func(stream tunnelv1.DialService_DialServer) error {
+	d := startBroker(t, func(stream tunnelv1.DialService_DialServer) error {
 		first, err := stream.Recv()
 		if err == nil {
 			err = errors.New("the broker got " + first.String())

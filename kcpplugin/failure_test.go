@@ -141,7 +141,9 @@ func TestProtocolErrorsAbortTunnel(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			cancelled := make(chan error, 1)
-			c := dial(t, startTunnels(t, func(p *peer) error {
+			// The dial waits for established, so that the frames after it
+			// are the tunnel's.
+			c := dial(t, waitingDialer(t, establish(func(p *peer) error {
 				for _, f := range tt.frames {
 					if err := p.stream.Send(f); err != nil {
 						return err
@@ -150,7 +152,7 @@ func TestProtocolErrorsAbortTunnel(t *testing.T) {
 				<-p.ctx().Done()
 				cancelled <- p.ctx().Err()
 				return nil
-			}))
+			})))
 			// The caller gives up on a broken broker: the broker sees it.
 			within(t, cancelled, "the broker to see the tunnel aborted")
 

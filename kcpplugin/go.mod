@@ -9,6 +9,7 @@ go 1.25.0
 require (
 	github.com/kcp-dev/tunnel-broker/proto v0.0.0-00010101000000-000000000000
 	go.uber.org/goleak v1.3.0
+	golang.org/x/net v0.47.0
 	golang.org/x/time v0.9.0
 	google.golang.org/grpc v1.72.2
 	google.golang.org/protobuf v1.36.8
@@ -48,7 +49,6 @@ require (
 	go.opentelemetry.io/otel/trace v1.36.0 // indirect
 	go.opentelemetry.io/proto/otlp v1.5.0 // indirect
 	go.yaml.in/yaml/v2 v2.4.3 // indirect
-	golang.org/x/net v0.47.0 // indirect
 	golang.org/x/oauth2 v0.30.0 // indirect
 	golang.org/x/sys v0.38.0 // indirect
 	golang.org/x/term v0.37.0 // indirect

@@ -22,14 +22,14 @@ type Tunnel struct {
 
 // Connect connects to the broker at broker (host:port) with tlsConfig
 // (kcp's SPIFFE identity; in kcp, go-spiffe's grpccredentials and
-// tlsconfig give the same credentials), its tunnels on dial connections.
+// tlsconfig give the same credentials). Each tunnel is a Dial stream on
+// that one connection, its first write sent with the dial (early data).
 func Connect(broker string, tlsConfig *tls.Config) (*Tunnel, error) {
 	conn, err := kcpplugin.NewClient(broker, credentials.NewTLS(tlsConfig))
 	if err != nil {
 		return nil, err
 	}
-	dialer := kcpplugin.NewDialer(conn, kcpplugin.WithDialConnections(kcpplugin.DialConnections{Address: broker, TLS: tlsConfig}))
-	return &Tunnel{conn: conn, dialer: dialer}, nil
+	return &Tunnel{conn: conn, dialer: kcpplugin.NewDialer(conn)}, nil
 }
 
 // WrapperFor is what kcp applies, last, to the webhook plugins (admission
@@ -39,8 +39,7 @@ func (t *Tunnel) WrapperFor(cluster string) webhookutil.AuthenticationInfoResolv
 	return kcpplugin.AuthInfoResolverWrapper(cluster, t.dialer)
 }
 
-// Close closes the dialer's spare dial connections and the connection.
+// Close closes the connection, which ends every tunnel on it.
 func (t *Tunnel) Close() error {
-	_ = t.dialer.Close()
 	return t.conn.Close()
 }
