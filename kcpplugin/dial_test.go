@@ -10,6 +10,7 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
@@ -294,5 +295,21 @@ func TestDialProtocolErrors(t *testing.T) {
 				t.Errorf("status code = %v, want Internal (error: %v)", got, err)
 			}
 		})
+	}
+}
+
+func TestAFailedDialReturnsANilConn(t *testing.T) {
+	cc, err := grpc.NewClient("passthrough:///127.0.0.1:1", grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cc.Close() // every stream on it fails at once
+	for _, early := range []bool{true, false} {
+		d := NewDialer(cc)
+		d.EarlyData = early
+		c, err := d.DialService(context.Background(), "root", "default", "webhook", 443)
+		if err == nil || c != nil {
+			t.Errorf("early data %v: DialService on a closed connection gave %#v, %v; want a nil net.Conn and an error", early, c, err)
+		}
 	}
 }

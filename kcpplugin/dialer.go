@@ -77,8 +77,12 @@ func (d *Dialer) DialService(ctx context.Context, cluster, namespace, name strin
 		timeout = DefaultDialTimeout
 	}
 	c, err := d.open(ctx, target, timeout)
-	if err != nil || d.EarlyData {
-		return c, err
+	if err != nil {
+		// A nil *conn in a net.Conn would not be nil to the caller.
+		return nil, err
+	}
+	if d.EarlyData {
+		return c, nil
 	}
 	if err := c.waitEstablished(ctx); err != nil {
 		return nil, err
