@@ -53,9 +53,11 @@ func TestAConnectTunnelIsListedAuditedAndCountsInItsCallersOneQuota(t *testing.T
 		t.Fatalf("answer %d %s, want 200", code, body)
 	}
 
-	listed, _ := table.List(tunnel.Filter{Limit: 10})
+	// The splice lists it as it begins, just after the answer.
 	caller := brokertest.ID(apiServerPath)
-	if len(listed) != 1 || listed[0].CallerID != caller || listed[0].Target.GetIp() != "10.96.0.10" {
+	testutil.Eventually(t, "the tunnel to be listed", func() bool { l, _ := table.List(tunnel.Filter{Limit: 10}); return len(l) == 1 })
+	listed, _ := table.List(tunnel.Filter{Limit: 10})
+	if listed[0].CallerID != caller || listed[0].Caller != caller.String() || listed[0].Target.GetIp() != "10.96.0.10" {
 		t.Fatalf("the open tunnels list %v, want the CONNECT tunnel of %s", listed, caller)
 	}
 
