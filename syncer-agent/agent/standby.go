@@ -165,8 +165,8 @@ func (s *standbys) keep() {
 		opened := s.r.clock().Now()
 		sb, order, err := s.await()
 		if order != nil {
+			s.replace()
 			if sb.closed || !s.r.admit() {
-				s.replace()
 				s.refuse(sb, order)
 				return
 			}
@@ -268,7 +268,6 @@ func (s *standbys) carry(sb *standby, order *tunnelv1.DialOrder) {
 	r := s.r
 	d := r.newDialed(order, s.control.fail)
 	if !r.dialTarget(r.ctx, d, order) {
-		s.replace()
 		s.close(sb)
 		r.tunnels.Done()
 		return
@@ -281,11 +280,7 @@ func (s *standbys) carry(sb *standby, order *tunnelv1.DialOrder) {
 		r.tunnels.Done()
 		return
 	}
-	run := d.claim(sb.stream, sb.cancel, r.stalledWriteTimeout())
-	// The replacement opens once the claim is on its way, off the dial's
-	// path: its stream costs both sides CPU that the dial would wait for.
-	s.replace()
-	r.runTunnel(run)
+	r.runTunnel(d.claim(sb.stream, sb.cancel, r.stalledWriteTimeout()))
 }
 
 // close ends a standby stream that carries no tunnel: it closes its send
