@@ -141,7 +141,6 @@ func parseFlags() (*options, error) {
 	flag.Int64Var(&c.MaxRegistrationsPerAgent, "max-registrations-per-agent", agentv1.DefaultMaxRegistrations, "control streams (registrations) one agent SPIFFE ID may hold (0: no limit)")
 	flag.Float64Var(&c.MaxReregistrationsPerSecond, "max-reregistrations-per-second", agentv1.DefaultMaxReregistrationsPerSecond, "changed cluster lists one control stream may put in force a second; a later list replaces one that waits (negative: no pace)")
 	flag.IntVar(&c.MaxClustersPerRegistration, "max-clusters-per-registration", agentv1.DefaultMaxClusters, "logical clusters one registration may serve (0: no limit)")
-	flag.IntVar(&c.MaxStandbyStreams, "max-standby-streams", agentv1.DefaultMaxStandbyStreams, "idle standby Tunnel streams one agent registration may hold, on which the broker writes dial orders instead of on the control stream (0: none)")
 	window := flag.Int("window-size", server.DefaultWindowSize, "HTTP/2 flow-control window per stream, in bytes (negative: gRPC's dynamic windows)")
 	flag.DurationVar(&c.ProbeEvery, "probe-interval", agentv1.DefaultProbeEvery, "how often each agent is probed over its control stream")
 	flag.DurationVar(&c.HandshakeTimeout, "handshake-timeout", server.DefaultHandshakeTimeout, "how long a new connection may take to finish its TLS and HTTP/2 handshakes")
@@ -166,7 +165,7 @@ func parseFlags() (*options, error) {
 	noLimitIfZero(&c.Limits.MaxPendingPerCluster, &c.Limits.MaxTunnelsPerAgent, &c.MaxTunnelsPerCaller,
 		&c.MaxOpeningStreamsPerPeer, &c.MaxOpeningStreams, &c.MaxRegistrationsPerAgent,
 		&c.MaxEarlyDataPerCaller, &c.MaxEarlyData)
-	noLimitIfZero(&c.MaxClustersPerRegistration, &c.MaxHandshakes, &c.MaxStandbyStreams)
+	noLimitIfZero(&c.MaxClustersPerRegistration, &c.MaxHandshakes)
 	return o, nil
 }
 

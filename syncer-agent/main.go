@@ -3,7 +3,6 @@
 package main
 
 import (
-	"cmp"
 	"context"
 	"flag"
 	"fmt"
@@ -39,7 +38,6 @@ type options struct {
 	brokers, dns      string
 	resolveEvery      time.Duration
 	grace             time.Duration
-	standbyStreams    int
 	metricsListen     string
 	pprofListen       string
 	brokerID          string
@@ -56,7 +54,6 @@ func addFlags(fs *flag.FlagSet) *options {
 	fs.StringVar(&o.dns, "broker-dns", "", "required, or --broker: host:port whose host resolves to every broker replica (a headless Service)")
 	fs.DurationVar(&o.resolveEvery, "resolve-interval", 30*time.Second, "how often --broker-dns is resolved again")
 	fs.DurationVar(&o.grace, "grace", agent.DefaultGrace, "on SIGTERM, how long tunnels in flight may still run")
-	fs.IntVar(&o.standbyStreams, "standby-streams", agent.DefaultStandbyStreams, "Tunnel streams kept open ahead with each broker replica, at most as many as it offers, so that a dial skips the control stream's hop (0: none)")
 	fs.StringVar(&o.metricsListen, "metrics-listen", ":9091", "address for /metrics, /healthz and /readyz (empty: off)")
 	fs.StringVar(&o.pprofListen, "pprof-listen", "", "address for /debug/pprof (empty: off; keep it on loopback)")
 	fs.StringVar(&o.brokerID, "broker-spiffe-id", "", "SPIFFE ID the broker must present (default: any ID in the agent's trust domain)")
@@ -181,8 +178,6 @@ func (o *options) fleet(svids identity.Source, creds credentials.TransportCreden
 				Resolver:    resolver.forAgent(),
 				Grace:       o.grace,
 				Log:         log,
-				// The flag's 0 is none; the field's zero is the default.
-				StandbyStreams: cmp.Or(o.standbyStreams, -1),
 			}
 		},
 	}

@@ -15,8 +15,7 @@ import (
 // Agent is one registration of an agent: its control stream, the clusters
 // it serves, the dials it was ordered and the tunnels it carries.
 type Agent struct {
-	// SessionID names this registration of the agent in logs, and its
-	// standby streams name it (Registry.Registration).
+	// SessionID names this registration of the agent in logs.
 	SessionID string
 	// ID is the agent's SPIFFE ID; only it may open tunnels for its dials.
 	ID       spiffeid.ID
@@ -38,12 +37,6 @@ type Agent struct {
 	// cluster; Registry.mu guards it.
 	pending map[string]int64
 	tunnels atomic.Int64 // tunnels open through the agent
-
-	// standbys are the registration's idle standby Tunnel streams
-	// (standby.go); none once it has ended (standbysClosed).
-	standbyMu      sync.Mutex
-	standbys       []*Standby
-	standbysClosed bool
 
 	probeMu   sync.Mutex
 	lastProbe time.Time // when the agent last answered a probe
@@ -105,9 +98,6 @@ func NewAgent(sessionID string, id spiffeid.ID, name string, clusters []string) 
 func (a *Agent) Orders() <-chan *tunnelv1.DialOrder { return a.orders }
 
 func (a *Agent) markGone() { a.goneOnce.Do(func() { close(a.gone) }) }
-
-// Gone is closed once the registration has ended.
-func (a *Agent) Gone() <-chan struct{} { return a.gone }
 
 // String names the agent in messages: its name and SPIFFE ID.
 func (a *Agent) String() string {

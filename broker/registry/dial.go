@@ -56,9 +56,7 @@ type Claim struct {
 	released sync.Once
 }
 
-// Dial orders an agent that serves target's cluster to connect to it, on
-// one of its idle standby streams if it has one, else on its control
-// stream, and
+// Dial orders an agent that serves target's cluster to connect to it, and
 // waits until the agent claims the dial with the tunnel it opened, reports a
 // failure, goes away, or ctx ends. The order gives the agent what is left of
 // ctx's deadline, and earlyData (the caller's first bytes, if any), which
@@ -98,16 +96,12 @@ func (r *Registry) dialOnce(ctx context.Context, target *tunnelv1.Target, earlyD
 	}
 	defer r.answered(p)
 	order := &tunnelv1.DialOrder{DialId: p.id, Target: target, TimeoutMs: remainingMS(ctx), EarlyData: earlyData}
-	if s := p.agent.takeStandby(); s != nil {
-		s.order <- order
-	} else {
-		select {
-		case p.agent.orders <- order:
-		case <-p.agent.gone:
-			return r.giveUp(p, agentGone(p))
-		case <-ctx.Done():
-			return r.giveUp(p, contextStatus(ctx, p))
-		}
+	select {
+	case p.agent.orders <- order:
+	case <-p.agent.gone:
+		return r.giveUp(p, agentGone(p))
+	case <-ctx.Done():
+		return r.giveUp(p, contextStatus(ctx, p))
 	}
 	select {
 	case a := <-p.answer:

@@ -4,7 +4,6 @@ import (
 	"cmp"
 	"crypto/rand"
 	"encoding/binary"
-	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"maps"
 	"slices"
 	"sync"
@@ -23,13 +22,10 @@ type Registry struct {
 	byCluster map[string][]*Agent
 	// bySelf holds the registrations of each agent, by SPIFFE ID and name,
 	// so that a newer one supersedes the older ones.
-	bySelf map[self][]*Agent
-	// byRegistration holds every registered agent by its session id, for
-	// the standby streams that name it.
-	byRegistration map[string]*Agent
-	next           map[string]int // round-robin cursor per cluster
-	pending        map[uint64]*pending
-	lastID         uint64
+	bySelf  map[self][]*Agent
+	next    map[string]int // round-robin cursor per cluster
+	pending map[uint64]*pending
+	lastID  uint64
 
 	stats stats // read without mu, by metrics scrapes
 }
@@ -88,13 +84,12 @@ func New(limits Limits) *Registry {
 	var seed [8]byte
 	_, _ = rand.Read(seed[:])
 	return &Registry{
-		limits:         limits,
-		agents:         map[*Agent]struct{}{},
-		byCluster:      map[string][]*Agent{},
-		bySelf:         map[self][]*Agent{},
-		byRegistration: map[string]*Agent{},
-		next:           map[string]int{},
-		pending:        map[uint64]*pending{},
+		limits:    limits,
+		agents:    map[*Agent]struct{}{},
+		byCluster: map[string][]*Agent{},
+		bySelf:    map[self][]*Agent{},
+		next:      map[string]int{},
+		pending:   map[uint64]*pending{},
 		// Dial IDs start at a random point so that IDs from an earlier
 		// incarnation of this replica are unlikely to match a new dial.
 		lastID: binary.BigEndian.Uint64(seed[:]) >> 1,
@@ -111,7 +106,6 @@ func (r *Registry) Register(a *Agent) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.agents[a] = struct{}{}
-	r.byRegistration[a.SessionID] = a
 	r.stats.agents.Add(1)
 	for _, c := range a.Clusters {
 		r.route(a, c)
@@ -164,25 +158,12 @@ func diff(old, new []string) (added, removed []string) {
 	return added, removed
 }
 
-// Registration is the registration whose session id is id, if it is one
-// of the agent peer's: the one a standby stream of peer names.
-func (r *Registry) Registration(id string, peer spiffeid.ID) (*Agent, bool) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	a, ok := r.byRegistration[id]
-	if !ok || a.ID != peer {
-		return nil, false
-	}
-	return a, true
-}
-
 // Unregister removes a and fails the dials that wait on it with
-// Unavailable, and ends its idle standby streams.
+// Unavailable.
 func (r *Registry) Unregister(a *Agent) {
 	r.mu.Lock()
 	if _, ok := r.agents[a]; ok {
 		delete(r.agents, a)
-		delete(r.byRegistration, a.SessionID)
 		r.stats.agents.Add(-1)
 		r.unroute(a, a.Clusters)
 		k := a.self()
@@ -193,7 +174,6 @@ func (r *Registry) Unregister(a *Agent) {
 		}
 	}
 	r.mu.Unlock()
-	a.closeStandbys()
 	a.markGone()
 }
 

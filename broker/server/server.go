@@ -127,10 +127,6 @@ type Config struct {
 	// re-registrations, the latest list winning (package agent's default;
 	// negative: no pace).
 	MaxReregistrationsPerSecond float64
-	// MaxStandbyStreams bounds the idle standby Tunnel streams of each
-	// registration (package agent's default; negative: none, every dial
-	// order goes on the control stream).
-	MaxStandbyStreams int
 	// WindowSize is the HTTP/2 flow-control window of each stream
 	// (DefaultWindowSize).
 	WindowSize int32
@@ -302,7 +298,6 @@ func (s *Server) agentService() *agentv1.Service {
 		ProbeEvery: cfg.ProbeEvery, RegistrationTimeout: cfg.DialTimeout,
 		MaxRegistrations: cfg.MaxRegistrationsPerAgent, MaxClusters: cfg.MaxClustersPerRegistration,
 		MaxReregistrationsPerSecond: cfg.MaxReregistrationsPerSecond,
-		MaxStandbyStreams:           cfg.MaxStandbyStreams,
 		Clock:                       cfg.Clock,
 		Log:                         cfg.Log.With("component", "agent"),
 	})

@@ -38,11 +38,6 @@ type Agent struct {
 	// blocked in that write does not see the broker end the tunnel, so
 	// nothing else would free it.
 	StalledWriteTimeout time.Duration
-	// StandbyStreams is how many standby Tunnel streams the agent keeps
-	// open for each registration whose broker offers them, at most as
-	// many as the broker keeps (Registered.max_standby_streams): zero
-	// means DefaultStandbyStreams, a negative number none.
-	StandbyStreams int
 	// Name is shown in the broker's logs and listings.
 	Name     string
 	Resolver lookup.Resolver

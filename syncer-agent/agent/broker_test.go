@@ -10,7 +10,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -108,19 +107,8 @@ type fakeBroker struct {
 	// open after the agent closed its send direction, instead of ending
 	// the registration.
 	keepsClosedStreams bool
-	// maxStandby, if set, is the max_standby_streams the broker offers
-	// with each registration, which it then names (registration_id).
-	// standbys receives each standby Tunnel stream opened, after its
-	// open; standbyRefusals, when it holds an error, ends the next
-	// standby stream with it instead. standbyOpens counts the standby
-	// streams opened, refused or not.
-	maxStandby      uint32
-	standbys        chan *tunnel
-	standbyRefusals chan error
-	standbyOpens    atomic.Int32
-	registrations   atomic.Int32
-	readers         sync.WaitGroup
-	srv             *grpc.Server
+	readers            sync.WaitGroup
+	srv                *grpc.Server
 }
 
 // startBroker serves a fake broker on a loopback port until the test ends.
@@ -137,7 +125,6 @@ func startBroker(t *testing.T, p *pki) *fakeBroker {
 		tunnels:  make(chan *tunnel, 16),
 		refusals: make(chan error, 4),
 	}
-	b.standbys, b.standbyRefusals = make(chan *tunnel, 16), make(chan error, 4)
 	creds := identity.ServerCredentials(p.broker, tlsconfig.AuthorizeMemberOf(spiffeid.RequireTrustDomainFromString(trustDomain)))
 	b.srv = grpc.NewServer(grpc.Creds(wire.CoalesceWrites(creds)),
 		// The agent's pings, as the broker permits them: a test that runs
@@ -166,9 +153,6 @@ type session struct {
 	peer     spiffeid.ID
 	register *tunnelv1.Register
 	stream   tunnelv1.AgentService_ConnectServer
-	// registrationID is the registration_id of its Registered, if the
-	// broker offers standby streams.
-	registrationID string
 	// msgs carries what the agent sends after its first register; it is
 	// closed when the agent's side of the stream ends.
 	msgs chan *tunnelv1.ConnectRequest
@@ -191,15 +175,10 @@ func (b *fakeBroker) Connect(stream tunnelv1.AgentService_ConnectServer) error {
 		return err
 	default:
 	}
-	registered := &tunnelv1.Registered{BrokerId: b.id}
-	if b.maxStandby > 0 {
-		registered.RegistrationId = fmt.Sprintf("registration-%d", b.registrations.Add(1))
-		registered.MaxStandbyStreams = b.maxStandby
-	}
-	if err := stream.Send(&tunnelv1.ConnectResponse{Message: &tunnelv1.ConnectResponse_Registered{Registered: registered}}); err != nil {
+	if err := stream.Send(&tunnelv1.ConnectResponse{Message: &tunnelv1.ConnectResponse_Registered{Registered: &tunnelv1.Registered{BrokerId: b.id}}}); err != nil {
 		return err
 	}
-	s := &session{registrationID: registered.GetRegistrationId(), peer: peer, register: first.GetRegister(), stream: stream,
+	s := &session{peer: peer, register: first.GetRegister(), stream: stream,
 		msgs: make(chan *tunnelv1.ConnectRequest, 64), end: make(chan error, 1), closedSend: make(chan struct{})}
 	ctx := stream.Context()
 	b.readers.Add(1)
@@ -299,8 +278,7 @@ func (s *session) ended(t *testing.T) {
 	}
 }
 
-// tunnel is the broker's side of one Tunnel stream, after its open; for a
-// standby stream, after its first open, open{standby_for}.
+// tunnel is the broker's side of one Tunnel stream, after its open.
 type tunnel struct {
 	open   *tunnelv1.TunnelOpen
 	stream tunnelv1.AgentService_TunnelServer
@@ -320,15 +298,6 @@ func (b *fakeBroker) Tunnel(stream tunnelv1.AgentService_TunnelServer) error {
 	}
 	if first.GetOpen() == nil {
 		return status.Error(codes.InvalidArgument, "the first message must be open")
-	}
-	standby := first.GetOpen().GetStandbyFor() != ""
-	if standby {
-		b.standbyOpens.Add(1)
-		select {
-		case err := <-b.standbyRefusals:
-			return err
-		default:
-		}
 	}
 	tu := &tunnel{open: first.GetOpen(), stream: stream, end: make(chan error, 1),
 		received: make(chan *tunnelv1.TunnelRequest), readDone: make(chan struct{})}
@@ -351,12 +320,8 @@ func (b *fakeBroker) Tunnel(stream tunnelv1.AgentService_TunnelServer) error {
 			}
 		}
 	}()
-	opened := b.tunnels
-	if standby {
-		opened = b.standbys
-	}
 	select {
-	case opened <- tu:
+	case b.tunnels <- tu:
 	case <-ctx.Done():
 		return ctx.Err()
 	}
@@ -379,44 +344,6 @@ func (tu *tunnel) send(b []byte) error {
 // closeWrite half-closes the broker-to-agent direction.
 func (tu *tunnel) closeWrite() error {
 	return tu.stream.Send(&tunnelv1.TunnelResponse{Frame: &tunnelv1.TunnelResponse_CloseWrite{CloseWrite: &tunnelv1.CloseWrite{}}})
-}
-
-// order writes o on a standby stream, as the broker does.
-func (tu *tunnel) order(t *testing.T, o *tunnelv1.DialOrder) {
-	t.Helper()
-	if err := tu.stream.Send(&tunnelv1.TunnelResponse{Frame: &tunnelv1.TunnelResponse_DialOrder{DialOrder: o}}); err != nil {
-		t.Fatalf("sending a dial order on a standby stream: %v", err)
-	}
-}
-
-// claimed wants the agent's next message on a standby stream to be the
-// open that claims it, and returns the dial id it names.
-func (tu *tunnel) claimed(t *testing.T) uint64 {
-	t.Helper()
-	select {
-	case msg := <-tu.received:
-		if msg.GetOpen() == nil {
-			t.Fatalf("agent sent %T on a standby stream with an order, want open", msg.GetFrame())
-		}
-		if msg.GetOpen().GetStandbyFor() != "" {
-			t.Errorf("the open that claims a standby stream names standby_for %q, want none", msg.GetOpen().GetStandbyFor())
-		}
-		return msg.GetOpen().GetDialId()
-	case <-tu.readDone:
-		t.Fatalf("the agent ended the standby stream (%v), want an open", tu.readErr)
-	case <-time.After(waitLong):
-		t.Fatal("the agent did not claim the standby stream")
-	}
-	return 0
-}
-
-// closedByAgent wants the agent to close its send direction of the
-// stream next, and send nothing before.
-func (tu *tunnel) closedByAgent(t *testing.T) {
-	t.Helper()
-	if _, err := tu.recv(); !errors.Is(err, io.EOF) {
-		t.Fatalf("standby stream: %v, want the agent to close its send direction", err)
-	}
 }
 
 // recv returns the next data frame, io.EOF once the agent half-closed, or an
@@ -481,23 +408,6 @@ func (b *fakeBroker) nextSession(t *testing.T) *session {
 func (b *fakeBroker) nextTunnel(t *testing.T) *tunnel {
 	t.Helper()
 	return testutil.Wait(t, "a Tunnel stream", b.tunnels)
-}
-
-// nextStandby waits for the agent's next standby stream.
-func (b *fakeBroker) nextStandby(t *testing.T) *tunnel {
-	t.Helper()
-	return testutil.Wait(t, "a standby stream", b.standbys)
-}
-
-// noStandby checks that no standby stream has been opened so far, other
-// than those the test took.
-func (b *fakeBroker) noStandby(t *testing.T) {
-	t.Helper()
-	select {
-	case <-b.standbys:
-		t.Error("agent opened a standby stream, want none")
-	default:
-	}
 }
 
 // noTunnel checks that no Tunnel stream has been opened so far.

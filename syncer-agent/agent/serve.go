@@ -29,58 +29,55 @@ const defaultConnectTimeout = 5 * time.Second
 // shows its callers no more of it (docs/protocol.md §5).
 const maxFailureMessage = 256
 
-// open answers one dial order of the control stream up to its pipe:
-// connect to the target, then open the tunnel's Tunnel stream to the
-// broker; or report why not, and return nil. What it returns is the rest
-// of the tunnel's life: write the order's early data to the target, pipe,
-// and clean up. The early data goes only after the open, so that a dial
-// whose early data reached a target is one the broker has claimed, or one
-// it is told not to order again (docs/protocol.md §3.4). An order that
-// came on a standby stream takes the same steps, but claims the stream it
-// came on instead of opening one (standbys.carry).
+// open answers one dial order up to its pipe: connect to the target, then
+// open the tunnel's Tunnel stream to the broker; or report why not, and
+// return nil. What it returns is the rest of the tunnel's life: write the
+// order's early data to the target, pipe, and clean up. The early data
+// goes only after the open, so that a dial whose early data reached a
+// target is one the broker has claimed, or one it is told not to order
+// again (docs/protocol.md §3.4).
 //
 // What it reports may reach kcp's end users in admission errors: a short
 // reason in words, without addresses. The details stay in the agent's log,
 // under the tunnel id, which the broker's log and the caller's message name
 // too.
 func (a *Agent) open(ctx context.Context, client tunnelv1.AgentServiceClient, order *tunnelv1.DialOrder, fail func(*tunnelv1.DialFailure)) (run func()) {
-	d := a.newDialed(order, fail)
-	if !a.dialTarget(ctx, d, order) {
+	d := a.newDialed(order)
+	d.report = func(code codes.Code, message string, earlySent bool) {
+		fail(&tunnelv1.DialFailure{DialId: d.id, Code: int32(code), Message: redacted(message),
+			EarlyDataSent: earlySent && len(d.early) > 0})
+	}
+	if err := a.dialTarget(ctx, d, order); err != nil {
+		d.report(err.code, err.message, false)
 		return nil
 	}
 	return openStream(ctx, client, d, a.stalledWriteTimeout())
 }
 
 // newDialed is the dial of order before it connects, with a log that
-// names its tunnel id and target; it reports its failures with fail.
-func (a *Agent) newDialed(order *tunnelv1.DialOrder, fail func(*tunnelv1.DialFailure)) *dialed {
+// names its tunnel id and target.
+func (a *Agent) newDialed(order *tunnelv1.DialOrder) *dialed {
 	t := order.GetTarget()
-	d := &dialed{
+	return &dialed{
 		id: order.GetDialId(),
 		log: a.Log.With("tunnel", fmt.Sprintf("%016x", order.GetDialId()), "cluster", t.GetCluster(), "namespace", t.GetNamespace(),
 			"service", t.GetService(), "port", t.GetPort()),
 		early: order.GetEarlyData(),
 	}
-	d.report = func(code codes.Code, message string, earlySent bool) {
-		fail(&tunnelv1.DialFailure{DialId: d.id, Code: int32(code), Message: redacted(message),
-			EarlyDataSent: earlySent && len(d.early) > 0})
-	}
-	return d
 }
 
-// dialTarget connects d to its target (connect) and counts the dial; if it
-// cannot, it logs why, reports it and returns false.
-func (a *Agent) dialTarget(ctx context.Context, d *dialed, order *tunnelv1.DialOrder) bool {
+// dialTarget connects d to its target (connect), counts the dial, and logs
+// why it failed. The error says what the broker is to be told.
+func (a *Agent) dialTarget(ctx context.Context, d *dialed, order *tunnelv1.DialOrder) *dialError {
 	conn, err := a.connect(ctx, order)
 	if err != nil {
 		dials.WithLabelValues(err.code.String()).Inc()
 		d.log.Info("dial failed", "code", err.code.String(), "error", err.detail)
-		d.report(err.code, err.message, false)
-		return false
+		return err
 	}
 	dials.WithLabelValues(codes.OK.String()).Inc()
 	d.target = conn
-	return true
+	return nil
 }
 
 // redacted is a failure's message as the broker gets it: its callers see
@@ -100,26 +97,19 @@ type dialed struct {
 }
 
 // openStream carries a dial on a Tunnel stream of its own: it opens the
-// stream and claims it (claim).
+// stream and returns the rest of the tunnel's life, as open does. stall
+// bounds each write to the target (pipe).
 func openStream(ctx context.Context, client tunnelv1.AgentServiceClient, d *dialed, stall time.Duration) (run func()) {
 	ctx, cancel := context.WithCancel(ctx)
 	stream, err := client.Tunnel(ctx, wire.FrameCallOption())
+	if err == nil {
+		err = stream.Send(&tunnelv1.TunnelRequest{Frame: &tunnelv1.TunnelRequest_Open{Open: &tunnelv1.TunnelOpen{DialId: d.id}}})
+	}
 	if err != nil {
 		cancel()
-		d.couldNotOpen(err)
-		return nil
-	}
-	return d.claim(stream, cancel, stall)
-}
-
-// claim makes stream, whose context cancel ends, d's tunnel: it sends
-// open{dial_id} and returns the rest of the tunnel's life, as open does;
-// or it reports why it could not, and returns nil. stall bounds each write
-// to the target (pipe).
-func (d *dialed) claim(stream tunnelv1.AgentService_TunnelClient, cancel context.CancelFunc, stall time.Duration) (run func()) {
-	if err := stream.Send(&tunnelv1.TunnelRequest{Frame: &tunnelv1.TunnelRequest_Open{Open: &tunnelv1.TunnelOpen{DialId: d.id}}}); err != nil {
-		cancel()
-		d.couldNotOpen(err)
+		d.target.Close()
+		d.log.Info("could not open tunnel", "error", err)
+		d.report(codes.Unavailable, "the agent could not open a tunnel to the broker", false)
 		return nil
 	}
 	d.log.Debug("tunnel open", "target", d.target.RemoteAddr().String())
@@ -138,14 +128,6 @@ func (d *dialed) claim(stream tunnelv1.AgentService_TunnelClient, cancel context
 			d.report(codes.Unavailable, "the tunnel failed as it opened: "+reason(err), true)
 		}
 	}
-}
-
-// couldNotOpen aborts a dial whose Tunnel stream could not be opened or
-// claimed, and reports it: the target has had none of its bytes.
-func (d *dialed) couldNotOpen(err error) {
-	d.target.Close()
-	d.log.Info("could not open tunnel", "error", err)
-	d.report(codes.Unavailable, "the agent could not open a tunnel to the broker", false)
 }
 
 // dialError is why the agent could not connect: a code and message for the

@@ -47,15 +47,7 @@ func (r *agentRun) session() (registered bool, err error) {
 	cancelUnlessRegistered()
 	defer r.markRegistered(confirmed.GetBrokerId())()
 	control := r.newControlStream(stream)
-	standbys := r.startStandbys(ctx, control, confirmed)
-	// Once the session is over, its idle standby streams end with it, and
-	// their goroutines return before it does. The control stream is
-	// cancelled first, so that none of them waits on sending there.
-	defer func() {
-		cancel()
-		standbys.stop()
-	}()
-	go r.announce(ctx, control, standbys)
+	go r.announce(ctx, control)
 	sessionOver := make(chan struct{})
 	defer close(sessionOver)
 	stopUnregister := context.AfterFunc(r.ctx, func() { r.unregister(control, cancel, sessionOver) })
@@ -100,7 +92,7 @@ func (a *Agent) markRegistered(brokerID string) (unmark func()) {
 
 // serveOrders answers the broker's messages until the control stream ends:
 // a tunnel for each dial order, on a Tunnel stream, and an echo for each
-// probe. Orders on standby streams are served by the standbys themselves.
+// probe.
 func (r *agentRun) serveOrders(control *controlStream) error {
 	for {
 		msg, err := control.stream.Recv()
@@ -133,32 +125,26 @@ func (r *agentRun) startTunnel(order *tunnelv1.DialOrder, control *controlStream
 	go func() {
 		// Tunnels outlive a lost control stream (their data streams are
 		// their own) but not the run.
-		r.runTunnel(r.open(r.ctx, r.client, order, control.fail))
-	}()
-}
-
-// runTunnel runs the rest of a tunnel's life (open's run; nil: none) and
-// then counts the tunnel, which admit counted in, out of r.tunnels.
-func (r *agentRun) runTunnel(run func()) {
-	if run == nil {
-		r.tunnels.Done()
-		return
-	}
-	// The tunnel's life gets a goroutine of its own. Setting it up
-	// (resolving, connecting, opening or claiming its Tunnel stream) grows
-	// the caller's stack to 8 KiB, which it would keep while it waits on an
-	// idle tunnel; a new goroutine starts small (docs/perf-history.md, idle
-	// tunnels' stacks).
-	go func() {
-		defer r.tunnels.Done()
-		run()
+		run := r.open(r.ctx, r.client, order, control.fail)
+		if run == nil {
+			r.tunnels.Done()
+			return
+		}
+		// The tunnel's life gets a goroutine of its own. Setting it up
+		// (resolving, connecting, opening its Tunnel stream) grows this one's
+		// stack to 8 KiB, which it would keep while it waits on an idle
+		// tunnel; a new goroutine starts small (docs/perf-history.md, idle
+		// tunnels' stacks).
+		go func() {
+			defer r.tunnels.Done()
+			run()
+		}()
 	}()
 }
 
 // announce re-registers when the resolver's clusters change, and tells the
-// broker (drain) when the agent starts draining, and closes the session's
-// idle standby streams then, until ctx ends.
-func (r *agentRun) announce(ctx context.Context, control *controlStream, standbys *standbys) {
+// broker (drain) when the agent starts draining, until ctx ends.
+func (r *agentRun) announce(ctx context.Context, control *controlStream) {
 	var changed <-chan struct{}
 	if w, ok := r.Resolver.(lookup.ClusterWatcher); ok {
 		changed = w.ClustersChanged()
@@ -175,7 +161,6 @@ func (r *agentRun) announce(ctx context.Context, control *controlStream, standby
 		case <-draining:
 			draining = nil
 			control.drain()
-			standbys.drain()
 		case <-ctx.Done():
 			return
 		}

@@ -48,10 +48,6 @@ func (s *Service) Connect(stream tunnelv1.AgentService_ConnectServer) error {
 		BrokerId: s.cfg.BrokerID,
 		Since:    timestamppb.New(a.Since),
 	}}}
-	if s.cfg.MaxStandbyStreams > 0 {
-		registered.GetRegistered().RegistrationId = a.SessionID
-		registered.GetRegistered().MaxStandbyStreams = uint32(s.cfg.MaxStandbyStreams)
-	}
 	if err := stream.Send(registered); err != nil {
 		return err
 	}

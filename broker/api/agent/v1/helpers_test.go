@@ -56,7 +56,6 @@ type config struct {
 	registerTimeout  time.Duration
 	maxRegistrations int64
 	maxClusters      int
-	maxStandby       int
 	// clock times probes, the first registration and SVIDs' expiry; nil:
 	// the real clock.
 	clock clock.WithTickerAndDelayedExecution
@@ -88,7 +87,7 @@ func startBroker(t *testing.T, cfg config) *broker {
 			Registry: s.Registry, Policy: s.Policy, BrokerID: brokerID,
 			Draining: s.Draining, Stopping: s.Stopping, Grace: cfg.grace,
 			ProbeEvery: cfg.probeEvery, RegistrationTimeout: cfg.registerTimeout,
-			MaxRegistrations: cfg.maxRegistrations, MaxClusters: cfg.maxClusters, MaxStandbyStreams: cfg.maxStandby,
+			MaxRegistrations: cfg.maxRegistrations, MaxClusters: cfg.maxClusters,
 			Clock: cfg.clock, Log: s.Log,
 		})
 		RegisterService(srv, b.agents)
@@ -151,14 +150,12 @@ func (b *broker) connectStatus(t *testing.T, path string, msgs ...*tunnelv1.Conn
 // agent plays an agent by hand: it registers, and a goroutine reads its
 // control stream into msgs until the stream ends with err.
 type agent struct {
-	name string
-	// registration is the broker's answer to the registration.
-	registration *tunnelv1.Registered
-	control      tunnelv1.AgentService_ConnectClient
-	cancel       context.CancelFunc
-	msgs         chan *tunnelv1.ConnectResponse
-	done         chan struct{}
-	err          error // the stream's end, once done is closed
+	name    string
+	control tunnelv1.AgentService_ConnectClient
+	cancel  context.CancelFunc
+	msgs    chan *tunnelv1.ConnectResponse
+	done    chan struct{}
+	err     error // the stream's end, once done is closed
 }
 
 // connectAgent registers name, as the identity path, for clusters and checks
@@ -182,7 +179,7 @@ func (b *broker) connectAgent(t *testing.T, path, name string, clusters ...strin
 	if r := msg.GetRegistered(); r == nil || r.GetBrokerId() != brokerID || r.GetSince() == nil {
 		t.Fatalf("registering %s: got %v, want registered by %s with a time", name, msg, brokerID)
 	}
-	a := &agent{name: name, registration: msg.GetRegistered(), control: control, cancel: cancel,
+	a := &agent{name: name, control: control, cancel: cancel,
 		msgs: make(chan *tunnelv1.ConnectResponse, 64), done: make(chan struct{})}
 	go func() {
 		defer close(a.done)

@@ -75,10 +75,6 @@ type Config struct {
 	// control stream, the latest list winning; zero:
 	// DefaultMaxReregistrationsPerSecond.
 	MaxReregistrationsPerSecond float64
-	// MaxStandbyStreams bounds the idle standby Tunnel streams of one
-	// registration (standby.go); zero: DefaultMaxStandbyStreams, negative:
-	// none, every order goes on the control stream.
-	MaxStandbyStreams int
 	// Clock times the probes, the first registration and the end of each
 	// registration at its SVID's expiry; nil: the real clock.
 	Clock clock.WithTickerAndDelayedExecution
@@ -105,7 +101,6 @@ func New(cfg Config) *Service {
 	cfg.RegistrationTimeout = cmp.Or(max(cfg.RegistrationTimeout, 0), DefaultRegistrationTimeout)
 	cfg.MaxClusters = cmp.Or(cfg.MaxClusters, DefaultMaxClusters)
 	cfg.MaxReregistrationsPerSecond = cmp.Or(cfg.MaxReregistrationsPerSecond, DefaultMaxReregistrationsPerSecond)
-	cfg.MaxStandbyStreams = cmp.Or(cfg.MaxStandbyStreams, DefaultMaxStandbyStreams)
 	if cfg.Clock == nil {
 		cfg.Clock = clock.RealClock{}
 	}
@@ -122,8 +117,7 @@ func RegisterService(srv grpc.ServiceRegistrar, s *Service) {
 }
 
 // Tunnel implements AgentService.Tunnel: the first message names the dial,
-// which the stream then carries until the tunnel's end (package tunnel), or
-// makes the stream a standby stream that waits for a dial (standby.go).
+// which the stream then carries until the tunnel's end (package tunnel).
 func (s *Service) Tunnel(stream tunnelv1.AgentService_TunnelServer) error {
 	id, ok := identity.PeerID(stream.Context())
 	if !ok {
@@ -136,12 +130,6 @@ func (s *Service) Tunnel(stream tunnelv1.AgentService_TunnelServer) error {
 	open := first.GetOpen()
 	if open == nil {
 		return status.Error(codes.InvalidArgument, "the first message on a tunnel must name its dial")
-	}
-	if open.GetStandbyFor() != "" {
-		if open.GetDialId() != 0 {
-			return status.Error(codes.InvalidArgument, "a standby stream's first open names no dial")
-		}
-		return s.standby(stream, id, open.GetStandbyFor())
 	}
 	return tunnel.Open(s.cfg.Registry, open.GetDialId(), id, stream)
 }

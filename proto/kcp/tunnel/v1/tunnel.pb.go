@@ -1286,15 +1286,9 @@ type Registered struct {
 	// The broker replica that accepted it.
 	BrokerId string `protobuf:"bytes,1,opt,name=broker_id,json=brokerId,proto3" json:"broker_id,omitempty"`
 	// When the broker accepted it.
-	Since *timestamppb.Timestamp `protobuf:"bytes,2,opt,name=since,proto3" json:"since,omitempty"`
-	// Names this registration for the agent's standby Tunnel streams
-	// (TunnelOpen.standby_for), set when max_standby_streams is.
-	RegistrationId string `protobuf:"bytes,5,opt,name=registration_id,json=registrationId,proto3" json:"registration_id,omitempty"`
-	// How many standby Tunnel streams the broker keeps for this registration
-	// at once; 0: none, every order goes on this control stream.
-	MaxStandbyStreams uint32 `protobuf:"varint,6,opt,name=max_standby_streams,json=maxStandbyStreams,proto3" json:"max_standby_streams,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	Since         *timestamppb.Timestamp `protobuf:"bytes,2,opt,name=since,proto3" json:"since,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Registered) Reset() {
@@ -1339,20 +1333,6 @@ func (x *Registered) GetSince() *timestamppb.Timestamp {
 		return x.Since
 	}
 	return nil
-}
-
-func (x *Registered) GetRegistrationId() string {
-	if x != nil {
-		return x.RegistrationId
-	}
-	return ""
-}
-
-func (x *Registered) GetMaxStandbyStreams() uint32 {
-	if x != nil {
-		return x.MaxStandbyStreams
-	}
-	return 0
 }
 
 // DialOrder asks the agent to connect to a target.
@@ -1595,7 +1575,6 @@ type TunnelResponse struct {
 	//
 	//	*TunnelResponse_Data
 	//	*TunnelResponse_CloseWrite
-	//	*TunnelResponse_DialOrder
 	Frame         isTunnelResponse_Frame `protobuf_oneof:"frame"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1656,15 +1635,6 @@ func (x *TunnelResponse) GetCloseWrite() *CloseWrite {
 	return nil
 }
 
-func (x *TunnelResponse) GetDialOrder() *DialOrder {
-	if x != nil {
-		if x, ok := x.Frame.(*TunnelResponse_DialOrder); ok {
-			return x.DialOrder
-		}
-	}
-	return nil
-}
-
 type isTunnelResponse_Frame interface {
 	isTunnelResponse_Frame()
 }
@@ -1679,30 +1649,14 @@ type TunnelResponse_CloseWrite struct {
 	CloseWrite *CloseWrite `protobuf:"bytes,3,opt,name=close_write,json=closeWrite,proto3,oneof"`
 }
 
-type TunnelResponse_DialOrder struct {
-	// On a standby stream, and only as its first message: the dial it is
-	// to carry. The agent answers with open{dial_id} on the same stream,
-	// or with a dial_failure on its control stream.
-	DialOrder *DialOrder `protobuf:"bytes,4,opt,name=dial_order,json=dialOrder,proto3,oneof"`
-}
-
 func (*TunnelResponse_Data) isTunnelResponse_Frame() {}
 
 func (*TunnelResponse_CloseWrite) isTunnelResponse_Frame() {}
 
-func (*TunnelResponse_DialOrder) isTunnelResponse_Frame() {}
-
-// TunnelOpen binds a Tunnel stream to a DialOrder, or makes it a standby
-// stream of a registration.
+// TunnelOpen binds a Tunnel stream to a DialOrder.
 type TunnelOpen struct {
-	state protoimpl.MessageState `protogen:"open.v1"`
-	// The dial this stream carries. On a standby stream: 0 in its first
-	// open, and the ordered dial's id in the open that answers the order.
-	DialId uint64 `protobuf:"varint,1,opt,name=dial_id,json=dialId,proto3" json:"dial_id,omitempty"`
-	// Makes the stream a standby stream of the registration whose
-	// Registered.registration_id this is: the broker writes one of that
-	// registration's dial orders on it, instead of on the control stream.
-	StandbyFor    string `protobuf:"bytes,2,opt,name=standby_for,json=standbyFor,proto3" json:"standby_for,omitempty"`
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	DialId        uint64                 `protobuf:"varint,1,opt,name=dial_id,json=dialId,proto3" json:"dial_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1742,13 +1696,6 @@ func (x *TunnelOpen) GetDialId() uint64 {
 		return x.DialId
 	}
 	return 0
-}
-
-func (x *TunnelOpen) GetStandbyFor() string {
-	if x != nil {
-		return x.StandbyFor
-	}
-	return ""
 }
 
 var File_kcp_tunnel_v1_tunnel_proto protoreflect.FileDescriptor
@@ -1845,13 +1792,11 @@ const file_kcp_tunnel_v1_tunnel_proto_rawDesc = "" +
 	"\bclusters\x18\x01 \x03(\tR\bclusters\x12\x1d\n" +
 	"\n" +
 	"agent_name\x18\x02 \x01(\tR\tagentName\x12\x12\n" +
-	"\x04more\x18\x03 \x01(\bR\x04moreJ\x04\b\x04\x10\x05R\x12accepts_early_data\"\xde\x01\n" +
+	"\x04more\x18\x03 \x01(\bR\x04moreJ\x04\b\x04\x10\x05R\x12accepts_early_data\"\x85\x01\n" +
 	"\n" +
 	"Registered\x12\x1b\n" +
 	"\tbroker_id\x18\x01 \x01(\tR\bbrokerId\x120\n" +
-	"\x05since\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x05since\x12'\n" +
-	"\x0fregistration_id\x18\x05 \x01(\tR\x0eregistrationId\x12.\n" +
-	"\x13max_standby_streams\x18\x06 \x01(\rR\x11maxStandbyStreamsJ\x04\b\x03\x10\x04J\x04\b\x04\x10\x05R\x10data_connectionsR\n" +
+	"\x05since\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x05sinceJ\x04\b\x03\x10\x04J\x04\b\x04\x10\x05R\x10data_connectionsR\n" +
 	"session_id\"\x91\x01\n" +
 	"\tDialOrder\x12\x17\n" +
 	"\adial_id\x18\x01 \x01(\x04R\x06dialId\x12-\n" +
@@ -1868,19 +1813,15 @@ const file_kcp_tunnel_v1_tunnel_proto_rawDesc = "" +
 	"\rTunnelRequest\x12/\n" +
 	"\x04open\x18\x01 \x01(\v2\x19.kcp.tunnel.v1.TunnelOpenH\x00R\x04open\x12\x14\n" +
 	"\x04data\x18\x02 \x01(\fH\x00R\x04dataB\a\n" +
-	"\x05frame\"\xa8\x01\n" +
+	"\x05frame\"m\n" +
 	"\x0eTunnelResponse\x12\x14\n" +
 	"\x04data\x18\x02 \x01(\fH\x00R\x04data\x12<\n" +
 	"\vclose_write\x18\x03 \x01(\v2\x19.kcp.tunnel.v1.CloseWriteH\x00R\n" +
-	"closeWrite\x129\n" +
-	"\n" +
-	"dial_order\x18\x04 \x01(\v2\x18.kcp.tunnel.v1.DialOrderH\x00R\tdialOrderB\a\n" +
-	"\x05frame\"F\n" +
+	"closeWriteB\a\n" +
+	"\x05frame\"%\n" +
 	"\n" +
 	"TunnelOpen\x12\x17\n" +
-	"\adial_id\x18\x01 \x01(\x04R\x06dialId\x12\x1f\n" +
-	"\vstandby_for\x18\x02 \x01(\tR\n" +
-	"standbyFor2R\n" +
+	"\adial_id\x18\x01 \x01(\x04R\x06dialId2R\n" +
 	"\vDialService\x12C\n" +
 	"\x04Dial\x12\x1a.kcp.tunnel.v1.DialRequest\x1a\x1b.kcp.tunnel.v1.DialResponse(\x010\x012\xb7\x01\n" +
 	"\fAdminService\x12Q\n" +
@@ -1955,22 +1896,21 @@ var file_kcp_tunnel_v1_tunnel_proto_depIdxs = []int32{
 	6,  // 21: kcp.tunnel.v1.DialOrder.target:type_name -> kcp.tunnel.v1.Target
 	21, // 22: kcp.tunnel.v1.TunnelRequest.open:type_name -> kcp.tunnel.v1.TunnelOpen
 	10, // 23: kcp.tunnel.v1.TunnelResponse.close_write:type_name -> kcp.tunnel.v1.CloseWrite
-	17, // 24: kcp.tunnel.v1.TunnelResponse.dial_order:type_name -> kcp.tunnel.v1.DialOrder
-	7,  // 25: kcp.tunnel.v1.DialService.Dial:input_type -> kcp.tunnel.v1.DialRequest
-	0,  // 26: kcp.tunnel.v1.AdminService.ListAgents:input_type -> kcp.tunnel.v1.ListAgentsRequest
-	3,  // 27: kcp.tunnel.v1.AdminService.ListTunnels:input_type -> kcp.tunnel.v1.ListTunnelsRequest
-	11, // 28: kcp.tunnel.v1.AgentService.Connect:input_type -> kcp.tunnel.v1.ConnectRequest
-	19, // 29: kcp.tunnel.v1.AgentService.Tunnel:input_type -> kcp.tunnel.v1.TunnelRequest
-	8,  // 30: kcp.tunnel.v1.DialService.Dial:output_type -> kcp.tunnel.v1.DialResponse
-	1,  // 31: kcp.tunnel.v1.AdminService.ListAgents:output_type -> kcp.tunnel.v1.ListAgentsResponse
-	4,  // 32: kcp.tunnel.v1.AdminService.ListTunnels:output_type -> kcp.tunnel.v1.ListTunnelsResponse
-	12, // 33: kcp.tunnel.v1.AgentService.Connect:output_type -> kcp.tunnel.v1.ConnectResponse
-	20, // 34: kcp.tunnel.v1.AgentService.Tunnel:output_type -> kcp.tunnel.v1.TunnelResponse
-	30, // [30:35] is the sub-list for method output_type
-	25, // [25:30] is the sub-list for method input_type
-	25, // [25:25] is the sub-list for extension type_name
-	25, // [25:25] is the sub-list for extension extendee
-	0,  // [0:25] is the sub-list for field type_name
+	7,  // 24: kcp.tunnel.v1.DialService.Dial:input_type -> kcp.tunnel.v1.DialRequest
+	0,  // 25: kcp.tunnel.v1.AdminService.ListAgents:input_type -> kcp.tunnel.v1.ListAgentsRequest
+	3,  // 26: kcp.tunnel.v1.AdminService.ListTunnels:input_type -> kcp.tunnel.v1.ListTunnelsRequest
+	11, // 27: kcp.tunnel.v1.AgentService.Connect:input_type -> kcp.tunnel.v1.ConnectRequest
+	19, // 28: kcp.tunnel.v1.AgentService.Tunnel:input_type -> kcp.tunnel.v1.TunnelRequest
+	8,  // 29: kcp.tunnel.v1.DialService.Dial:output_type -> kcp.tunnel.v1.DialResponse
+	1,  // 30: kcp.tunnel.v1.AdminService.ListAgents:output_type -> kcp.tunnel.v1.ListAgentsResponse
+	4,  // 31: kcp.tunnel.v1.AdminService.ListTunnels:output_type -> kcp.tunnel.v1.ListTunnelsResponse
+	12, // 32: kcp.tunnel.v1.AgentService.Connect:output_type -> kcp.tunnel.v1.ConnectResponse
+	20, // 33: kcp.tunnel.v1.AgentService.Tunnel:output_type -> kcp.tunnel.v1.TunnelResponse
+	29, // [29:34] is the sub-list for method output_type
+	24, // [24:29] is the sub-list for method input_type
+	24, // [24:24] is the sub-list for extension type_name
+	24, // [24:24] is the sub-list for extension extendee
+	0,  // [0:24] is the sub-list for field type_name
 }
 
 func init() { file_kcp_tunnel_v1_tunnel_proto_init() }
@@ -2006,7 +1946,6 @@ func file_kcp_tunnel_v1_tunnel_proto_init() {
 	file_kcp_tunnel_v1_tunnel_proto_msgTypes[20].OneofWrappers = []any{
 		(*TunnelResponse_Data)(nil),
 		(*TunnelResponse_CloseWrite)(nil),
-		(*TunnelResponse_DialOrder)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{

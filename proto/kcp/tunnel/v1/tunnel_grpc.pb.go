@@ -294,14 +294,12 @@ const (
 // For semantics around ctx use and closing/ending streaming RPCs, please refer to https://pkg.go.dev/google.golang.org/grpc/?tab=doc#ClientConn.NewStream.
 //
 // AgentService is what syncer agents call. Connect is the long-lived control
-// stream; Tunnel is one data stream per dial: opened by the agent when the
-// broker orders the dial on Connect, or opened ahead as a standby stream on
-// which the broker writes the order itself.
+// stream; Tunnel is one data stream per dial, opened by the agent when the
+// broker orders it.
 type AgentServiceClient interface {
 	// Connect registers the agent and carries dial orders and their failures.
 	Connect(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[ConnectRequest, ConnectResponse], error)
-	// Tunnel carries the bytes of one dial. Its first request names the dial,
-	// or makes it a standby stream that waits for one.
+	// Tunnel carries the bytes of one dial. Its first request names the dial.
 	Tunnel(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[TunnelRequest, TunnelResponse], error)
 }
 
@@ -344,14 +342,12 @@ type AgentService_TunnelClient = grpc.BidiStreamingClient[TunnelRequest, TunnelR
 // for forward compatibility.
 //
 // AgentService is what syncer agents call. Connect is the long-lived control
-// stream; Tunnel is one data stream per dial: opened by the agent when the
-// broker orders the dial on Connect, or opened ahead as a standby stream on
-// which the broker writes the order itself.
+// stream; Tunnel is one data stream per dial, opened by the agent when the
+// broker orders it.
 type AgentServiceServer interface {
 	// Connect registers the agent and carries dial orders and their failures.
 	Connect(grpc.BidiStreamingServer[ConnectRequest, ConnectResponse]) error
-	// Tunnel carries the bytes of one dial. Its first request names the dial,
-	// or makes it a standby stream that waits for one.
+	// Tunnel carries the bytes of one dial. Its first request names the dial.
 	Tunnel(grpc.BidiStreamingServer[TunnelRequest, TunnelResponse]) error
 	mustEmbedUnimplementedAgentServiceServer()
 }
