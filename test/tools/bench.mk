@@ -11,7 +11,7 @@ BENCH_FLAGS ?=
 BENCH_COUNT ?= 1
 BENCH_TIME  ?= 1s
 
-.PHONY: bench bench-go bench-peers
+.PHONY: bench bench-latency bench-go bench-peers
 
 ## bench: broker and agent binaries on loopback, every figure tunneled vs direct, the relays and the remotedialer peer (BENCH_FLAGS=-quick for a smoke run)
 bench: build
@@ -19,6 +19,18 @@ bench: build
 	  echo "$(GO) run ./test/bench/cmd/tunnelbench -peer-remotedialer $$peer $(BENCH_FLAGS)" && \
 	  $(GO) run ./test/bench/cmd/tunnelbench -peer-remotedialer "$$peer" $(BENCH_FLAGS)
 	$(GO) run ./test/bench/cmd/streamfloor
+
+# What make bench-latency runs: 250 µs on every hop, and the phases whose
+# figures a user on a real network sees (64 B echo, dial + first echo, the
+# webhook on kept-alive and new connections). BENCH_FLAGS come after, so
+# they can change any of it.
+BENCH_LATENCY_FLAGS ?= -hop-delay 250us -phases latency,dial,webhook
+
+## bench-latency: make bench's echo, dial + first echo and webhook figures with 250 µs on every hop, each way (-hop-delay: a delaying relay per connection)
+bench-latency: build
+	@peer=$$(GO="$(GO)" test/bench/peers/remotedialer/build.sh) && \
+	  echo "$(GO) run ./test/bench/cmd/tunnelbench -peer-remotedialer $$peer $(BENCH_LATENCY_FLAGS) $(BENCH_FLAGS)" && \
+	  $(GO) run ./test/bench/cmd/tunnelbench -peer-remotedialer "$$peer" $(BENCH_LATENCY_FLAGS) $(BENCH_FLAGS)
 
 ## bench-peers: the remotedialer peer's binary (test/bench/peers/remotedialer, its own module and Go) into .cache/, if missing
 bench-peers:

@@ -10,7 +10,8 @@ import (
 // cpuTimes is the CPU time used so far by this process (callers and
 // targets), the main pair's broker and its agent, relays 1 and 2 and the
 // peer's server and client when they run (the processes of the paths not
-// being measured idle meanwhile).
+// being measured idle meanwhile). The delaying relays of -hop-delay are
+// not counted: they stand for the network.
 // Differences of two readings say what a measurement cost, which is steadier
 // than its rate on a loaded machine. The resolution is 10ms: measurements
 // long enough to use seconds of CPU are needed.

@@ -47,7 +47,7 @@ const (
 func (r *runner) grpcFloor(ctx context.Context) {
 	f := r.env.SVID("/grpc-echo")
 	addr, _ := startChild(r.m, "grpc-echo", grpcCertEnv+"="+f.Cert, grpcKeyEnv+"="+f.Key, grpcBundleEnv+"="+f.Bundle)
-	client := tunnelv1.NewDialServiceClient(r.env.BrokerConn(addr, "/grpc-caller"))
+	client := tunnelv1.NewDialServiceClient(r.env.BrokerConn(r.hop(addr), "/grpc-caller"))
 
 	direct := r.dialOrFatal(ctx, r.direct(), svcEcho)
 	d, err := roundTrips(direct, r.cfg.duration)

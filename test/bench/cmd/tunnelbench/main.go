@@ -11,7 +11,9 @@
 // named relay_* measure a reference path instead of the tunnel, in a column
 // of its own (relay=, see relay.go); their ratio is relay/direct. Rows
 // named peer_remotedialer_* measure a real peer, rancher's remotedialer, the
-// same way (peer.go). Lines starting with # describe the machine and the
+// same way (peer.go). With -hop-delay, every connection between two
+// processes of every path crosses a relay that delays it as a network hop
+// would (delayrelay.go). Lines starting with # describe the machine and the
 // run. See BENCHMARKS.md for what each figure means. Figures are only
 // reported, never judged.
 //
@@ -50,6 +52,7 @@ type config struct {
 	relay        bool          // also measure the relay reference path (relay.go)
 	peerBin      string        // if set, also measure the remotedialer peer (peer.go) with this binary
 	timeout      time.Duration // bound of one bulk transfer
+	hopDelay     time.Duration // if > 0, every hop of every path is delayed this much each way (delayrelay.go)
 
 	// The hostile phase (hostile.go).
 	hostileStreams int
@@ -92,6 +95,8 @@ func serveRole(role string) bool {
 		serveGRPCEcho()
 	case "echo":
 		serveEcho()
+	case "hops":
+		serveHops()
 	default:
 		return false
 	}
@@ -119,6 +124,7 @@ func parseFlags() (config, time.Duration) {
 	flag.BoolVar(&cfg.relay, "relay", true, "also measure the relay reference path (caller -mTLS-> relay -mTLS-> relay -TCP-> target, plain TLS copy processes) in the throughput, latency, rps and dial phases and for the webhook on new connections, as relay_* rows")
 	flag.StringVar(&cfg.peerBin, "peer-remotedialer", "", "if set, the remotedialer-peer binary (test/bench/peers/remotedialer/build.sh prints its path): also measure rancher's remotedialer as a peer in the throughput, latency, rps, dial, isolation, webhook and idle phases, as peer_remotedialer_* rows")
 	flag.DurationVar(&cfg.timeout, "timeout", 3*time.Minute, "bound of one bulk transfer")
+	flag.DurationVar(&cfg.hopDelay, "hop-delay", 0, "if > 0, every connection between two processes of every path crosses a relay (a child process) that holds each chunk of bytes this long each way, as a network would, e.g. 250us; leaves out the phases "+strings.Join(undelayedPhases, ", ")+" (0: off)")
 	flag.IntVar(&cfg.hostileStreams, "hostile-streams", 1000, "hostile phase: streams one identity opens and never finishes, per case")
 	hostileMessage := flag.String("hostile-message", "32KiB", "hostile phase: the size the first message announces (the broker's --max-message-size makes it maximal)")
 	flag.IntVar(&cfg.hostileFrame, "hostile-frame", 16384, "hostile phase: bytes per HTTP/2 DATA frame (1 is the costliest for the broker)")
@@ -137,6 +143,12 @@ func parseFlags() (config, time.Duration) {
 	cfg.flood = mustParseBytes("-flood", *flood)
 	cfg.idle = parseIdleCounts(*idle)
 	cfg.phases = parsePhases(*phases)
+	if cfg.hopDelay < 0 {
+		fatalf("-hop-delay: negative")
+	}
+	if cfg.hopDelay > 0 {
+		cfg.phases = delayedPhases(cfg.phases, flagSet("phases"))
+	}
 	if *quick {
 		cfg.size = 64 << 20
 		cfg.duration = time.Second
@@ -187,6 +199,28 @@ func parsePhases(s string) []string {
 		phases = append(phases, p)
 	}
 	return phases
+}
+
+// flagSet says whether flag name was given on the command line.
+func flagSet(name string) bool {
+	set := false
+	flag.Visit(func(f *flag.Flag) { set = set || f.Name == name })
+	return set
+}
+
+// delayedPhases is phases without those -hop-delay leaves out
+// (undelayedPhases). Named on the command line (explicit), one of them is
+// an error.
+func delayedPhases(phases []string, explicit bool) []string {
+	var kept []string
+	for _, p := range phases {
+		if !slices.Contains(undelayedPhases, p) {
+			kept = append(kept, p)
+		} else if explicit {
+			fatalf("-hop-delay: the %s phase has no delayed hops (%s are left out); run it without -hop-delay", p, strings.Join(undelayedPhases, ", "))
+		}
+	}
+	return kept
 }
 
 // stopOnSignalOrAfter makes sure that, whatever happens, the broker,

@@ -33,7 +33,7 @@ const peerName = "peer_remotedialer"
 
 // peer is one server and client pair of the peer path.
 type peer struct {
-	socket                   string // the server's CONNECT front
+	socket                   string // the server's CONNECT front, as callers reach it
 	serverPID, clientPID     int
 	serverPprof, clientPprof string
 	stop                     func() // both processes
@@ -67,6 +67,9 @@ func (r *runner) startPeer() *peer {
 		r.m.Fatalf("remotedialer server said %q", line)
 	}
 	pr.serverPID = pid
+	// With -hop-delay, callers reach the CONNECT front, and the client the
+	// server, each through a delaying relay.
+	pr.socket, addr = r.hopUnix(pr.socket), r.hop(addr)
 	client := exec.Command(bin, "-role", "client", "-connect", "wss://"+addr+"/connect",
 		"-cert", clientSVID.Cert, "-key", clientSVID.Key, "-bundle", clientSVID.Bundle,
 		"-peer-id", harness.ID("/remotedialer-server").String(), "-pprof-listen", pr.clientPprof)

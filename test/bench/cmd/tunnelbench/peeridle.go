@@ -19,6 +19,7 @@ import (
 func (r *runner) peerIdle(ctx context.Context, n int) {
 	if r.idleEcho == "" {
 		r.idleEcho, _ = startChild(r.m, "echo")
+		r.idleEcho = r.hop(r.idleEcho)
 	}
 	pr := r.startPeer()
 	defer pr.stop()

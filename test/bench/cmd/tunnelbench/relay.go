@@ -49,7 +49,8 @@ type relay struct {
 }
 
 // startRelays starts relay 2, then relay 1 pointing at it, each with an SVID
-// of its own, and loads the caller's.
+// of its own, and loads the caller's. With -hop-delay, the caller reaches
+// relay 1 and relay 1 relay 2 each through a delaying relay.
 func (r *runner) startRelays() *relay {
 	svid := func(path string) []string {
 		f := r.env.SVID(path)
@@ -58,7 +59,8 @@ func (r *runner) startRelays() *relay {
 	rl := &relay{}
 	var addr2 string
 	addr2, rl.pids[1] = startChild(r.m, "relay", svid("/relay-2")...)
-	rl.addr, rl.pids[0] = startChild(r.m, "relay", append(svid("/relay-1"), relayNextEnv+"="+addr2)...)
+	rl.addr, rl.pids[0] = startChild(r.m, "relay", append(svid("/relay-1"), relayNextEnv+"="+r.hop(addr2))...)
+	rl.addr = r.hop(rl.addr)
 	f := r.env.SVID("/relay-caller")
 	cfg, err := relayTLS(f.Cert, f.Key, f.Bundle)
 	if err != nil {

@@ -101,6 +101,9 @@ func (rep *report) header(r *runner) {
 	if r.cfg.peerBin != "" {
 		rep.note("%s_* rows: caller -CONNECT over a Unix socket-> remotedialer server -websocket/mTLS-> remotedialer client -TCP-> target, two child processes (%s); %s= is that path, ratio %s/direct", peerName, peerVersion(r.cfg.peerBin), peerName, peerName)
 	}
+	if r.hops != nil {
+		rep.note("hop-delay=%v: every connection between two processes of every path (TCP, and the CONNECT fronts' Unix sockets) crosses a relay holding each chunk %v each way, and a new connection's first bytes a handshake's round trip more; the relays are a child process whose CPU no figure includes; phases %s left out", r.hops.delay, r.hops.delay, strings.Join(undelayedPhases, ", "))
+	}
 	if slices.Contains(r.cfg.phases, "grpc") {
 		rep.note("grpc_* rows: one gRPC stream between two processes, a child echoing over SPIFFE mTLS with the broker's transport settings; grpc= is that path, ratio grpc/direct")
 	}
@@ -113,8 +116,12 @@ func (rep *report) header(r *runner) {
 	}
 	rep.note("pprof endpoints: %s", pprof)
 	c := r.cfg
-	rep.note("config: size=%s duration=%v conns=%d dials=%d paced-dials=%d paced-pause=%v idle=%v flood=%s webhook-conns=%d phases=%s relay=%v peer-remotedialer=%v hostile-streams=%d hostile-message=%d hostile-frame=%d hostile-pad=%d hostile-tunnels=%d",
-		bytesString(c.size), c.duration, c.conns, c.dials, c.pacedDials, c.pacedPause, c.idle, bytesString(c.flood), c.webhookConns, strings.Join(c.phases, ","), r.relay != nil, c.peerBin != "",
+	hopDelay := "off"
+	if c.hopDelay > 0 {
+		hopDelay = "on," + c.hopDelay.String()
+	}
+	rep.note("config: hop-delay=%s size=%s duration=%v conns=%d dials=%d paced-dials=%d paced-pause=%v idle=%v flood=%s webhook-conns=%d phases=%s relay=%v peer-remotedialer=%v hostile-streams=%d hostile-message=%d hostile-frame=%d hostile-pad=%d hostile-tunnels=%d",
+		hopDelay, bytesString(c.size), c.duration, c.conns, c.dials, c.pacedDials, c.pacedPause, c.idle, bytesString(c.flood), c.webhookConns, strings.Join(c.phases, ","), r.relay != nil, c.peerBin != "",
 		c.hostileStreams, c.hostileMessage, c.hostileFrame, c.hostilePad, c.hostileTunnels)
 	if slices.Contains(c.phases, "hostile") {
 		rep.note("hostile_* rows: a fresh broker, and streams from one identity that never send a whole first message, or tunnels of one agent (hostile_tunnel_*); hostile= is the figure")
@@ -123,6 +130,9 @@ func (rep *report) header(r *runner) {
 
 func (rep *report) footer(r *runner) {
 	rep.note("load at end: %s", loadAvg())
+	if r.hops != nil {
+		rep.note("hop relays: %v of CPU over the run, in no figure", r.hops.cpu().Round(time.Millisecond))
+	}
 	rep.note("took %v", time.Since(r.started).Round(time.Second))
 }
 

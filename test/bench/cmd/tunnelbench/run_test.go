@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kcp-dev/tunnel-broker/test/harness"
 )
@@ -52,6 +53,71 @@ func TestTinyRunPrintsEveryFigure(t *testing.T) {
 	}
 }
 
+// TestTinyRunWithHopDelay runs make bench-latency's phases (and the
+// throughput, rps and grpc ones) on tiny sizes with -hop-delay, and checks
+// that the run says so and prints its figures, each at least the delays its
+// hops add up to: a lower bound only, which a path that skipped one of its
+// relays would miss (the delay is long enough next to loopback's costs).
+func TestTinyRunWithHopDelay(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs the brokers, agents, peer and children for about half a minute")
+	}
+	const delay = 2 * time.Millisecond
+	out := runTunnelbench(t, "-hop-delay", delay.String(), "-phases", "throughput,latency,rps,dial,grpc,webhook",
+		"-size", "8MiB", "-duration", "300ms", "-dials", "10", "-conns", "4", "-webhook-conns", "4")
+	if !bytes.Contains(out, []byte("# config: hop-delay=on,"+delay.String()+" ")) {
+		t.Errorf("no config line with hop-delay=on,%v", delay)
+	}
+	direct, values := columns(t, out)
+	for _, f := range hopDelayFigures {
+		column := values
+		if f.direct {
+			column = direct
+		}
+		v, ok := column[f.name]
+		if !ok {
+			t.Errorf("no %s row", f.name)
+			continue
+		}
+		us, err := strconv.ParseFloat(v, 64)
+		if err != nil {
+			t.Errorf("%s: value %q is not a number", f.name, v)
+			continue
+		}
+		if want := float64(f.hops) * float64(delay.Microseconds()); us < want {
+			t.Errorf("%s (direct: %v) = %sµs, under %d hops of %v: a hop not delayed", f.name, f.direct, v, f.hops, delay)
+		}
+	}
+	for _, name := range []string{"throughput_download_MiBps", "relay_throughput_upload_MiBps", "peer_remotedialer_rtt64_4conns_per_s", "grpc_new_stream_rtt64_p50_us"} {
+		if _, ok := values[name]; !ok {
+			t.Errorf("no %s row", name)
+		}
+	}
+	if t.Failed() {
+		t.Logf("output:\n%s", out)
+	}
+}
+
+// hopDelayFigures are figures of a run with -hop-delay and how many hops
+// (one way) each crosses at least: of the direct path's value (direct), or
+// of the row's path. A new connection's handshake counts as a round trip.
+var hopDelayFigures = []struct {
+	name   string
+	direct bool
+	hops   int
+}{
+	{"rtt64_p50_us", true, 2}, {"rtt64_p50_us", false, 6}, {"relay_rtt64_p50_us", false, 6},
+	{"peer_remotedialer_rtt64_p50_us", false, 6}, {"connect_rtt64_p50_us", false, 6},
+	{"grpc_rtt64_p50_us", false, 2},
+	{"dial_p50_us", false, 4}, {"dial_first_echo_p50_us", true, 4}, {"dial_first_echo_p50_us", false, 6},
+	{"early_dial_first_echo_p50_us", false, 6}, {"peer_remotedialer_dial_first_echo_p50_us", false, 6},
+	{"webhook_1conn_p50_us", true, 2}, {"webhook_1conn_p50_us", false, 6},
+	{"peer_remotedialer_webhook_1conn_p50_us", false, 6}, {"connect_webhook_1conn_p50_us", false, 6},
+	{"webhook_dial_tls_first_request_p50_us", true, 6}, {"webhook_dial_tls_first_request_p50_us", false, 12},
+	{"early_webhook_dial_tls_first_request_p50_us", false, 12}, {"relay_webhook_dial_tls_first_request_p50_us", false, 12},
+	{"peer_remotedialer_webhook_dial_tls_first_request_p50_us", false, 12},
+}
+
 // tinyRunFigures are one figure or more of each phase and each path, which
 // a tiny run must print with a number.
 var tinyRunFigures = []string{
@@ -90,6 +156,17 @@ var tinyRunFigures = []string{
 // on tiny sizes with the real binaries, and returns the table it printed.
 func runTiny(t *testing.T) []byte {
 	t.Helper()
+	return runTunnelbench(t, "-size", "8MiB", "-duration", "300ms", "-dials", "30", "-paced-dials", "5", "-paced-pause", "5ms", "-idle", "20",
+		"-conns", "4", "-webhook-conns", "4", "-flood", "64MiB",
+		"-hostile-streams", "20", "-hostile-tunnels", "2", "-hostile-wait", "20s",
+		"-scale-agents", "20", "-scale-clusters", "4", "-scale-big", "300", "-scale-dials", "20", "-scale-reregisters", "20",
+		"-scale-big-reregisters", "2", "-scale-idle", "1s", "-scale-restart", "2s", "-scale-vanish", "2", "-scale-vanish-watch", "1s")
+}
+
+// runTunnelbench builds tunnelbench and the remotedialer peer, runs it with
+// the peer, the real binaries and args, and returns the table it printed.
+func runTunnelbench(t *testing.T, args ...string) []byte {
+	t.Helper()
 	bin := filepath.Join(t.TempDir(), "tunnelbench")
 	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
 		t.Fatalf("building tunnelbench: %v\n%s", err, out)
@@ -100,12 +177,7 @@ func runTiny(t *testing.T) []byte {
 	if err != nil {
 		t.Fatalf("building the remotedialer peer: %v\n%s", err, stderrOf(err))
 	}
-	cmd := exec.Command(bin, "-size", "8MiB", "-duration", "300ms", "-dials", "30", "-paced-dials", "5", "-paced-pause", "5ms", "-idle", "20",
-		"-conns", "4", "-webhook-conns", "4", "-flood", "64MiB",
-		"-hostile-streams", "20", "-hostile-tunnels", "2", "-hostile-wait", "20s",
-		"-peer-remotedialer", strings.TrimSpace(string(peer)),
-		"-scale-agents", "20", "-scale-clusters", "4", "-scale-big", "300", "-scale-dials", "20", "-scale-reregisters", "20",
-		"-scale-big-reregisters", "2", "-scale-idle", "1s", "-scale-restart", "2s", "-scale-vanish", "2", "-scale-vanish-watch", "1s")
+	cmd := exec.Command(bin, append([]string{"-peer-remotedialer", strings.TrimSpace(string(peer))}, args...)...)
 	cmd.Env = append(os.Environ(), "TUNNEL_BIN_DIR="+harness.Binaries(t))
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
@@ -120,7 +192,14 @@ func runTiny(t *testing.T) []byte {
 // a figure; it returns each figure's value of its path.
 func figures(t *testing.T, out []byte) map[string]string {
 	t.Helper()
-	values := map[string]string{}
+	_, values := columns(t, out)
+	return values
+}
+
+// columns is figures, with each figure's direct value too.
+func columns(t *testing.T, out []byte) (direct, values map[string]string) {
+	t.Helper()
+	direct, values = map[string]string{}, map[string]string{}
 	sc := bufio.NewScanner(bytes.NewReader(out))
 	for sc.Scan() {
 		line := sc.Text()
@@ -132,9 +211,9 @@ func figures(t *testing.T, out []byte) map[string]string {
 			t.Errorf("not a figure line: %q", line)
 			continue
 		}
-		values[m[1]] = m[4]
+		direct[m[1]], values[m[1]] = m[2], m[4]
 	}
-	return values
+	return direct, values
 }
 
 // stderrOf is what a command that failed wrote to stderr, if it was kept.

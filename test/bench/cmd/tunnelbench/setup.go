@@ -51,10 +51,13 @@ type runner struct {
 	started time.Time
 
 	targets map[string]*bench.Target
+	// addrs are the targets' addresses as every path reaches them: with
+	// -hop-delay, each behind its delaying relay (r.hop).
 	addrs   map[string]string // service -> target address
 	webhook *webhookServer
 	relay   *relay // nil unless the relay path runs
 	peer    *peer  // nil unless the peer path runs
+	hops    *hops  // the delaying relays' child; nil without -hop-delay
 	hanging string // the hanging tenant's address: connects to it never complete
 	// idleEcho is the echo target of the peer's idle figures, a child
 	// process (peeridle.go), once started.
@@ -71,9 +74,9 @@ type runner struct {
 // dialer connected to the broker.
 type pair struct {
 	broker, agent           *harness.Process
-	brokerAddr              string
+	brokerAddr              string // as the agent and kcp reach it (r.hop)
 	brokerPprof, agentPprof string // "" without pprof
-	egressSocket            string // the CONNECT front end's; "" without one
+	egressSocket            string // the CONNECT front end's, as callers reach it (r.hopUnix); "" without one
 	conn                    *grpc.ClientConn
 	dialer                  *kcpplugin.Dialer
 	// early dials over conn too, with kcpplugin's EarlyData: the first
@@ -85,6 +88,9 @@ func newBench(cfg config) *runner {
 	r := &runner{cfg: cfg, m: &harness.Main{}, report: &report{}, started: time.Now(),
 		targets: map[string]*bench.Target{}, addrs: map[string]string{}}
 	r.env = harness.NewEnv(r.m)
+	if cfg.hopDelay > 0 {
+		r.hops = startHops(r.m, cfg.hopDelay)
+	}
 	for _, s := range []struct {
 		name  string
 		start func() (*bench.Target, error)
@@ -99,10 +105,12 @@ func newBench(cfg config) *runner {
 		}
 		r.m.Cleanup(t.Close)
 		r.targets[s.name] = t
-		r.addrs[s.name] = t.Addr
+		r.addrs[s.name] = r.hop(t.Addr)
 	}
 	r.webhook = startWebhookProcess(r.m)
-	r.addrs[svcWebhook] = r.webhook.Addr
+	r.addrs[svcWebhook] = r.hop(r.webhook.Addr)
+	// Not behind a relay, which would complete the connects that must
+	// hang.
 	r.hanging = harness.StartUnanswered(r.m)
 
 	bin := harness.Binaries(r.m)
@@ -144,7 +152,9 @@ func (r *runner) services() lookup.StaticFile {
 }
 
 // startPair starts a broker and an agent process, with pprof endpoints when
-// the binaries have them, and connects a kcp dialer to the broker.
+// the binaries have them, and connects a kcp dialer to the broker. With
+// -hop-delay, the agent and kcp's dialer reach the broker through one
+// delaying relay, and CONNECT callers its socket through another.
 func (r *runner) startPair() *pair {
 	p := &pair{}
 	var brokerExtra, agentExtra []string
@@ -156,6 +166,7 @@ func (r *runner) startPair() *pair {
 	var egress []string
 	p.egressSocket, egress = egressFlags(harness.Binaries(r.m), r.env.Dir)
 	p.broker, p.brokerAddr = r.env.StartBrokerProcess(append(brokerExtra, egress...)...)
+	p.brokerAddr, p.egressSocket = r.hop(p.brokerAddr), r.hopUnix(p.egressSocket)
 	p.agent = r.env.StartAgentProcess(p.brokerAddr, agentPath, r.services(), agentExtra...)
 	p.conn = r.env.BrokerConn(p.brokerAddr, "/kcp")
 	// dialer waits for each tunnel before it returns; early is kcp's
