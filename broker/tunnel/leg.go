@@ -35,6 +35,12 @@ type Leg interface {
 	End(status error)
 }
 
+// The two kinds of leg.
+var (
+	_ Leg = (*StreamLeg)(nil)
+	_ Leg = (*ConnLeg)(nil)
+)
+
 // StreamLeg is a gRPC stream as a tunnel's leg: the caller's Dial stream
 // or the agent's Tunnel stream. Its RPC's handler waits for the tunnel's
 // end (Wait) and returns the leg's status, so that every RPC ends from its
