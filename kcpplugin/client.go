@@ -13,8 +13,8 @@ const serviceConfig = `{"loadBalancingConfig": [{"round_robin":{}}]}`
 
 // DialOptions are the gRPC options for kcp's connection to the broker:
 // creds (SPIFFE mTLS, e.g. go-spiffe's grpccredentials.MTLSClientCredentials)
-// with the transport settings the broker and the agent use too (coalesced
-// writes, the write buffer and fixed windows: wire.DialOptions), and round
+// with the transport settings the broker and the agent use too (the write
+// buffer and fixed windows: wire.DialOptions), and round
 // robin over the replicas. NewClient uses them; they are here for callers
 // that build the connection themselves.
 func DialOptions(creds credentials.TransportCredentials) []grpc.DialOption {

@@ -1,10 +1,7 @@
 package kcpplugin
 
 import (
-	"context"
 	"io"
-	"net"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -73,59 +70,3 @@ func TestNewClientSpreadsDialsOverEveryReplica(t *testing.T) {
 	}
 }
 
-// writeSizes records the size of every write on the client's connections.
-type writeSizes struct {
-	mu    sync.Mutex
-	sizes []int
-}
-
-func (w *writeSizes) largest() int {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	largest := 0
-	for _, n := range w.sizes {
-		largest = max(largest, n)
-	}
-	return largest
-}
-
-type countingConn struct {
-	net.Conn
-	sizes *writeSizes
-}
-
-func (c countingConn) Write(b []byte) (int, error) {
-	c.sizes.mu.Lock()
-	c.sizes.sizes = append(c.sizes.sizes, len(b))
-	c.sizes.mu.Unlock()
-	return c.Conn.Write(b)
-}
-
-func TestNewClientSendsManyTLSRecordsPerWrite(t *testing.T) {
-	certs := selfSignedMTLS(t)
-	addr := serveReplica(t, certs, establish(func(p *peer) error { return p.echo() }))
-	sizes := &writeSizes{}
-	dialer := newTestClient(t, "passthrough:///"+addr, certs,
-		grpc.WithContextDialer(func(ctx context.Context, addr string) (net.Conn, error) {
-			c, err := (&net.Dialer{}).DialContext(ctx, "tcp", addr)
-			if err != nil {
-				return nil, err
-			}
-			return countingConn{Conn: c, sizes: sizes}, nil
-		}))
-
-	c := dial(t, dialer)
-	data := make([]byte, 8<<20)
-	got := goReadAll(c)
-	write(t, c, data)
-	closeWrite(t, c)
-	if r := within(t, got, "the echo"); r.err != nil || r.n != len(data) {
-		t.Fatalf("echo: %v", r)
-	}
-	// crypto/tls writes each record of at most 16 KiB of data with a write
-	// of its own; coalesced, one write carries a whole gRPC flush.
-	const record = 16<<10 + 256
-	if largest := sizes.largest(); largest <= record {
-		t.Fatalf("largest write on the connection: %d bytes, want more than one TLS record (%d)", largest, record)
-	}
-}

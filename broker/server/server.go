@@ -32,6 +32,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
+	"github.com/kcp-dev/tunnel-broker/internal/coalesce"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
@@ -233,7 +234,7 @@ func (s *Server) credentials() credentials.TransportCredentials {
 	}
 	creds := identity.ServerCredentials(cfg.Identity, tlsconfig.AuthorizeAny(), opts...)
 	// One write syscall per gRPC flush, not one per 16 KiB TLS record.
-	creds = wire.CoalesceWrites(creds)
+	creds = coalesce.Writes(creds)
 	// A peer that sends its data in tiny or padded DATA frames would make
 	// gRPC hold some 40 times what it sends; its connection is closed.
 	return fragments.Refuse(creds, fragments.Report{Log: cfg.Log, Count: metrics.ClosedFragmented.Inc})

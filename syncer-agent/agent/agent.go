@@ -19,6 +19,7 @@ import (
 	"google.golang.org/grpc/status"
 	"k8s.io/utils/clock"
 
+	"github.com/kcp-dev/tunnel-broker/internal/coalesce"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
@@ -113,7 +114,8 @@ func (a *Agent) Run(ctx context.Context) error {
 func (a *Agent) dial() (*grpc.ClientConn, error) {
 	// The transport settings kcp and the broker use too: coalesced
 	// writes, the write buffer and fixed windows (package wire).
-	opts := append(wire.DialOptions(a.Credentials),
+	// One write syscall per gRPC flush, not one per 16 KiB TLS record.
+	opts := append(wire.DialOptions(coalesce.Writes(a.Credentials)),
 		// Ping every 5s, give up after 5s more: a broker that vanished
 		// without a word is noticed in about ten seconds.
 		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 5 * time.Second, Timeout: 5 * time.Second, PermitWithoutStream: true}),

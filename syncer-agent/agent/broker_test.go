@@ -24,6 +24,7 @@ import (
 	"google.golang.org/grpc/status"
 	clocktesting "k8s.io/utils/clock/testing"
 
+	"github.com/kcp-dev/tunnel-broker/internal/coalesce"
 	"github.com/kcp-dev/tunnel-broker/internal/devca"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	"github.com/kcp-dev/tunnel-broker/internal/testutil"
@@ -126,7 +127,7 @@ func startBroker(t *testing.T, p *pki) *fakeBroker {
 		refusals: make(chan error, 4),
 	}
 	creds := identity.ServerCredentials(p.broker, tlsconfig.AuthorizeMemberOf(spiffeid.RequireTrustDomainFromString(trustDomain)))
-	b.srv = grpc.NewServer(grpc.Creds(wire.CoalesceWrites(creds)),
+	b.srv = grpc.NewServer(grpc.Creds(coalesce.Writes(creds)),
 		// The agent's pings, as the broker permits them: a test that runs
 		// long is not cut off with too_many_pings.
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}))

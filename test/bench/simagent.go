@@ -15,6 +15,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/keepalive"
 
+	"github.com/kcp-dev/tunnel-broker/internal/coalesce"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
@@ -107,7 +108,7 @@ func (c *simConn) Close() error {
 // once the broker answered registered, or fails within ctx.
 func StartSimAgent(ctx context.Context, cfg SimAgentConfig) (*SimAgent, error) {
 	// As syncer-agent/agent.Agent.Run connects.
-	opts := append(wire.DialOptions(identity.ClientCredentials(cfg.Source, tlsconfig.AuthorizeID(cfg.BrokerID))),
+	opts := append(wire.DialOptions(coalesce.Writes(identity.ClientCredentials(cfg.Source, tlsconfig.AuthorizeID(cfg.BrokerID)))),
 		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 5 * time.Second, Timeout: 5 * time.Second, PermitWithoutStream: true}))
 	a := &SimAgent{cfg: cfg, ended: make(chan struct{})}
 	opts = append(opts, grpc.WithContextDialer(func(ctx context.Context, addr string) (net.Conn, error) {

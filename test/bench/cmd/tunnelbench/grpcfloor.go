@@ -12,6 +12,7 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
 	"google.golang.org/grpc"
 
+	"github.com/kcp-dev/tunnel-broker/internal/coalesce"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
@@ -138,7 +139,7 @@ func serveGRPCEcho() {
 	}
 	// The broker's transport settings (package wire).
 	srv := grpc.NewServer(
-		grpc.Creds(wire.CoalesceWrites(identity.ServerCredentials(src, tlsconfig.AuthorizeAny()))),
+		grpc.Creds(coalesce.Writes(identity.ServerCredentials(src, tlsconfig.AuthorizeAny()))),
 		grpc.WriteBufferSize(wire.WriteBufferSize),
 		grpc.InitialWindowSize(wire.WindowSize), grpc.InitialConnWindowSize(wire.ConnWindowSize),
 	)

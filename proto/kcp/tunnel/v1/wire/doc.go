@@ -1,9 +1,11 @@
 // Package wire is how the three parties of a tunnel (kcp through kcpplugin,
 // the broker and the syncer agent) carry the kcp.tunnel.v1 messages on
 // gRPC: the frame codec, which receives data frames into gRPC's buffers and
-// forwards them without decoding (Frame, FrameCodec), write coalescing
-// under TLS (CoalesceWrites), and the transport settings all three use
-// (DialOptions, ServerOptions, MaxFrame, MaxEarlyData).
+// forwards them without decoding (Frame, FrameCodec, and ReadBuffer, which
+// makes frames of a connection's reads), and the transport settings all
+// three use (DialOptions, ServerOptions, MaxFrame, MaxEarlyData). No
+// connection runtime lives here: the broker's and the agent's write
+// coalescing is the root module's (internal/coalesce).
 //
 // It imports only the standard library, gRPC and protobuf, so that the
 // broker and the agent use it without linking kcpplugin (the webhook

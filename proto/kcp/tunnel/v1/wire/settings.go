@@ -27,7 +27,8 @@ const (
 	// WriteBufferSize is gRPC's write buffer per connection (gRPC's
 	// default is 32 KiB). gRPC writes it out when it is full or has nothing
 	// more to send, so in bulk transfers one flush carries 16 TLS records,
-	// which CoalesceWrites sends with one syscall. gRPC lends the buffer
+	// which the broker and the agent send with one syscall
+	// (internal/coalesce). gRPC lends the buffer
 	// from a pool only while it holds data, so idle connections cost
 	// nothing more.
 	WriteBufferSize = 256 << 10
@@ -42,19 +43,18 @@ const (
 )
 
 // DialOptions are the transport settings of a client's connection to the
-// broker: creds (SPIFFE mTLS) with coalesced writes, the write buffer and
-// fixed windows.
+// broker: creds (SPIFFE mTLS), the write buffer and fixed windows.
 func DialOptions(creds credentials.TransportCredentials) []grpc.DialOption {
 	return []grpc.DialOption{
-		grpc.WithTransportCredentials(CoalesceWrites(creds)),
+		grpc.WithTransportCredentials(creds),
 		grpc.WithWriteBufferSize(WriteBufferSize),
 		grpc.WithInitialWindowSize(WindowSize),
 		grpc.WithInitialConnWindowSize(ConnWindowSize),
 	}
 }
 
-// ServerOptions are the broker's side of the same settings, for a server
-// whose credentials are wrapped with CoalesceWrites: the write buffer, Frame
+// ServerOptions are the broker's side of the same settings: the write
+// buffer, Frame
 // streams, and fixed windows of window bytes per stream and 16 times that
 // per connection. A window of zero or less leaves gRPC's dynamic windows.
 func ServerOptions(window int32) []grpc.ServerOption {

@@ -1,4 +1,8 @@
-package wire
+// Package coalesce makes each write gRPC makes under TLS reach the socket
+// in one syscall (Writes), for the broker and the agent, whose legs carry
+// bulk transfers. kcp's side sends webhook requests and does without it,
+// so that the API module kcp pins holds no connection runtime.
+package coalesce
 
 import (
 	"context"
@@ -10,7 +14,7 @@ import (
 	"google.golang.org/grpc/credentials"
 )
 
-// CoalesceWrites wraps gRPC transport credentials (TLS, such as SPIFFE
+// Writes wraps gRPC transport credentials (TLS, such as SPIFFE
 // mTLS) so that each write gRPC makes on a connection they secure reaches
 // the socket in one write syscall, however many TLS records it takes.
 //
@@ -21,7 +25,7 @@ import (
 // of one such write and sends them together. Use it with a write buffer
 // larger than gRPC's 32 KiB default, so that one flush carries many records:
 //
-//	grpc.WithTransportCredentials(wire.CoalesceWrites(creds)),
+//	grpc.WithTransportCredentials(coalesce.Writes(creds)),
 //	grpc.WithWriteBufferSize(wire.WriteBufferSize),
 //
 // Everything else is the wrapped credentials': the handshake, the AuthInfo
@@ -29,7 +33,7 @@ import (
 // of one record or less, the handshake, and alerts such as close_notify go
 // out as before, in record order. The connections handed to gRPC are no
 // longer *tls.Conn; the TLS state is in the AuthInfo, as always.
-func CoalesceWrites(creds credentials.TransportCredentials) credentials.TransportCredentials {
+func Writes(creds credentials.TransportCredentials) credentials.TransportCredentials {
 	return &coalescingCreds{TransportCredentials: creds}
 }
 

@@ -1,4 +1,4 @@
-package wire
+package coalesce
 
 import (
 	"bytes"
@@ -37,7 +37,7 @@ const waitLong = 20 * time.Second
 // loopback TCP, with the socket under TLS wrapped to count its writes; the
 // last ones drive a holdConn by hand.
 
-const tlsTestName = "wire.test"
+const tlsTestName = "coalesce.test"
 
 // testTLS is a self-signed certificate for tlsTestName, used by both sides
 // (mTLS), and the configs that trust it.
@@ -170,7 +170,7 @@ func handshakePair(clientCreds, serverCreds credentials.TransportCredentials) (*
 
 func coalescedPair(t testing.TB, tt *testTLS) *tlsPair {
 	t.Helper()
-	return newTLSPair(t, CoalesceWrites(credentials.NewTLS(tt.client)), CoalesceWrites(credentials.NewTLS(tt.server)))
+	return newTLSPair(t, Writes(credentials.NewTLS(tt.client)), Writes(credentials.NewTLS(tt.server)))
 }
 
 // chunk is what writer w sends as its seq-th message: a header (writer,
@@ -291,7 +291,7 @@ func TestLargeWriteReachesTheSocketInOneWrite(t *testing.T) {
 }
 
 // largeWrite is one case of TestLargeWriteReachesTheSocketInOneWrite: TLS
-// with or without CoalesceWrites.
+// with or without Writes.
 type largeWrite struct {
 	name     string
 	coalesce bool
@@ -304,7 +304,7 @@ type largeWrite struct {
 func (tc largeWrite) pair(t *testing.T, tt *testTLS) *tlsPair {
 	wrap := func(c credentials.TransportCredentials) credentials.TransportCredentials { return c }
 	if tc.coalesce {
-		wrap = CoalesceWrites
+		wrap = Writes
 	}
 	return newTLSPair(t, wrap(credentials.NewTLS(tt.client)), wrap(credentials.NewTLS(tt.server)))
 }
@@ -363,7 +363,7 @@ func wantSmallWriteSentAsIs(t *testing.T, p *tlsPair) {
 func TestHandshakeAndAuthInfoAreTheWrappedCredentials(t *testing.T) {
 	tt := newTestTLS(t, tls.VersionTLS13)
 	inner := credentials.NewTLS(tt.client)
-	creds := CoalesceWrites(inner)
+	creds := Writes(inner)
 	if creds.Info() != inner.Info() {
 		t.Errorf("Info() = %+v, want the wrapped %+v", creds.Info(), inner.Info())
 	}
@@ -373,7 +373,7 @@ func TestHandshakeAndAuthInfoAreTheWrappedCredentials(t *testing.T) {
 	}
 	// The clone handshakes, and both sides see the peer's certificate in a
 	// credentials.TLSInfo, which is what SPIFFE IDs are read from.
-	p := newTLSPair(t, clone, CoalesceWrites(credentials.NewTLS(tt.server)))
+	p := newTLSPair(t, clone, Writes(credentials.NewTLS(tt.server)))
 	for side, info := range map[string]credentials.AuthInfo{"client": p.clientInfo, "server": p.serverInfo} {
 		ti, ok := info.(credentials.TLSInfo)
 		if !ok {
@@ -389,7 +389,7 @@ func TestHandshakeAndAuthInfoAreTheWrappedCredentials(t *testing.T) {
 
 	// A handshake the peer refuses fails as the wrapped credentials' does.
 	other := newTestTLS(t, tls.VersionTLS13)
-	if _, err := handshakePair(CoalesceWrites(credentials.NewTLS(other.client)), CoalesceWrites(credentials.NewTLS(tt.server))); err == nil {
+	if _, err := handshakePair(Writes(credentials.NewTLS(other.client)), Writes(credentials.NewTLS(tt.server))); err == nil {
 		t.Error("a handshake with an untrusted certificate succeeded")
 	}
 }

@@ -54,11 +54,11 @@ func selfSignedMTLS(t *testing.T) mtlsConfigs {
 	}
 }
 
-// TestDialerOverCoalescedMTLS runs the Dialer as kcp does: the broker's Dial
-// over mTLS with the transport settings of package wire (coalesced writes,
-// the 256 KiB write buffer, fixed windows) on both sides. The server reads
-// the caller's certificate from the peer's AuthInfo.
-func TestDialerOverCoalescedMTLS(t *testing.T) {
+// TestDialerOverMTLSWithTheSharedTransportSettings runs the Dialer as kcp
+// does: the broker's Dial over mTLS with the transport settings of package
+// wire (the 256 KiB write buffer, fixed windows) on both sides. The server
+// reads the caller's certificate from the peer's AuthInfo.
+func TestDialerOverMTLSWithTheSharedTransportSettings(t *testing.T) {
 	certs := selfSignedMTLS(t)
 	var peerCerts atomic.Int32
 	handle := establish(func(p *peer) error {
@@ -70,7 +70,7 @@ func TestDialerOverCoalescedMTLS(t *testing.T) {
 		return p.echo()
 	})
 	dialer := serveFakeBrokerWith(t, handle,
-		append(wire.ServerOptions(wire.WindowSize), grpc.Creds(wire.CoalesceWrites(credentials.NewTLS(certs.server)))),
+		append(wire.ServerOptions(wire.WindowSize), grpc.Creds(credentials.NewTLS(certs.server))),
 		DialOptions(credentials.NewTLS(certs.client))...)
 	c := dial(t, dialer)
 	if err := c.SetDeadline(time.Now().Add(waitLong)); err != nil {
