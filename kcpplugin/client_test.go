@@ -69,4 +69,3 @@ func TestNewClientSpreadsDialsOverEveryReplica(t *testing.T) {
 		_ = c.Close()
 	}
 }
-
