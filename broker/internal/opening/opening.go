@@ -44,6 +44,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/kcp-dev/tunnel-broker/broker/internal/quota"
+	"github.com/kcp-dev/tunnel-broker/broker/internal/receive"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 )
@@ -232,22 +233,16 @@ type firstMessage struct {
 	ended   chan struct{}
 }
 
-// RecvMsg receives the first message in a goroutine of its own, so that
-// the guard can end a stream whose first message does not come: the
-// handler, freed, returns the guard's status, and the stream's end frees
-// the receive (what it may still bring is dropped). A handler blocked in
-// RecvMsg could not return, and grpc-go ends a stream from its handler
-// only. Later messages are received as they are.
+// RecvMsg receives the first message in a goroutine of its own
+// (receive.Before), so that the guard can end a stream whose first message
+// does not come: the handler, freed, returns the guard's status. Later
+// messages are received as they are.
 func (w *firstMessage) RecvMsg(m any) error {
 	if w.state.Load() == arrived {
 		return w.ServerStream.RecvMsg(m)
 	}
-	got := make(chan error, 1)
-	go func() { got <- w.ServerStream.RecvMsg(m) }()
-	var err error
-	select {
-	case err = <-got:
-	case <-w.ended:
+	stopped, err := receive.Before(w.ended, func() error { return w.ServerStream.RecvMsg(m) })
+	if stopped {
 		return w.status
 	}
 	w.mu.Lock()

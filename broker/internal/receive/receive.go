@@ -50,25 +50,32 @@ func First[M any, P message[M]](stream grpc.ServerStream, closed string) (P, err
 	return msg, err
 }
 
-// MessageBefore is Message, unless stop closes first: then it returns
-// stopped. The message is received in a goroutine of its own, so that the
-// handler can return stopped, which ends the stream and frees the receive
-// (whatever it still brings is dropped): grpc-go ends a stream from its
-// handler only.
-func MessageBefore[M any, P message[M]](stream grpc.ServerStream, stop <-chan struct{}, stopped error) (P, error) {
-	type result struct {
-		msg P
-		err error
-	}
-	got := make(chan result, 1)
-	go func() {
-		msg, err := Message[M, P](stream)
-		got <- result{msg, err}
-	}()
+// Before runs recv in a goroutine of its own and returns its error,
+// unless stop closes first: then it returns stopped, and the handler,
+// returning, ends the stream, which frees the receive (whatever it still
+// brings is dropped). grpc-go ends a stream from its handler only, so a
+// handler blocked in a receive could not return.
+func Before(stop <-chan struct{}, recv func() error) (stopped bool, err error) {
+	got := make(chan error, 1)
+	go func() { got <- recv() }()
 	select {
-	case r := <-got:
-		return r.msg, r.err
+	case err := <-got:
+		return false, err
 	case <-stop:
+		return true, nil
+	}
+}
+
+// MessageBefore is Message, unless stop closes first (Before): then it
+// returns stopped.
+func MessageBefore[M any, P message[M]](stream grpc.ServerStream, stop <-chan struct{}, stopped error) (P, error) {
+	var msg P
+	halted, err := Before(stop, func() (err error) {
+		msg, err = Message[M, P](stream)
+		return err
+	})
+	if halted {
 		return nil, stopped
 	}
+	return msg, err
 }
