@@ -17,6 +17,7 @@ package admission
 import (
 	"cmp"
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"sync/atomic"
@@ -179,7 +180,7 @@ func (tk *Ticket) Dial(ctx context.Context, target *tunnelv1.Target, earlyData [
 	defer releaseEarly()
 	ctx, cancel := context.WithTimeout(ctx, tk.a.cfg.Timeout)
 	defer cancel()
-	t, took, failure, err := tunnel.DialCounted(ctx, tk.a.cfg.Registry, target, earlyData)
+	t, took, failure, err := tk.a.dial(ctx, target, earlyData)
 	if err != nil {
 		log.Info("dial failed", failure...)
 		return nil, err
@@ -188,6 +189,28 @@ func (tk *Ticket) Dial(ctx context.Context, target *tunnelv1.Target, earlyData [
 	tk.log = log.With("tunnel", t.ID, "agent", t.Agent.String())
 	tk.log.Debug("tunnel established", "took", took)
 	return t, nil
+}
+
+// dial is tunnel.Dial, counted in the dial metrics, with the limit that
+// refused it if one did; it returns how long it took and, for a failure,
+// what to log it with.
+func (a *Admission) dial(ctx context.Context, target *tunnelv1.Target, earlyData []byte) (t *tunnel.Tunnel, took time.Duration, logAttrs []any, err error) {
+	start := time.Now()
+	t, err = tunnel.Dial(ctx, a.cfg.Registry, target, earlyData)
+	took = time.Since(start)
+	code := status.Code(err)
+	metrics.Dials.WithLabelValues(code.String()).Inc()
+	metrics.DialSeconds.WithLabelValues(code.String()).Observe(took.Seconds())
+	if err == nil {
+		return t, took, nil, nil
+	}
+	if limit, ok := errors.AsType[*registry.LimitError](err); ok {
+		metrics.LimitsHit.WithLabelValues(limit.Limit).Inc()
+	}
+	if failed, ok := errors.AsType[*registry.DialError](err); ok {
+		logAttrs = failed.LogAttrs()
+	}
+	return nil, took, append(logAttrs, "code", code.String(), "error", status.Convert(err).Message(), "took", took), err
 }
 
 // check checks a dial: a valid target that the caller may dial, with at

@@ -22,13 +22,11 @@ package tunnel
 
 import (
 	"context"
-	"errors"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
-	"google.golang.org/grpc/status"
 	"k8s.io/utils/clock"
 
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
@@ -122,26 +120,4 @@ func (t *Tunnel) End(err error) {
 		t.claim.Release()
 		t.agent.End(err)
 	})
-}
-
-// DialCounted is Dial for a front end: it counts the dial in the dial
-// metrics, and the limit that refused it if one did, and returns how long
-// it took and, for a failure, what to log it with.
-func DialCounted(ctx context.Context, r *registry.Registry, target *tunnelv1.Target, earlyData []byte) (t *Tunnel, took time.Duration, logAttrs []any, err error) {
-	start := time.Now()
-	t, err = Dial(ctx, r, target, earlyData)
-	took = time.Since(start)
-	code := status.Code(err)
-	metrics.Dials.WithLabelValues(code.String()).Inc()
-	metrics.DialSeconds.WithLabelValues(code.String()).Observe(took.Seconds())
-	if err == nil {
-		return t, took, nil, nil
-	}
-	if limit, ok := errors.AsType[*registry.LimitError](err); ok {
-		metrics.LimitsHit.WithLabelValues(limit.Limit).Inc()
-	}
-	if failed, ok := errors.AsType[*registry.DialError](err); ok {
-		logAttrs = failed.LogAttrs()
-	}
-	return nil, took, append(logAttrs, "code", code.String(), "error", status.Convert(err).Message(), "took", took), err
 }
