@@ -2,7 +2,6 @@ package egress
 
 import (
 	"log/slog"
-	"net"
 	"net/http"
 	"strings"
 	"testing"
@@ -13,8 +12,6 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/admission"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
-	"github.com/kcp-dev/tunnel-broker/internal/devca"
-	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
@@ -34,16 +31,7 @@ func TestAConnectTunnelIsListedAuditedAndCountsInItsCallersOneQuota(t *testing.T
 		BrokerID:            "broker-0",
 		Log:                 slog.New(slog.NewJSONHandler(&logs, nil)),
 	})
-	src, err := b.CA.Source(devca.Leaf{SPIFFEID: brokertest.BrokerPath})
-	if err != nil {
-		t.Fatal(err)
-	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	serve(t, b, Config{Name: "tls", TLS: identity.ServerTLSConfig(src), Admission: door}, l)
-	f := &frontEnd{Server: b, addr: l.Addr().String(), network: "tcp", tls: true}
+	f := serveTLS(t, b, door)
 
 	agent := f.ConnectAgent(t, agentPath, "agent", "hcp-1")
 	conn, r := f.connect(t, apiServerPath, connectTo("10.96.0.10:443"))

@@ -104,7 +104,13 @@ func startUDS(t *testing.T, cluster string) *frontEnd {
 // startTLS is a broker with a SPIFFE mTLS front end on loopback.
 func startTLS(t *testing.T) *frontEnd {
 	t.Helper()
-	b := startBroker(t)
+	return serveTLS(t, startBroker(t), nil)
+}
+
+// serveTLS serves a SPIFFE mTLS front end of b on loopback, admitting
+// through door (nil: a front door of b's with the defaults).
+func serveTLS(t *testing.T, b *brokertest.Server, door *admission.Admission) *frontEnd {
+	t.Helper()
 	src, err := b.CA.Source(devca.Leaf{SPIFFEID: brokertest.BrokerPath})
 	if err != nil {
 		t.Fatal(err)
@@ -113,7 +119,7 @@ func startTLS(t *testing.T) *frontEnd {
 	if err != nil {
 		t.Fatal(err)
 	}
-	serve(t, b, Config{Name: "tls", TLS: identity.ServerTLSConfig(src)}, l)
+	serve(t, b, Config{Name: "tls", TLS: identity.ServerTLSConfig(src), Admission: door}, l)
 	return &frontEnd{Server: b, addr: l.Addr().String(), network: "tcp", tls: true}
 }
 
