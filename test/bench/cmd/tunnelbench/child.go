@@ -38,17 +38,16 @@ func startChild(m *harness.Main, role string, env ...string) (addr string, pid i
 	return addr, pid
 }
 
-// startProcess starts cmd, which follows the children's rules (one line on
-// stdout once it is ready, then serve until stdin closes), and returns that
-// line, its pid and stop. stop closes its stdin and waits for it to exit,
-// killing it if it has not 5s later; m's cleanups call stop too.
-func startProcess(m *harness.Main, name string, cmd *exec.Cmd) (line string, pid int, stop func()) {
+// spawn starts cmd, a child that serves until its stdin closes, and
+// returns its pipes and stop, which closes its stdin and waits for it to
+// exit, killing it if it has not 5s later; m's cleanups call stop too.
+func spawn(m *harness.Main, cmd *exec.Cmd) (stdin io.WriteCloser, stdout io.ReadCloser, stop func()) {
 	cmd.Stderr = os.Stderr
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
 		m.Fatal(err)
 	}
-	stdout, err := cmd.StdoutPipe()
+	stdout, err = cmd.StdoutPipe()
 	if err != nil {
 		m.Fatal(err)
 	}
@@ -67,6 +66,15 @@ func startProcess(m *harness.Main, name string, cmd *exec.Cmd) (line string, pid
 		}
 	})
 	m.Cleanup(stop)
+	return stdin, stdout, stop
+}
+
+// startProcess starts cmd, which follows the children's rules (one line on
+// stdout once it is ready, then serve until stdin closes), and returns that
+// line, its pid and stop. stop closes its stdin and waits for it to exit,
+// killing it if it has not 5s later; m's cleanups call stop too.
+func startProcess(m *harness.Main, name string, cmd *exec.Cmd) (line string, pid int, stop func()) {
+	_, stdout, stop := spawn(m, cmd)
 	lines := make(chan string, 1)
 	go func() {
 		line, _ := bufio.NewReader(stdout).ReadString('\n')

@@ -288,29 +288,7 @@ func startHops(m *harness.Main, delay time.Duration) *hops {
 	}
 	cmd := exec.Command(self)
 	cmd.Env = append(os.Environ(), roleEnv+"=hops", hopDelayEnv+"="+delay.String())
-	cmd.Stderr = os.Stderr
-	stdin, err := cmd.StdinPipe()
-	if err != nil {
-		m.Fatal(err)
-	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		m.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		m.Fatal(err)
-	}
-	done := make(chan struct{})
-	go func() { _ = cmd.Wait(); close(done) }()
-	m.Cleanup(func() {
-		stdin.Close()
-		select {
-		case <-done:
-		case <-time.After(5 * time.Second):
-			_ = cmd.Process.Kill()
-			<-done
-		}
-	})
+	stdin, stdout, _ := spawn(m, cmd)
 	return &hops{delay: delay, pid: cmd.Process.Pid, m: m, in: stdin, out: bufio.NewReader(stdout)}
 }
 
