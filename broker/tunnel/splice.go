@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"io"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -48,7 +47,8 @@ func (t *Tunnel) Splice(caller Leg, cfg Config, released func()) (callerStatus, 
 		t.clock = clock.RealClock{}
 	}
 	t.idleLimit = cmp.Or(cfg.IdleTimeout, DefaultIdleTimeout)
-	t.onEnd = sync.OnceFunc(func() {
+	// The last copier to return runs it, once.
+	t.onEnd = func() {
 		t.claim.Release()
 		if cfg.Table != nil {
 			cfg.Table.Remove(t)
@@ -56,7 +56,7 @@ func (t *Tunnel) Splice(caller Leg, cfg Config, released func()) (callerStatus, 
 		if released != nil {
 			released()
 		}
-	})
+	}
 	t.touch()
 	if cfg.Table != nil {
 		cfg.Table.Add(t)
