@@ -37,6 +37,7 @@ func main() {
 type options struct {
 	brokers, dns      string
 	resolveEvery      time.Duration
+	reconnectMaxDelay time.Duration
 	grace             time.Duration
 	metricsListen     string
 	pprofListen       string
@@ -53,6 +54,7 @@ func addFlags(fs *flag.FlagSet) *options {
 	fs.Var((*listFlag)(&o.brokers), "broker", "required, or --broker-dns: broker replica addresses, comma-separated `host:port,...` (repeatable: the lists add up)")
 	fs.StringVar(&o.dns, "broker-dns", "", "required, or --broker: host:port whose host resolves to every broker replica (a headless Service)")
 	fs.DurationVar(&o.resolveEvery, "resolve-interval", 30*time.Second, "how often --broker-dns is resolved again")
+	fs.DurationVar(&o.reconnectMaxDelay, "reconnect-max-delay", agent.DefaultReconnectMaxDelay, "the longest wait between attempts to reach a broker replica: the agent is back about this long after a replica is")
 	fs.DurationVar(&o.grace, "grace", agent.DefaultGrace, "on SIGTERM, how long tunnels in flight may still run")
 	fs.StringVar(&o.metricsListen, "metrics-listen", ":9091", "address for /metrics, /healthz and /readyz (empty: off)")
 	fs.StringVar(&o.pprofListen, "pprof-listen", "", "address for /debug/pprof (empty: off; keep it on loopback)")
@@ -72,6 +74,9 @@ func (o *options) validate() error {
 	}
 	if err := tunnelv1.ValidateAgentName(o.name); err != nil {
 		return fmt.Errorf("--name: %w", err)
+	}
+	if o.reconnectMaxDelay <= 0 {
+		return fmt.Errorf("--reconnect-max-delay must be positive, not %v", o.reconnectMaxDelay)
 	}
 	return nil
 }
@@ -172,12 +177,13 @@ func (o *options) fleet(svids identity.Source, creds credentials.TransportCreden
 		Log:            log,
 		Agent: func(addr string) *agent.Agent {
 			return &agent.Agent{
-				Broker:      addr,
-				Credentials: creds,
-				Name:        o.name,
-				Resolver:    resolver.forAgent(),
-				Grace:       o.grace,
-				Log:         log,
+				Broker:            addr,
+				Credentials:       creds,
+				Name:              o.name,
+				Resolver:          resolver.forAgent(),
+				ReconnectMaxDelay: o.reconnectMaxDelay,
+				Grace:             o.grace,
+				Log:               log,
 			}
 		},
 	}

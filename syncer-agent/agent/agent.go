@@ -6,6 +6,7 @@ package agent
 import (
 	"cmp"
 	"context"
+	"errors"
 	"log/slog"
 	"sync"
 	"sync/atomic"
@@ -45,7 +46,12 @@ type Agent struct {
 	// Grace is how long tunnels in flight may run once Run's ctx ends.
 	Grace time.Duration
 	Log   *slog.Logger
-	// Clock times the waits between reconnections, the grace period and
+	// ReconnectMaxDelay is the ceiling of the waits between attempts to
+	// reach the broker (zero: DefaultReconnectMaxDelay). It bounds how long
+	// after a broker is back the agent registers again, whatever the length
+	// of the outage.
+	ReconnectMaxDelay time.Duration
+	// Clock times the waits between registrations, the grace period and
 	// the wait for the broker to end a registration; nil means the real
 	// clock.
 	Clock clock.Clock
@@ -80,6 +86,10 @@ func (a *Agent) stalledWriteTimeout() time.Duration {
 	return cmp.Or(a.StalledWriteTimeout, DefaultStalledWriteTimeout)
 }
 
+func (a *Agent) reconnectMaxDelay() time.Duration {
+	return cmp.Or(max(a.ReconnectMaxDelay, 0), DefaultReconnectMaxDelay)
+}
+
 func (a *Agent) grace() time.Duration {
 	if a.Grace <= 0 {
 		return DefaultGrace
@@ -88,7 +98,7 @@ func (a *Agent) grace() time.Duration {
 }
 
 // Run keeps the agent registered with the broker, reconnecting with
-// exponential backoff and jitter, until ctx ends. Then it drains: it tells
+// exponential backoff and jitter (see reconnect), until ctx ends. Then it drains: it tells
 // the broker to route it no new dials, refuses orders that still come, lets
 // tunnels in flight run for Grace, and cancels what is left.
 func (a *Agent) Run(ctx context.Context) error {
@@ -119,11 +129,15 @@ func (a *Agent) dial() (*grpc.ClientConn, error) {
 		// Ping every 5s, give up after 5s more: a broker that vanished
 		// without a word is noticed in about ten seconds.
 		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 5 * time.Second, Timeout: 5 * time.Second, PermitWithoutStream: true}),
-		// gRPC's own reconnection backoff no slower than the agent's, so
-		// that an attempt the agent logs is an attempt on the wire.
+		// gRPC's reconnection backoff is the only wait between attempts to
+		// connect (session waits for a ready connection; it adds none),
+		// and its ceiling is a few seconds: the agent is back about that
+		// long after its broker, however long the broker was gone. The
+		// jitter spreads thousands of agents over a fifth of it either
+		// way; the broker paces their registrations.
 		grpc.WithConnectParams(grpc.ConnectParams{Backoff: grpcbackoff.Config{
-			BaseDelay: minRetry, Multiplier: 2, Jitter: 0.2, MaxDelay: maxRetry,
-		}, MinConnectTimeout: 20 * time.Second}))
+			BaseDelay: minRetry, Multiplier: 1.6, Jitter: 0.2, MaxDelay: a.reconnectMaxDelay(),
+		}, MinConnectTimeout: connectTimeout}))
 	return grpc.NewClient(a.Broker, opts...)
 }
 
@@ -156,20 +170,28 @@ func (a *Agent) newRun(ctx context.Context, conn *grpc.ClientConn) *agentRun {
 	}
 }
 
-// Waits between attempts to register: exponential with jitter; slower when
-// the broker's policy refused the agent, which only its operator can fix.
+// DefaultReconnectMaxDelay is the default ceiling of the waits between
+// attempts to reach the broker (Agent.ReconnectMaxDelay).
+const DefaultReconnectMaxDelay = 2 * time.Second
+
+// Waits between attempts: exponential with jitter from minRetry up to
+// ReconnectMaxDelay; slower when the broker's policy refused the agent,
+// which only its operator can fix. connectTimeout bounds one attempt to
+// connect, handshakes included, so that an attempt lost in a network
+// partition gives way to a new one soon after the partition heals.
 const (
 	minRetry        = 250 * time.Millisecond
-	maxRetry        = 30 * time.Second
+	connectTimeout  = 3 * time.Second
 	minRefusedRetry = 30 * time.Second
 	maxRefusedRetry = 5 * time.Minute
 )
 
-// reconnect runs one session after another until the agent drains, waiting
-// between them as the backoff says. Every attempt that fails is logged with
-// its cause and when the next one starts, and counted.
+// reconnect runs one session after another until the agent drains. Between
+// sessions on a connection that works it waits as its backoff says; while
+// there is no connection, gRPC's reconnection backoff is the only wait (see
+// session). Every attempt that fails is logged with its cause, and counted.
 func (r *agentRun) reconnect() {
-	retry := newBackoff(minRetry, maxRetry)
+	retry := newBackoff(minRetry, r.reconnectMaxDelay())
 	refusedRetry := newBackoff(minRefusedRetry, maxRefusedRetry)
 	for {
 		registered, err := r.session()
@@ -197,6 +219,12 @@ func (r *agentRun) reconnect() {
 // logFailure logs why a session failed or ended, and returns how long to
 // wait before the next attempt.
 func (r *agentRun) logFailure(err error, registered bool, retry, refusedRetry *backoff) time.Duration {
+	var unreachable *unreachableError
+	if errors.As(err, &unreachable) {
+		// gRPC waits between the attempts to connect: no wait of ours.
+		r.Log.Warn("cannot reach the broker, still trying", "broker", r.Broker, "error", unreachable.err, "waited", unreachable.waited.String())
+		return 0
+	}
 	if status.Code(err) == codes.PermissionDenied {
 		wait := refusedRetry.next()
 		r.Log.Error("the broker's policy refuses this agent: its SPIFFE ID must be listed under agents in the broker's --policy, bound to every cluster it serves",
@@ -215,6 +243,9 @@ func (r *agentRun) logFailure(err error, registered bool, retry, refusedRetry *b
 // sleep waits d, unless the agent drains first; it reports whether it
 // waited all of d.
 func (r *agentRun) sleep(d time.Duration) bool {
+	if d <= 0 {
+		return true
+	}
 	timer := r.clock().NewTimer(d)
 	defer timer.Stop()
 	select {

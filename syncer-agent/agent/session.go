@@ -7,6 +7,7 @@ import (
 	"io"
 	"time"
 
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
@@ -33,10 +34,7 @@ func (r *agentRun) session() (registered bool, err error) {
 	defer cancel()
 	cancelUnlessRegistered := context.AfterFunc(r.ctx, cancel)
 	defer cancelUnlessRegistered()
-	// Fail fast: a broker that cannot be reached or refuses the handshake
-	// ends the attempt with the cause, which reconnect logs, instead of
-	// waiting silently for the connection.
-	stream, err := r.client.Connect(ctx)
+	stream, err := r.connect(ctx, cancel)
 	if err != nil {
 		return false, err
 	}
@@ -53,6 +51,40 @@ func (r *agentRun) session() (registered bool, err error) {
 	stopUnregister := context.AfterFunc(r.ctx, func() { r.unregister(control, cancel, sessionOver) })
 	defer stopUnregister()
 	return true, r.serveOrders(control)
+}
+
+// reportUnreachableEvery is how often an agent that cannot reach its broker
+// says so, with the last connection error.
+const reportUnreachableEvery = 5 * time.Second
+
+// unreachableError is an attempt to open the control stream that found no
+// connection to the broker in reportUnreachableEvery; err is gRPC's, with
+// the last connection error.
+type unreachableError struct {
+	err    error
+	waited time.Duration
+}
+
+func (e *unreachableError) Error() string { return e.err.Error() }
+
+// connect opens the control stream on ctx, which cancel ends. It waits for
+// a connection to the broker: gRPC keeps trying to connect meanwhile, with
+// its backoff (Agent.dial), so the stream opens as soon as the broker
+// answers. A fail-fast call would instead fail at once while gRPC waits
+// out its backoff, and a wait of the agent's own after that failure would
+// add up with gRPC's. After reportUnreachableEvery without a connection it
+// gives up, so that reconnect says why, and tries again at once.
+func (r *agentRun) connect(ctx context.Context, cancel context.CancelFunc) (tunnelv1.AgentService_ConnectClient, error) {
+	giveUp := time.AfterFunc(reportUnreachableEvery, cancel)
+	stream, err := r.client.Connect(ctx, grpc.WaitForReady(true))
+	if !giveUp.Stop() && r.ctx.Err() == nil {
+		if err == nil {
+			// Opened as the wait ran out: cancelled already.
+			err = context.Canceled
+		}
+		return nil, &unreachableError{err: err, waited: reportUnreachableEvery}
+	}
+	return stream, err
 }
 
 // register states the agent's clusters and waits for the broker to confirm
