@@ -1,24 +1,56 @@
 package kcpplugin
 
 import (
+	"time"
+
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/credentials"
 
 	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // serviceConfig spreads dials over every broker replica the target resolves
-// to: any replica routes any dial.
-const serviceConfig = `{"loadBalancingConfig": [{"round_robin":{}}]}`
+// to: any replica routes any dial. A dial a replica refuses with
+// Unavailable before it ordered anything (it drains, or no agent of the
+// cluster has joined it yet) is sent again, at once, to the next replica:
+// gRPC retries it, with the first message and its early data, until a
+// replica takes it or four more have refused. A replica that may have
+// reached the target stops the retry (docs/protocol.md, "Retrying a dial on
+// another replica").
+const serviceConfig = `{
+  "loadBalancingConfig": [{"round_robin": {}}],
+  "methodConfig": [{
+    "name": [{"service": "kcp.tunnel.v1.DialService", "method": "Dial"}],
+    "retryPolicy": {
+      "maxAttempts": 5,
+      "initialBackoff": "0.01s",
+      "maxBackoff": "0.1s",
+      "backoffMultiplier": 2,
+      "retryableStatusCodes": ["UNAVAILABLE"]
+    }
+  }]
+}`
+
+// reconnect is how kcp's connection to a replica comes back after it broke:
+// at most a second between attempts, so that a dial, which waits for a
+// ready replica within its timeout (Dialer.Timeout), finds one about a
+// second after one is back, however long the outage. There are few kcp
+// processes: the brokers do not need them to wait longer.
+var reconnect = grpc.ConnectParams{
+	Backoff:           backoff.Config{BaseDelay: 100 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: time.Second},
+	MinConnectTimeout: 5 * time.Second,
+}
 
 // DialOptions are the gRPC options for kcp's connection to the broker:
 // creds (SPIFFE mTLS, e.g. go-spiffe's grpccredentials.MTLSClientCredentials)
 // with the transport settings the broker and the agent use too (the write
-// buffer and fixed windows: wire.DialOptions), and round
-// robin over the replicas. NewClient uses them; they are here for callers
+// buffer and fixed windows: wire.DialOptions), round robin over the
+// replicas, a dial retried on another replica that could not serve it, and
+// reconnection within a second of a replica's return. NewClient uses them; they are here for callers
 // that build the connection themselves.
 func DialOptions(creds credentials.TransportCredentials) []grpc.DialOption {
-	return append(wire.DialOptions(creds), grpc.WithDefaultServiceConfig(serviceConfig))
+	return append(wire.DialOptions(creds), grpc.WithDefaultServiceConfig(serviceConfig), grpc.WithConnectParams(reconnect))
 }
 
 // NewClient is kcp's connection to the broker replicas that target names,

@@ -80,7 +80,8 @@ type conn struct {
 // newConn is the conn of a Dial stream that has not sent target yet: its
 // first Write, Read or CloseWrite sends it, and timeout bounds the wait for
 // the broker's answer.
-func newConn(stream tunnelv1.DialService_DialClient, cancel context.CancelFunc, target *tunnelv1.Target, timeout time.Duration) *conn {
+// timeout is the dial's, of which remaining is left.
+func newConn(stream tunnelv1.DialService_DialClient, cancel context.CancelFunc, target *tunnelv1.Target, timeout, remaining time.Duration) *conn {
 	c := &conn{
 		stream:     stream,
 		cancel:     cancel,
@@ -94,7 +95,7 @@ func newConn(stream tunnelv1.DialService_DialClient, cancel context.CancelFunc, 
 		sendFailed: make(chan struct{}),
 		received:   make(chan struct{}),
 	}
-	c.dial.timer = time.AfterFunc(timeout, c.dialTimedOut)
+	c.dial.timer = time.AfterFunc(remaining, c.dialTimedOut)
 	go c.receive()
 	return c
 }

@@ -90,17 +90,35 @@ func (d *Dialer) DialService(ctx context.Context, cluster, namespace, name strin
 	return c, nil
 }
 
-// open starts a dial of target on a Dial stream of its own.
+// open starts a dial of target on a Dial stream of its own. The stream
+// waits for a ready connection to a broker replica, within timeout and ctx:
+// after a broker restart the dial goes out as soon as kcp's connection is
+// back, instead of failing at once while gRPC waits to reconnect.
 func (d *Dialer) open(ctx context.Context, target *tunnelv1.Target, timeout time.Duration) (*conn, error) {
+	start := time.Now()
 	// The stream outlives the dial, so it must not die with ctx; the dial
 	// is bounded by timeout, and a dial that waits also by ctx.
 	streamCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	stream, err := d.client.Dial(streamCtx, grpc.ForceCodecV2(sendCodec{wire.FrameCodec()}))
-	if err != nil {
-		cancel()
-		return nil, err
+	var timedOut atomic.Bool
+	giveUp := time.AfterFunc(timeout, func() { timedOut.Store(true); cancel() })
+	stopWaiting := context.AfterFunc(ctx, cancel)
+	stream, err := d.client.Dial(streamCtx, grpc.ForceCodecV2(sendCodec{wire.FrameCodec()}), grpc.WaitForReady(true))
+	giveUp.Stop()
+	stopWaiting()
+	if err == nil && streamCtx.Err() != nil {
+		err = streamCtx.Err() // opened as the wait ran out
 	}
-	return newConn(stream, cancel, target, timeout), nil
+	switch {
+	case err == nil:
+		return newConn(stream, cancel, target, timeout, timeout-time.Since(start)), nil
+	case timedOut.Load():
+		// gRPC's message names the last connection error.
+		err = status.Errorf(codes.Unavailable, "no tunnel broker reachable within %v: %s", timeout, status.Convert(err).Message())
+	case ctx.Err() != nil:
+		err = status.FromContextError(ctx.Err()).Err()
+	}
+	cancel()
+	return nil, err
 }
 
 // A conn's dial goes in two steps. Its target is sent with the conn's first
@@ -222,6 +240,13 @@ func (r *receiver) dialFailure(err error) error {
 		return status.Errorf(codes.DeadlineExceeded, "dial %s timed out after %v", r.remote, r.dial.timeout)
 	case errors.Is(err, io.EOF):
 		return status.Error(codes.Internal, "protocol error: broker ended a dial without answering")
+	}
+	// gRPC wraps the last replica's status once its retries on others are
+	// exhausted ("max retries exhausted: ..."): the caller sees that
+	// status, as a replica sent it.
+	var replica interface{ GRPCStatus() *status.Status }
+	if errors.As(err, &replica) {
+		return replica.GRPCStatus().Err()
 	}
 	return err
 }
