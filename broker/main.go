@@ -92,12 +92,7 @@ func serve(ctx context.Context, o *options, cfg server.Config, self spiffeid.ID,
 		agents.PerCluster = srv.Registry.AgentsPerCluster
 	}
 	metrics.Registry.MustRegister(agents)
-	ready.Set(func() error {
-		if !srv.Ready() {
-			return errors.New("draining: SIGTERM received, tunnels in flight run for --grace, new dials are refused")
-		}
-		return nil
-	})
+	ready.Set(srv.NotReady)
 	egress, err := o.egress.listen(srv, cfg.Identity, cfg.Log)
 	if err != nil {
 		return err
@@ -127,6 +122,7 @@ func parseFlags() (*options, error) {
 	flag.StringVar(&c.ID, "id", hostname(), "name of this replica, sent to agents")
 	flag.StringVar(&o.policyFile, "policy", "", "required: authorization policy file (YAML): which SPIFFE IDs may register, dial and administer")
 	flag.DurationVar(&c.DialTimeout, "dial-timeout", admission.DefaultTimeout, "how long a dial may wait for its agent")
+	flag.DurationVar(&c.StartupGrace, "startup-grace", server.DefaultStartupGrace, "a new replica is ready once its agents have registered (none for 3s), or this long after it starts at the latest (negative: ready at once)")
 	flag.DurationVar(&c.Grace, "grace", server.DefaultGrace, "on SIGTERM, how long tunnels in flight may still run")
 	flag.DurationVar(&c.IdleTimeout, "idle-timeout", tunnel.DefaultIdleTimeout, "end tunnels that carry nothing for this long (negative: never)")
 	flag.Int64Var(&c.Limits.MaxPendingPerCluster, "max-pending-dials-per-cluster", registry.DefaultMaxPendingPerCluster, "dials one agent may have waiting for one logical cluster; other clusters' dials never count against it (0: no limit)")

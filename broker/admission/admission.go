@@ -87,6 +87,7 @@ type Admission struct {
 	callers quota.Quota // tunnels and dials, per caller
 	early   quota.Quota // bytes of early data in pending dials
 	active  atomic.Int64
+	dialing atomic.Int64
 }
 
 // New is a front door with cfg, its defaults resolved.
@@ -105,6 +106,11 @@ func New(cfg Config) *Admission {
 
 // Active is the number of tunnels spliced right now, all front ends'.
 func (a *Admission) Active() int64 { return a.active.Load() }
+
+// Dialing is the number of dials in progress: from Ticket.Dial's call to
+// its return, so a dial that began before the drain is counted until it
+// is answered, and one that begins after is refused.
+func (a *Admission) Dialing() int64 { return a.dialing.Load() }
 
 // Held is the number of tunnels and dials that count against the caller
 // id, whichever front end they came through.
@@ -168,6 +174,8 @@ func (tk *Ticket) Release() {
 // to connect to it within ctx and the dial timeout. The tunnel it returns
 // must be spliced (Splice) or ended (tunnel.End).
 func (tk *Ticket) Dial(ctx context.Context, target *tunnelv1.Target, earlyData []byte) (*tunnel.Tunnel, error) {
+	tk.a.dialing.Add(1)
+	defer tk.a.dialing.Add(-1)
 	if err := tk.check(target, len(earlyData)); err != nil {
 		return nil, err
 	}
@@ -234,9 +242,23 @@ func (tk *Ticket) check(target *tunnelv1.Target, earlyData int) error {
 		}
 	}
 	if tk.a.cfg.Draining.Err() != nil {
-		return status.Error(codes.Unavailable, "this broker replica is shutting down: dial another")
+		return errDraining
 	}
 	return nil
+}
+
+// errDraining refuses a dial that reached a replica after its drain began.
+var errDraining = status.Error(codes.Unavailable, "this broker replica is shutting down: dial another")
+
+// ElsewhereMayServe reports whether err refused a dial that another broker
+// replica may serve, before anything was ordered: this replica drains, or
+// no agent of the dial's cluster has registered with it. A caller may send
+// the same dial to another replica (docs/protocol.md, "Retrying a dial on
+// another replica"); for any other failure it must not, since the target
+// may have seen the dial.
+func ElsewhereMayServe(err error) bool {
+	_, noAgent := errors.AsType[*registry.NoAgentError](err)
+	return noAgent || errors.Is(err, errDraining)
 }
 
 // holdEarlyData counts a dial's n bytes of early data against its caller

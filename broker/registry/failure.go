@@ -74,6 +74,19 @@ func dialError(p *pending, code codes.Code, message string) *DialError {
 	return &DialError{TunnelID: id, Agent: p.agent, status: status.Newf(code, "%s (tunnel %s)", message, id)}
 }
 
+// NoAgentError is a dial for a cluster that no agent serves on this
+// replica. Nothing was ordered, and another replica may have an agent for
+// it: one that has just started may not have every agent yet, and an agent
+// may have lost only this replica.
+type NoAgentError struct{ Cluster string }
+
+func (e *NoAgentError) Error() string { return e.GRPCStatus().Err().Error() }
+
+// GRPCStatus makes the error its status for grpc-go and package status.
+func (e *NoAgentError) GRPCStatus() *status.Status {
+	return status.Newf(codes.Unavailable, "no agent serves logical cluster %q", e.Cluster)
+}
+
 // tunnelID names a dial, and the tunnel it becomes, in messages and logs.
 func tunnelID(dialID uint64) string { return fmt.Sprintf("%016x", dialID) }
 

@@ -7,6 +7,7 @@ import (
 	"maps"
 	"slices"
 	"sync"
+	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -107,6 +108,8 @@ func (r *Registry) Register(a *Agent) {
 	defer r.mu.Unlock()
 	r.agents[a] = struct{}{}
 	r.stats.agents.Add(1)
+	now := time.Now()
+	r.stats.lastRegistered.Store(&now)
 	for _, c := range a.Clusters {
 		r.route(a, c)
 	}
@@ -236,7 +239,7 @@ func (r *Registry) Agents() []*Agent {
 func (r *Registry) pick(cluster string, skip *Agent) (*Agent, error) {
 	agents := r.byCluster[cluster]
 	if len(agents) == 0 || len(agents) == 1 && agents[0] == skip {
-		return nil, status.Errorf(codes.Unavailable, "no agent serves logical cluster %q", cluster)
+		return nil, &NoAgentError{Cluster: cluster}
 	}
 	start := r.next[cluster]
 	r.next[cluster] = start + 1

@@ -1,6 +1,9 @@
 package registry
 
-import "sync/atomic"
+import (
+	"sync/atomic"
+	"time"
+)
 
 // A metrics scrape must not stop dials: with 100,000 clusters, copying the
 // routing table under the registry's lock took milliseconds at every
@@ -19,6 +22,7 @@ type Stats struct {
 // stats are Stats as they change; the registry's lock orders the changes.
 type stats struct {
 	agents, clusters, single atomic.Int64
+	lastRegistered           atomic.Pointer[time.Time]
 }
 
 // routed counts a cluster's new route; n is its agents now.
@@ -46,4 +50,13 @@ func (s *stats) unrouted(n int) {
 // Stats are the registry's totals, read without its lock.
 func (r *Registry) Stats() Stats {
 	return Stats{Agents: r.stats.agents.Load(), Clusters: r.stats.clusters.Load(), SingleAgentClusters: r.stats.single.Load()}
+}
+
+// LastRegistered is when an agent last registered; zero: never. A replica
+// that starts is ready once its agents stop arriving (package server).
+func (r *Registry) LastRegistered() time.Time {
+	if t := r.stats.lastRegistered.Load(); t != nil {
+		return *t
+	}
+	return time.Time{}
 }

@@ -9,6 +9,8 @@ import (
 	"crypto/tls"
 	"log/slog"
 	"net"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
@@ -140,6 +142,10 @@ type Config struct {
 	// ExpiredPeerGrace is how long a connection whose peer's SVID expired
 	// stays open for its RPCs in flight (DefaultExpiredPeerGrace).
 	ExpiredPeerGrace time.Duration
+	// StartupGrace is how long after its start a replica that no agent
+	// joins waits before it is ready (DefaultStartupGrace; negative: ready
+	// at once).
+	StartupGrace time.Duration
 	// MaxConnectionAge is how long a connection takes new RPCs
 	// (DefaultMaxConnectionAge).
 	MaxConnectionAge time.Duration
@@ -162,6 +168,7 @@ func (cfg Config) withDefaults() Config {
 	cfg.MaxHandshakes = cmp.Or(cfg.MaxHandshakes, DefaultMaxHandshakes)
 	cfg.ExpiredPeerGrace = cmp.Or(max(cfg.ExpiredPeerGrace, 0), DefaultExpiredPeerGrace)
 	cfg.MaxConnectionAge = cmp.Or(cfg.MaxConnectionAge, DefaultMaxConnectionAge)
+	cfg.StartupGrace = cmp.Or(cfg.StartupGrace, DefaultStartupGrace)
 	if cfg.Clock == nil {
 		cfg.Clock = clock.RealClock{}
 	}
@@ -182,12 +189,16 @@ type Server struct {
 	Registry  *registry.Registry
 	// Tunnels are the tunnels open through the replica.
 	Tunnels *tunnel.Table
+	// started is when the replica was made; settled is true once its
+	// agents have arrived (readiness.go).
+	started time.Time
+	settled atomic.Bool
 }
 
 // New builds a broker replica; Serve starts it.
 func New(cfg Config) *Server {
 	cfg = cfg.withDefaults()
-	s := &Server{cfg: cfg, Registry: registry.New(cfg.Limits), Tunnels: tunnel.NewTable(), health: health.NewServer()}
+	s := &Server{cfg: cfg, Registry: registry.New(cfg.Limits), Tunnels: tunnel.NewTable(), health: health.NewServer(), started: time.Now()}
 	s.draining, s.drain = context.WithCancel(context.Background())
 	s.stopping, s.stop = context.WithCancel(context.Background())
 	// Every stream must send its first message within the dial timeout,
@@ -322,9 +333,6 @@ func (s *Server) Egress(name string, tlsConfig *tls.Config, cluster string) *egr
 // CONNECT front ends'.
 func (s *Server) active() int64 { return s.admission.Active() }
 
-// Ready reports whether the replica takes dials: it serves and does not drain.
-func (s *Server) Ready() bool { return s.draining.Err() == nil }
-
 // Serve serves on l until ctx ends, then shuts down: it stops taking dials
 // and says so (health NOT_SERVING, agents told to drain), lets tunnels in
 // flight run for the grace period, then ends them with Unavailable.
@@ -340,6 +348,12 @@ func (s *Server) Serve(ctx context.Context, l net.Listener) error {
 	return <-served
 }
 
+// shutdown drains the replica. From its start, new dials are refused with
+// a status that sends them to another replica; once the dials in progress
+// are answered, gRPC's GOAWAY on every connection, and the listener's
+// close, move clients' new RPCs to the other replicas, so that they stop
+// sending dials here, while the streams open go on: tunnels, and agents'
+// registrations. After the grace period, tunnels still open are ended.
 func (s *Server) shutdown() {
 	log := s.cfg.Log
 	s.health.Shutdown()
@@ -349,22 +363,31 @@ func (s *Server) shutdown() {
 	defer deadline.Stop()
 	tick := time.NewTicker(50 * time.Millisecond)
 	defer tick.Stop()
+	stopped := make(chan struct{})
+	var goingAway sync.Once
+	goAway := func() {
+		goingAway.Do(func() { go func() { s.grpc.GracefulStop(); close(stopped) }() })
+	}
 wait:
-	for s.active() > 0 {
+	for s.active() > 0 || s.admission.Dialing() > 0 {
+		// A dial in progress needs its agent's Tunnel stream, which a
+		// GOAWAY would refuse: it goes out once none is left.
+		if s.admission.Dialing() == 0 {
+			goAway()
+		}
 		select {
 		case <-deadline.C:
 			break wait
 		case <-tick.C:
 		}
 	}
+	goAway()
 	if n := s.active(); n > 0 {
 		log.Info("grace period over, ending tunnels", "tunnels", n)
 	}
 	s.stop()
 	// Every handler now returns promptly; GracefulStop lets their statuses
 	// reach the peers before the connections close.
-	stopped := make(chan struct{})
-	go func() { s.grpc.GracefulStop(); close(stopped) }()
 	select {
 	case <-stopped:
 	case <-time.After(5 * time.Second):

@@ -7,6 +7,7 @@ package dial
 import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
 	"github.com/kcp-dev/tunnel-broker/broker/admission"
@@ -56,10 +57,25 @@ func (s *Service) Dial(stream tunnelv1.DialService_DialServer) error {
 	defer ticket.Release()
 	t, err := establish(stream, ticket)
 	if err != nil {
-		return err
+		return refused(stream, err)
 	}
 	return ticket.Splice(t, tunnel.CallerStream(stream), "stream")
 }
+
+// refused returns a dial's failure, and tells a caller whose gRPC retry
+// policy retries Unavailable (kcpplugin's) whether to send the dial to
+// another replica. A dial this replica could not serve before ordering
+// anything (no agent here, draining) may go elsewhere; any other is final,
+// since its target may have seen it: the trailer grpc-retry-pushback-ms
+// with a negative value stops the retry (gRPC's retry design, A6).
+func refused(stream grpc.ServerStream, err error) error {
+	if status.Code(err) == codes.Unavailable && !admission.ElsewhereMayServe(err) {
+		stream.SetTrailer(noRetry)
+	}
+	return err
+}
+
+var noRetry = metadata.Pairs("grpc-retry-pushback-ms", "-1")
 
 // establish receives the caller's target, has its agent connect to it, and
 // tells the caller that the tunnel is established. It is a call of its

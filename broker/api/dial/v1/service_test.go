@@ -2,6 +2,7 @@ package dial
 
 import (
 	"fmt"
+	"slices"
 	"testing"
 	"time"
 
@@ -174,4 +175,35 @@ func TestDialsThatHaveNotNamedATargetCountAgainstTheCaller(t *testing.T) {
 	testutil.Eventually(t, "two dials to be counted", func() bool { return b.dial.cfg.Admission.Held(brokertest.ID(kcpPath)) == 2 })
 	testutil.CheckStatus(t, "a dial with a target", b.dialStatus(t, kcpPath, brokertest.Target("root")),
 		codes.ResourceExhausted, "already holds 2 tunnels, the most a caller may")
+}
+
+// A replica without an agent for the cluster says nothing more: a caller
+// may send the dial to another replica (kcpplugin's retry policy). A dial
+// its agent failed may have reached the target: the trailer forbids gRPC to
+// retry it.
+func TestDialTellsTheCallerWhetherAnotherReplicaMayTakeIt(t *testing.T) {
+	b := startBroker(t, config{})
+	a := b.connectAgent(t, "a", "team-a")
+	pushback := func(stream tunnelv1.DialService_DialClient) []string {
+		if _, err := stream.Recv(); err == nil {
+			t.Fatal("the dial was answered, want an error")
+		}
+		return stream.Trailer().Get("grpc-retry-pushback-ms")
+	}
+
+	notHere, _ := b.StartDial(t, kcpPath, brokertest.Target("root"))
+	if got := pushback(notHere); len(got) != 0 {
+		t.Errorf("no agent here: grpc-retry-pushback-ms %q, want none (retry elsewhere)", got)
+	}
+
+	failed, _ := b.StartDial(t, kcpPath, brokertest.Target("team-a"))
+	order := a.Order(t, brokertest.Target("team-a"))
+	if err := a.Control.Send(&tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_DialFailure{DialFailure: &tunnelv1.DialFailure{
+		DialId: order.GetDialId(), Code: int32(codes.Unavailable), Message: "connection refused",
+	}}}); err != nil {
+		t.Fatal(err)
+	}
+	if got := pushback(failed); !slices.Equal(got, []string{"-1"}) {
+		t.Errorf("dial its agent failed: grpc-retry-pushback-ms %q, want [-1] (no retry)", got)
+	}
 }
