@@ -90,6 +90,25 @@ func (p *Process) MetricsAddr(t T) string {
 	}
 }
 
+// ReadyNow reports whether the process's /readyz answers 200, without
+// failing the test if it does not answer at all (it may be exiting).
+func (p *Process) ReadyNow() bool {
+	var addr string
+	select {
+	case addr = <-p.metrics:
+		p.metrics <- addr // keep it for the next caller
+	default:
+		return false
+	}
+	client := http.Client{Timeout: time.Second}
+	resp, err := client.Get("http://" + addr + "/readyz")
+	if err != nil {
+		return false
+	}
+	resp.Body.Close()
+	return resp.StatusCode == http.StatusOK
+}
+
 // Ready reports whether the process's /readyz answers 200.
 func (p *Process) Ready(t T) bool {
 	resp, err := http.Get("http://" + p.MetricsAddr(t) + "/readyz")
