@@ -363,7 +363,7 @@ func TestConnectOverMTLSIsAnsweredWhileConnectionsStallTheirHandshakes(t *testin
 		}
 		defer stalled[i].Close()
 	}
-	time.Sleep(1100 * time.Millisecond) // the slots' holders have stalled for over a second
+	time.Sleep(1500 * time.Millisecond) // the slots' holders have stalled for over a second
 	for i := range 2 {
 		_, r := f.connect(t, apiServerPath, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
 		if code, body := answer(t, r); code != http.StatusMethodNotAllowed {
