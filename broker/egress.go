@@ -10,7 +10,6 @@ import (
 	"os"
 
 	"github.com/kcp-dev/tunnel-broker/broker/server"
-	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -30,7 +29,7 @@ func (f *egressFlags) add(fs *flag.FlagSet) {
 
 // listen starts the front ends the flags ask for, on srv; the function it
 // returns waits for them after srv stopped.
-func (f *egressFlags) listen(srv *server.Server, src identity.SVIDSource, log *slog.Logger) (wait func() error, err error) {
+func (f *egressFlags) listen(srv *server.Server, log *slog.Logger) (wait func() error, err error) {
 	var listeners []net.Listener
 	var served []chan error
 	ctx, stop := context.WithCancel(context.Background())
@@ -47,7 +46,7 @@ func (f *egressFlags) listen(srv *server.Server, src identity.SVIDSource, log *s
 			stop()
 			return nil, err
 		}
-		start(l, "uds", srv.Egress("uds", nil, f.udsCluster).Serve)
+		start(l, "uds", srv.EgressUDS(f.udsCluster).Serve)
 	}
 	if f.tcp != "" {
 		l, err := net.Listen("tcp", f.tcp)
@@ -55,7 +54,7 @@ func (f *egressFlags) listen(srv *server.Server, src identity.SVIDSource, log *s
 			stop()
 			return nil, errors.Join(err, closeAll(listeners))
 		}
-		start(l, "tls", srv.Egress("tls", identity.ServerTLSConfig(src), "").Serve)
+		start(l, "tls", srv.EgressTLS().Serve)
 	}
 	return func() error {
 		stop()

@@ -93,7 +93,7 @@ func serve(ctx context.Context, o *options, cfg server.Config, self spiffeid.ID,
 	}
 	metrics.Registry.MustRegister(agents)
 	ready.Set(srv.NotReady)
-	egress, err := o.egress.listen(srv, cfg.Identity, cfg.Log)
+	egress, err := o.egress.listen(srv, cfg.Log)
 	if err != nil {
 		return err
 	}
@@ -139,8 +139,8 @@ func parseFlags() (*options, error) {
 	flag.IntVar(&c.MaxClustersPerRegistration, "max-clusters-per-registration", agentv1.DefaultMaxClusters, "logical clusters one registration may serve (0: no limit)")
 	window := flag.Int("window-size", server.DefaultWindowSize, "HTTP/2 flow-control window per stream, in bytes (negative: gRPC's dynamic windows)")
 	flag.DurationVar(&c.ProbeEvery, "probe-interval", agentv1.DefaultProbeEvery, "how often each agent is probed over its control stream")
-	flag.DurationVar(&c.HandshakeTimeout, "handshake-timeout", server.DefaultHandshakeTimeout, "how long a new connection may take to finish its TLS and HTTP/2 handshakes")
-	flag.IntVar(&c.MaxHandshakes, "max-concurrent-handshakes", server.DefaultMaxHandshakes, "TLS handshakes in progress at once; past it a stalled one (over 1s) is dropped, else the new connection is closed (0: no limit)")
+	flag.DurationVar(&c.HandshakeTimeout, "handshake-timeout", server.DefaultHandshakeTimeout, "how long a new connection may take to finish its TLS and HTTP/2 handshakes (on --egress-listen, its TLS handshake, within --dial-timeout)")
+	flag.IntVar(&c.MaxHandshakes, "max-concurrent-handshakes", server.DefaultMaxHandshakes, "TLS handshakes in progress at once, on the gRPC port and on --egress-listen each; past it a stalled one (over 1s) is dropped, else the new connection is closed (0: no limit)")
 	flag.DurationVar(&c.ExpiredPeerGrace, "expired-peer-grace", server.DefaultExpiredPeerGrace, "how long tunnels in flight may still run on a connection whose peer's SVID expired (new RPCs are refused at the expiry)")
 	flag.DurationVar(&c.MaxConnectionAge, "max-connection-age", server.DefaultMaxConnectionAge, "how long a client may start RPCs on one connection before it is asked to reconnect (with its current SVID); keep it under half the SVID lifetime (negative: never)")
 	flag.StringVar(&o.opsListen, "metrics-listen", ":9090", "address for /metrics, /healthz and /readyz (empty: off)")

@@ -6,7 +6,6 @@ package server
 import (
 	"cmp"
 	"context"
-	"crypto/tls"
 	"log/slog"
 	"net"
 	"sync"
@@ -238,17 +237,24 @@ func (s *Server) credentials() credentials.TransportCredentials {
 	// The handshake admits any SVID that chains to a trusted bundle; the
 	// policy then decides per RPC, so a refused peer gets PermissionDenied,
 	// not a bare TLS alert.
-	opts := []identity.Option{
-		identity.ReportRefusals(&identity.Refusals{Log: cfg.Log, Count: metrics.CountRefusedHandshake}),
-		identity.MaxConcurrentHandshakes(cfg.MaxHandshakes),
-		identity.CloseExpiredPeers(cfg.ExpiredPeerGrace),
-	}
+	opts := append(s.handshakeBounds(cfg.Log), identity.CloseExpiredPeers(cfg.ExpiredPeerGrace))
 	creds := identity.ServerCredentials(cfg.Identity, tlsconfig.AuthorizeAny(), opts...)
 	// One write syscall per gRPC flush, not one per 16 KiB TLS record.
 	creds = coalesce.Writes(creds)
 	// A peer that sends its data in tiny or padded DATA frames would make
 	// gRPC hold some 40 times what it sends; its connection is closed.
 	return fragments.Refuse(creds, fragments.Report{Log: cfg.Log, Count: metrics.ClosedFragmented.Inc})
+}
+
+// handshakeBounds bound a TLS listener's handshakes in progress
+// (MaxHandshakes, each listener its own; a stalled one gives way), and
+// count those that fail and log them, sparingly, to log. The gRPC port and
+// the CONNECT front end on TCP both have them, and HandshakeTimeout.
+func (s *Server) handshakeBounds(log *slog.Logger) []identity.Option {
+	return []identity.Option{
+		identity.ReportRefusals(&identity.Refusals{Log: log, Count: metrics.CountRefusedHandshake}),
+		identity.MaxConcurrentHandshakes(s.cfg.MaxHandshakes),
+	}
 }
 
 // serverOptions are the gRPC server's interceptors, in the order they run,
@@ -315,18 +321,34 @@ func (s *Server) agentService() *agentv1.Service {
 	})
 }
 
-// Egress is a CONNECT front end of this replica (package egress): plain
-// for cluster if tlsConfig is nil (a Unix socket), else SPIFFE mTLS with
-// each caller's cluster from the policy. It admits its tunnels through the
-// replica's front door, as the Dial RPC does: one quota per caller, the
-// same limits, audit and listing; serve it with its Serve.
-func (s *Server) Egress(name string, tlsConfig *tls.Config, cluster string) *egressv1.Server {
+// EgressUDS is a plain CONNECT front end of this replica (package egress)
+// for cluster, for a Unix socket whose file mode decides who connects.
+// It admits its tunnels through the replica's front door, as the Dial RPC
+// does: one quota per caller, the same limits, audit and listing; serve it
+// with its Serve.
+func (s *Server) EgressUDS(cluster string) *egressv1.Server {
+	return s.egress(egressv1.Config{Name: "uds", Cluster: cluster})
+}
+
+// EgressTLS is a CONNECT front end with SPIFFE mTLS, the replica's SVID,
+// and each caller's cluster from the policy; its TLS handshakes are
+// bounded as the gRPC port's are (HandshakeTimeout, MaxHandshakes: a
+// stalled one gives way to a new one), and a connection takes an opening
+// place only once its peer is verified. Otherwise as EgressUDS.
+func (s *Server) EgressTLS() *egressv1.Server {
+	tlsServer := identity.NewTLSServer(s.cfg.Identity, s.handshakeBounds(s.egressLog())...)
+	return s.egress(egressv1.Config{Name: "tls", TLS: tlsServer, HandshakeTimeout: s.cfg.HandshakeTimeout})
+}
+
+func (s *Server) egress(c egressv1.Config) *egressv1.Server {
 	cfg := s.cfg
-	return egressv1.New(egressv1.Config{
-		Name: name, TLS: tlsConfig, Cluster: cluster,
-		Admission: s.admission, Policy: cfg.Policy, Timeout: cfg.DialTimeout,
-		Log: cfg.Log.With("service", "egress"),
-	})
+	c.Admission, c.Policy, c.Timeout = s.admission, cfg.Policy, cfg.DialTimeout
+	c.Log = s.egressLog()
+	return egressv1.New(c)
+}
+
+func (s *Server) egressLog() *slog.Logger {
+	return s.cfg.Log.With("service", "egress")
 }
 
 // active is the number of tunnels the replica splices, Dial's and the

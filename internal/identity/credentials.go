@@ -52,11 +52,7 @@ func CloseExpiredPeers(grace time.Duration) Option {
 // verifies against the source's bundles and that authorize accepts. Which
 // peer may do what is decided per RPC from PeerID.
 func ServerCredentials(src SVIDSource, authorize tlsconfig.Authorizer, opts ...Option) credentials.TransportCredentials {
-	cfg := tlsconfig.MTLSServerConfig(src, src, authorize)
-	// Ask for a certificate without crypto/tls requiring one, so that
-	// verifyPeer refuses a peer without one and says so precisely.
-	cfg.ClientAuth = tls.RequestClientCert
-	return newCreds(cfg, src, authorize, opts)
+	return newCreds(serverConfig(src, authorize), src, authorize, opts)
 }
 
 // ClientCredentials is SPIFFE mTLS to a server whose X.509-SVID verifies
@@ -78,31 +74,61 @@ type spiffeCreds struct {
 }
 
 func newCreds(cfg *tls.Config, bundles x509bundle.Source, authorize tlsconfig.Authorizer, opts []Option) *spiffeCreds {
-	cfg.VerifyPeerCertificate = nil
-	cfg.VerifyConnection = verifyPeer(bundles, authorize)
-	c := &spiffeCreds{}
-	for _, o := range opts {
-		o(c)
-	}
+	c := newSpiffeTLS(cfg, bundles, authorize, opts)
 	// "h2" last, as NewTLS would add it; our handshakes (tlsServer,
 	// tlsClient) use cfg, NewTLS's only its Info.
 	cfg.NextProtos = []string{"h2"}
-	c.cfg = cfg
 	c.tls = credentials.NewTLS(cfg)
 	return c
 }
 
+// newSpiffeTLS is cfg with the peer verified in VerifyConnection, and
+// opts: what both gRPC's credentials and TLSServer are made of.
+func newSpiffeTLS(cfg *tls.Config, bundles x509bundle.Source, authorize tlsconfig.Authorizer, opts []Option) *spiffeCreds {
+	cfg.VerifyPeerCertificate = nil
+	cfg.VerifyConnection = verifyPeer(bundles, authorize)
+	c := &spiffeCreds{cfg: cfg}
+	for _, o := range opts {
+		o(c)
+	}
+	return c
+}
+
+// serverConfig is the server side of SPIFFE mTLS. It asks for a
+// certificate without crypto/tls requiring one, so that verifyPeer refuses
+// a peer without one and says so precisely.
+func serverConfig(src SVIDSource, authorize tlsconfig.Authorizer) *tls.Config {
+	cfg := tlsconfig.MTLSServerConfig(src, src, authorize)
+	cfg.ClientAuth = tls.RequestClientCert
+	return cfg
+}
+
 func (c *spiffeCreds) ServerHandshake(raw net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	conn, info, err := c.serverHandshake(raw, func() (net.Conn, credentials.AuthInfo, error) { return c.tlsServer(raw) })
+	if err != nil {
+		return nil, nil, err
+	}
+	if c.expiredGrace != nil {
+		info.expiry = newExpiryCloser(raw, info.Expires, *c.expiredGrace)
+		conn = &expiringConn{Conn: conn, expiry: info.expiry}
+	}
+	return conn, info, nil
+}
+
+// serverHandshake runs a server's handshake on raw, in one of the slots
+// of handshakes in progress (MaxConcurrentHandshakes), and reports it if
+// it fails (ReportRefusals).
+func (c *spiffeCreds) serverHandshake(raw net.Conn, run func() (net.Conn, credentials.AuthInfo, error)) (net.Conn, AuthInfo, error) {
 	remote := raw.RemoteAddr().String()
 	var s *slot
 	if c.slots != nil {
 		var err error
 		if s, err = c.slots.acquire(raw); err != nil {
 			c.refusals.report(remote, err)
-			return nil, nil, err
+			return nil, AuthInfo{}, err
 		}
 	}
-	conn, info, err := c.handshake(func() (net.Conn, credentials.AuthInfo, error) { return c.tlsServer(raw) })
+	conn, info, err := c.handshake(run)
 	if s != nil {
 		c.slots.release(s)
 		if err != nil && s.evicted.Load() {
@@ -111,11 +137,7 @@ func (c *spiffeCreds) ServerHandshake(raw net.Conn) (net.Conn, credentials.AuthI
 	}
 	if err != nil {
 		c.refusals.report(remote, err)
-		return nil, nil, err
-	}
-	if c.expiredGrace != nil {
-		info.expiry = newExpiryCloser(raw, info.Expires, *c.expiredGrace)
-		conn = &expiringConn{Conn: conn, expiry: info.expiry}
+		return nil, AuthInfo{}, err
 	}
 	return conn, info, nil
 }

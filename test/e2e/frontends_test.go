@@ -75,32 +75,44 @@ func (c *connectConn) Read(b []byte) (int, error) { return c.r.Read(b) }
 // the tunnel (else the answer's body).
 func connect(t *testing.T, env *harness.Env, addr, path, authority string) (int, net.Conn, string) {
 	t.Helper()
-	src := env.Identity(path)
-	conn, err := tls.Dial("tcp", addr, tlsconfig.MTLSClientConfig(src, src, tlsconfig.AuthorizeID(harness.ID("/broker"))))
+	code, conn, body, err := tryConnect(env, addr, path, authority)
 	if err != nil {
-		t.Fatalf("CONNECT front end: %v", err)
+		t.Fatal(err)
+	}
+	if conn != nil {
+		t.Cleanup(func() { conn.Close() })
+	}
+	return code, conn, body
+}
+
+// tryConnect is connect, which says what failed instead of failing the
+// test; the caller closes the tunnel.
+func tryConnect(env *harness.Env, addr, path, authority string) (int, net.Conn, string, error) {
+	src := env.Identity(path)
+	conn, err := tls.DialWithDialer(&net.Dialer{Timeout: 30 * time.Second}, "tcp", addr,
+		tlsconfig.MTLSClientConfig(src, src, tlsconfig.AuthorizeID(harness.ID("/broker"))))
+	if err != nil {
+		return 0, nil, "", fmt.Errorf("CONNECT front end: %w", err)
 	}
 	_ = conn.SetDeadline(time.Now().Add(30 * time.Second))
 	if _, err := fmt.Fprintf(conn, "CONNECT %s HTTP/1.1\r\nHost: %s\r\n\r\n", authority, authority); err != nil {
 		conn.Close()
-		t.Fatal(err)
+		return 0, nil, "", fmt.Errorf("CONNECT %s: %w", authority, err)
 	}
 	br := bufio.NewReader(conn)
 	resp, err := http.ReadResponse(br, &http.Request{Method: http.MethodConnect})
 	if err != nil {
 		conn.Close()
-		t.Fatalf("CONNECT %s: reading the answer: %v", authority, err)
+		return 0, nil, "", fmt.Errorf("CONNECT %s: reading the answer: %w", authority, err)
 	}
 	if resp.StatusCode != http.StatusOK {
 		var body strings.Builder
 		_, _ = bufio.NewReader(resp.Body).WriteTo(&body)
 		conn.Close()
-		return resp.StatusCode, nil, strings.TrimSpace(body.String())
+		return resp.StatusCode, nil, strings.TrimSpace(body.String()), nil
 	}
 	_ = conn.SetDeadline(time.Time{})
-	c := &connectConn{Conn: conn, r: br}
-	t.Cleanup(func() { c.Close() })
-	return resp.StatusCode, c, ""
+	return resp.StatusCode, &connectConn{Conn: conn, r: br}, "", nil
 }
 
 // mustConnect is connect to echo in root, which must answer 200.

@@ -5,6 +5,7 @@ import (
 	"crypto/tls"
 	"fmt"
 	"net"
+	"net/http"
 	"net/url"
 	"path/filepath"
 	"strings"
@@ -397,4 +398,87 @@ func TestHardeningStalledHandshakesCannotLockOutCallers(t *testing.T) {
 		got, _ := scrape(t, broker, `kcp_tunnel_broker_handshakes_refused_total{reason="over_limit"}`)
 		return got >= 1
 	})
+}
+
+// stallForever keeps n connections to addr that never say a word, each
+// opened again as soon as the server closes it, until ctx ends; it returns
+// how many connections were made in all, and waits for its goroutines.
+func stallForever(ctx context.Context, addr string, n int) (dialed *atomic.Int64, wait func()) {
+	dialed = new(atomic.Int64)
+	done := make(chan struct{}, n)
+	for range n {
+		go func() {
+			defer func() { done <- struct{}{} }()
+			for ctx.Err() == nil {
+				c, err := (&net.Dialer{}).DialContext(ctx, "tcp", addr)
+				if err != nil {
+					time.Sleep(10 * time.Millisecond)
+					continue
+				}
+				dialed.Add(1)
+				stop := context.AfterFunc(ctx, func() { c.Close() })
+				_, _ = c.Read(make([]byte, 1)) // until the server closes it
+				stop()
+				c.Close()
+			}
+		}()
+	}
+	return dialed, func() {
+		for range n {
+			<-done
+		}
+	}
+}
+
+// 200 connections to --egress-listen that never start their TLS handshake,
+// each reconnecting as soon as the broker closes it, must not keep
+// kube-apiserver's CONNECTs out: stalled handshakes are bounded as on the
+// gRPC port, and a connection waits for its answer in one of the front
+// end's 128 opening places only once its peer is verified.
+func TestEgressListenerAnswersCONNECTUnderStalledHandshakes(t *testing.T) {
+	env := harness.NewEnv(t)
+	broker, _, egress := startFrontEnds(t, env)
+
+	const stallers = 200
+	ctx, cancel := context.WithCancel(context.Background())
+	dialed, wait := stallForever(ctx, egress, stallers)
+	defer wait()
+	defer cancel()
+	harness.Eventually(t, 20*time.Second, "every stalled connection to be open", func() bool {
+		return dialed.Load() >= stallers
+	})
+	// Every one has stalled for over a second.
+	time.Sleep(1500 * time.Millisecond)
+
+	// kube-apiserver's egress dialer: a CONNECT over mTLS with its SVID,
+	// several over a few seconds, each answered and carrying bytes.
+	const attempts = 5
+	answered := 0
+	for i := range attempts {
+		if i > 0 {
+			time.Sleep(1200 * time.Millisecond)
+		}
+		start := time.Now()
+		code, conn, body, err := tryConnect(env, egress, "/kcp", "echo.default.svc:80")
+		switch {
+		case err != nil:
+			t.Logf("CONNECT %d: %v (after %v)", i+1, err, time.Since(start).Round(time.Millisecond))
+		case code != http.StatusOK:
+			t.Logf("CONNECT %d: %d %s", i+1, code, body)
+		default:
+			roundTrip(t, conn, fmt.Sprintf("CONNECT %d under stalled handshakes", i+1))
+			conn.Close()
+			answered++
+			t.Logf("CONNECT %d: 200 and bytes both ways in %v", i+1, time.Since(start).Round(time.Millisecond))
+		}
+	}
+	t.Logf("%d connections made by %d stalling peers", dialed.Load(), stallers)
+	if answered != attempts {
+		t.Fatalf("%d of %d CONNECTs answered while %d connections stalled their handshakes", answered, attempts, stallers)
+	}
+	// The stalled handshakes ended at the deadline, counted as the gRPC
+	// port's are.
+	if n, _ := scrape(t, broker, `kcp_tunnel_broker_handshakes_refused_total{reason="timeout"}`); n < stallers {
+		t.Errorf("%v stalled handshakes counted as timed out, want at least %d", n, stallers)
+	}
 }

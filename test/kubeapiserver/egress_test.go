@@ -20,7 +20,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 
-	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
 	"github.com/kcp-dev/tunnel-broker/test/harness"
 )
@@ -109,12 +108,10 @@ func (w *world) serveEgress(transport string) string {
 	if err != nil {
 		w.t.Fatal(err)
 	}
-	var tlsConfig = identity.ServerTLSConfig(w.env.Identity("/broker"))
-	cluster := ""
+	front := w.broker.Server.EgressTLS()
 	if transport == "uds" {
-		tlsConfig, cluster = nil, "hcp"
+		front = w.broker.Server.EgressUDS("hcp")
 	}
-	front := w.broker.Server.Egress(transport, tlsConfig, cluster)
 	ctx, cancel := context.WithCancel(context.Background())
 	served := make(chan error, 1)
 	go func() { served <- front.Serve(ctx, l) }()

@@ -34,13 +34,16 @@ func refuse(code int, reason string, header ...string) *refusal {
 // after a 200, its tunnel.
 func (s *Server) serveConn(raw net.Conn) {
 	defer raw.Close()
-	deadline := time.Now().Add(s.cfg.Timeout)
+	accepted := time.Now()
+	deadline := accepted.Add(s.cfg.Timeout)
 	_ = raw.SetDeadline(deadline)
-	conn, who, err := s.handshake(raw)
+	conn, who, err := s.handshake(raw, accepted, deadline)
+	if errors.Is(err, errNoOpening) {
+		noOpening()
+		return
+	}
 	if err != nil {
-		s.releaseOpening()
 		s.count(0)
-		s.cfg.Log.Info("egress handshake failed", "remote", raw.RemoteAddr().String(), "error", err)
 		return
 	}
 	t, ticket, br, err := s.open(conn, who, deadline)

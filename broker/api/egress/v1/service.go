@@ -17,7 +17,6 @@ package egress
 import (
 	"cmp"
 	"context"
-	"crypto/tls"
 	"errors"
 	"log/slog"
 	"net"
@@ -45,7 +44,8 @@ const (
 	// request line and a Host header.
 	DefaultMaxHeaderBytes = 4 << 10
 	// DefaultMaxOpening bounds the connections that have not had their
-	// answer yet; past it a new connection is closed at once.
+	// answer yet, of a TLS front end those whose peer is verified; past it
+	// a new connection is closed at once.
 	DefaultMaxOpening = 128
 )
 
@@ -55,9 +55,10 @@ type Config struct {
 	// Name labels the front end's metrics and logs: "uds" or "tls".
 	Name string
 	// TLS, if set, is the server side of SPIFFE mTLS
-	// (identity.ServerTLSConfig); nil serves plain connections, for a
-	// Unix socket whose file permissions decide who may connect.
-	TLS *tls.Config
+	// (identity.NewTLSServer), which bounds the handshakes in progress;
+	// nil serves plain connections, for a Unix socket whose file
+	// permissions decide who may connect.
+	TLS *identity.TLSServer
 	// Cluster is the logical cluster of every connection of a plain front
 	// end; a TLS front end takes each caller's from Policy.EgressCluster.
 	Cluster string
@@ -66,10 +67,13 @@ type Config struct {
 	Admission *admission.Admission
 	Policy    *policy.Policy
 	// Timeout bounds a connection until its answer (DefaultTimeout).
-	Timeout        time.Duration
-	MaxHeaderBytes int // DefaultMaxHeaderBytes
-	MaxOpening     int // DefaultMaxOpening
-	Log            *slog.Logger
+	Timeout time.Duration
+	// HandshakeTimeout bounds the TLS handshake, from the accept, within
+	// Timeout (zero: Timeout).
+	HandshakeTimeout time.Duration
+	MaxHeaderBytes   int // DefaultMaxHeaderBytes
+	MaxOpening       int // DefaultMaxOpening
+	Log              *slog.Logger
 }
 
 // Server is one CONNECT front end.
@@ -83,6 +87,7 @@ type Server struct {
 func New(cfg Config) *Server {
 	cfg.Name = cmp.Or(cfg.Name, "uds")
 	cfg.Timeout = cmp.Or(max(cfg.Timeout, 0), DefaultTimeout)
+	cfg.HandshakeTimeout = min(cmp.Or(max(cfg.HandshakeTimeout, 0), cfg.Timeout), cfg.Timeout)
 	cfg.MaxHeaderBytes = cmp.Or(max(cfg.MaxHeaderBytes, 0), DefaultMaxHeaderBytes)
 	cfg.MaxOpening = cmp.Or(cfg.MaxOpening, DefaultMaxOpening)
 	cfg.Log = cmp.Or(cfg.Log, slog.Default()).With("frontend", cfg.Name)
@@ -112,8 +117,11 @@ func (s *Server) Serve(ctx context.Context, l net.Listener) error {
 			}
 			return err
 		}
-		if !s.takeOpening() {
-			metrics.LimitsHit.WithLabelValues("egress_opening").Inc()
+		// A plain front end's peers are vouched for by the socket's file
+		// mode, and wait in an opening place from their accept; a TLS
+		// front end's take one once verified (handshake).
+		if s.cfg.TLS == nil && !s.takeOpening() {
+			noOpening()
 			conn.Close()
 			continue
 		}
@@ -137,6 +145,9 @@ func (s *Server) takeOpening() bool {
 	}
 }
 
+// noOpening counts a connection closed because no opening place was free.
+func noOpening() { metrics.LimitsHit.WithLabelValues("egress_opening").Inc() }
+
 func (s *Server) releaseOpening() {
 	if s.opening != nil {
 		<-s.opening
@@ -158,19 +169,27 @@ func (c caller) admitted() admission.Caller {
 	return admission.Caller{ID: c.id, Frontend: Frontend, Authorized: true}
 }
 
-// handshake finishes the TLS handshake of a TLS front end, and says whose
-// connection conn is.
-func (s *Server) handshake(conn net.Conn) (net.Conn, caller, error) {
+// errNoOpening is a verified connection for which no opening place was free.
+var errNoOpening = errors.New("too many connections waiting for their answer")
+
+// handshake finishes the TLS handshake of a TLS front end, within
+// HandshakeTimeout of accepted, among the handshakes in progress that TLS
+// bounds, and then takes the connection's opening place (a plain front
+// end's took its at the accept); deadline is the connection's from then
+// on. It says whose connection conn is; TLS reports a failed handshake
+// (identity.Refusals).
+func (s *Server) handshake(conn net.Conn, accepted, deadline time.Time) (net.Conn, caller, error) {
 	if s.cfg.TLS == nil {
 		return conn, caller{cluster: s.cfg.Cluster}, nil
 	}
-	tc := tls.Server(conn, s.cfg.TLS)
-	if err := tc.Handshake(); err != nil {
-		return nil, caller{}, err
-	}
-	info, err := identity.PeerOf(tc.ConnectionState())
+	_ = conn.SetDeadline(accepted.Add(s.cfg.HandshakeTimeout))
+	tc, info, err := s.cfg.TLS.Handshake(conn)
 	if err != nil {
 		return nil, caller{}, err
+	}
+	_ = conn.SetDeadline(deadline)
+	if !s.takeOpening() {
+		return nil, caller{}, errNoOpening
 	}
 	return tc, caller{id: info.ID}, nil
 }

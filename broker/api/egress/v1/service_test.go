@@ -119,7 +119,7 @@ func serveTLS(t *testing.T, b *brokertest.Server, door *admission.Admission) *fr
 	if err != nil {
 		t.Fatal(err)
 	}
-	serve(t, b, Config{Name: "tls", TLS: identity.ServerTLSConfig(src), Admission: door}, l)
+	serve(t, b, Config{Name: "tls", TLS: identity.NewTLSServer(src), Admission: door}, l)
 	return &frontEnd{Server: b, addr: l.Addr().String(), network: "tcp", tls: true}
 }
 
@@ -324,6 +324,94 @@ func TestConnectBoundsUnansweredConnections(t *testing.T) {
 	silent.Close()
 	// The slot is free again once the front end dropped it.
 	testutil.Eventually(t, "a new connection to be served", func() bool {
+		_, r := f.connect(t, "", "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+		resp, err := http.ReadResponse(r, nil)
+		return err == nil && resp.StatusCode == http.StatusMethodNotAllowed
+	})
+}
+
+// closedSoon reports whether the front end has closed c, waiting a little.
+func closedSoon(c net.Conn) bool {
+	_ = c.SetReadDeadline(time.Now().Add(10 * time.Millisecond))
+	_, err := c.Read(make([]byte, 1))
+	ne, ok := err.(net.Error)
+	return err != nil && !(ok && ne.Timeout())
+}
+
+// A TLS front end's connections that never start their handshake wait in
+// a handshake slot, which one stalled over a second gives up to a new
+// connection, and not in an opening place: only a verified peer waits for
+// its answer in one. So they cannot keep a verified caller out.
+func TestConnectOverMTLSIsAnsweredWhileConnectionsStallTheirHandshakes(t *testing.T) {
+	b := startBroker(t)
+	src, err := b.CA.Source(devca.Leaf{SPIFFEID: brokertest.BrokerPath})
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	serve(t, b, Config{Name: "tls", TLS: identity.NewTLSServer(src, identity.MaxConcurrentHandshakes(2)), MaxOpening: 1}, l)
+	f := &frontEnd{Server: b, addr: l.Addr().String(), network: "tcp", tls: true}
+
+	// Two take the handshake slots, the others are closed at once.
+	stalled := make([]net.Conn, 4)
+	for i := range stalled {
+		if stalled[i], err = net.Dial("tcp", f.addr); err != nil {
+			t.Fatal(err)
+		}
+		defer stalled[i].Close()
+	}
+	time.Sleep(1500 * time.Millisecond) // the slots' holders have stalled for over a second
+	for i := range 2 {
+		_, r := f.connect(t, apiServerPath, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+		if code, body := answer(t, r); code != http.StatusMethodNotAllowed {
+			t.Fatalf("request %d of a verified peer while connections stall: %d %s, want 405", i+1, code, body)
+		}
+	}
+	// The first one took the place of a stalled handshake.
+	closed := make([]bool, len(stalled))
+	testutil.Eventually(t, "3 of the stalled connections to be closed", func() bool {
+		n := 0
+		for i, c := range stalled {
+			closed[i] = closed[i] || closedSoon(c)
+			if closed[i] {
+				n++
+			}
+		}
+		return n >= 3
+	})
+}
+
+// A Unix socket's peers are vouched for by its file mode: each waits in
+// an opening place from its accept, and past the bound a new connection
+// is closed unanswered.
+func TestConnectOverUDSSilentConnectionsHoldTheirOpeningPlace(t *testing.T) {
+	b := startBroker(t)
+	path := filepath.Join(t.TempDir(), "egress.sock")
+	l, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	serve(t, b, Config{Name: "uds", Cluster: "hcp-1", MaxOpening: 1}, l)
+	f := &frontEnd{Server: b, addr: path, network: "unix"}
+	silent, err := net.Dial("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer silent.Close()
+	over, err := net.Dial("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer over.Close()
+	_ = over.SetReadDeadline(time.Now().Add(testutil.WaitLong))
+	if n, err := over.Read(make([]byte, 1)); err != io.EOF {
+		t.Fatalf("a connection past the bound read %d bytes, %v; want it closed", n, err)
+	}
+	silent.Close()
+	testutil.Eventually(t, "a new connection to be served once the silent one went", func() bool {
 		_, r := f.connect(t, "", "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
 		resp, err := http.ReadResponse(r, nil)
 		return err == nil && resp.StatusCode == http.StatusMethodNotAllowed
