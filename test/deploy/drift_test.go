@@ -4,6 +4,8 @@ import (
 	"encoding/json"
 	"fmt"
 	"maps"
+	"os"
+	"path/filepath"
 	"reflect"
 	"regexp"
 	"slices"
@@ -427,4 +429,47 @@ func agentDriftOf(t *testing.T, kobjs, hobjs []object) []string {
 	diffs = append(diffs, differences("volumes", plain(t, kvols), plain(t, hvols))...)
 	diffs = append(diffs, differences("ClusterRole.rules", plain(t, krules), plain(t, hrules))...)
 	return diffs
+}
+
+// TestDeployHelmSidecarSnippet: the sidecar that the agent chart's README
+// shows for a syncer's Deployment is deploy/agent/sidecar.yaml's: the same
+// container, volumes and pod labels.
+func TestDeployHelmSidecarSnippet(t *testing.T) {
+	raw, err := os.ReadFile(filepath.Join(chartDir("tunnel-agent"), "README.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	const heading = "## As a syncer's sidecar"
+	start := strings.Index(string(raw), "\n"+heading+"\n")
+	if start < 0 {
+		t.Fatalf("the agent chart's README has no %q", heading)
+	}
+	blocks := regexp.MustCompile("(?s)```yaml\n(.*?)```").FindAllStringSubmatch(string(raw[start:]), -1)
+	if len(blocks) != 1 {
+		t.Fatalf("%q has %d yaml blocks, want the snippet", heading, len(blocks))
+	}
+	patch, err := os.ReadFile(filepath.Join(deployDir(), "agent", "sidecar.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	parse := func(what string, y []byte) (any, any, any) {
+		j, err := yaml.YAMLToJSON(y)
+		if err != nil {
+			t.Fatalf("%s: %v", what, err)
+		}
+		var d appsv1.Deployment
+		object{Kind: "Deployment", Name: what, JSON: j}.into(t, &d)
+		return plain(t, d.Spec.Template.Spec.Containers), plain(t, d.Spec.Template.Spec.Volumes), plain(t, d.Spec.Template.Labels)
+	}
+	sc, sv, sl := parse("the README's snippet", []byte(blocks[0][1]))
+	pc, pv, pl := parse("deploy/agent/sidecar.yaml", patch)
+	var diffs []string
+	diffs = append(diffs, differences("containers", pc, sc)...)
+	diffs = append(diffs, differences("volumes", pv, sv)...)
+	diffs = append(diffs, differences("labels", pl, sl)...)
+	for _, d := range diffs {
+		// differences names its sides kustomize and chart: here they are
+		// sidecar.yaml and the README.
+		t.Error(strings.NewReplacer("kustomize ", "sidecar.yaml ", "chart ", "README ").Replace(d))
+	}
 }
