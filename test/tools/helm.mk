@@ -2,8 +2,8 @@
 # server-side dry runs of deploy/charts), pinned by a tool directive in
 # test/tools/helm/go.mod, a module of its own so that helm's dependencies
 # do not move the root or test modules' k8s.io versions, and built by
-# build.sh there into .cache/helm-<version>/ when missing (a few minutes;
-# three here, with k8s.io's packages already in the Go build cache).
+# build.sh there into .cache/helm-<version>/ when missing (about three and
+# a half minutes on 2 cores with an empty Go build cache).
 
 # This file is included before the main Makefile's first target: keep its
 # default goal.
