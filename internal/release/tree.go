@@ -6,8 +6,9 @@ import (
 )
 
 // StampTree sets the version of the tree at repo: the VERSION file, the
-// requirements between the published modules (StampGoMod) and the image
-// tags of the overlays (StampOverlays).
+// requirements between the published modules (StampGoMod), the image
+// tags of the overlays (StampOverlays) and the charts' versions
+// (StampCharts).
 func StampTree(repo, version string) error {
 	if err := os.WriteFile(filepath.Join(repo, "VERSION"), []byte(version+"\n"), 0o644); err != nil {
 		return err
@@ -26,15 +27,22 @@ func StampTree(repo, version string) error {
 			return err
 		}
 	}
-	return StampOverlays(repo, version)
+	if err := StampOverlays(repo, version); err != nil {
+		return err
+	}
+	return StampCharts(repo, version)
 }
 
-// SetVersion sets the VERSION file and the overlays' image tags, but not
-// the modules' requirements: for the -dev version that follows a release,
-// whose modules still require each other at the release.
+// SetVersion sets the VERSION file, the overlays' image tags and the
+// charts' versions, but not the modules' requirements: for the -dev version
+// that follows a release, whose modules still require each other at the
+// release.
 func SetVersion(repo, version string) error {
 	if err := os.WriteFile(filepath.Join(repo, "VERSION"), []byte(version+"\n"), 0o644); err != nil {
 		return err
 	}
-	return StampOverlays(repo, version)
+	if err := StampOverlays(repo, version); err != nil {
+		return err
+	}
+	return StampCharts(repo, version)
 }

@@ -100,12 +100,19 @@ func setUpCluster(t *testing.T) {
 				}
 			}
 		}
-		var b strings.Builder
-		for _, n := range sortedKeys(names) {
-			fmt.Fprintf(&b, "---\napiVersion: v1\nkind: Namespace\nmetadata:\n  name: %s\n  labels:%s\n", n, podSecurityLabels)
-		}
-		mustKubectl(t, []byte(b.String()), "apply", "--server-side", "--field-manager=deploy-test", "-f", "-")
+		createNamespaces(t, sortedKeys(names)...)
 	})
+}
+
+// createNamespaces creates namespaces (or leaves them as they are) that
+// enforce Pod Security "restricted".
+func createNamespaces(t *testing.T, names ...string) {
+	t.Helper()
+	var b strings.Builder
+	for _, n := range names {
+		fmt.Fprintf(&b, "---\napiVersion: v1\nkind: Namespace\nmetadata:\n  name: %s\n  labels:%s\n", n, podSecurityLabels)
+	}
+	mustKubectl(t, []byte(b.String()), "apply", "--server-side", "--field-manager=deploy-test", "-f", "-")
 }
 
 // TestDeployServerSideDryRun applies every overlay, as rendered, to a real
@@ -117,36 +124,44 @@ func setUpCluster(t *testing.T) {
 func TestDeployServerSideDryRun(t *testing.T) {
 	ovs := overlays(t)
 	setUpCluster(t)
-	namespaced := apiResources(t)
 	for _, k := range ovs {
 		t.Run(k.Dir, func(t *testing.T) {
 			stream, objs := render(t, k.Dir)
-			for _, o := range objs {
-				scoped, known := namespaced[groupOf(o.APIVersion)+"/"+o.Kind]
-				switch {
-				case !known:
-					t.Errorf("%s: the API server does not serve %s (a CRD missing from testdata/crds?)", o, o.APIVersion)
-				case scoped && o.Namespace == "":
-					t.Errorf("%s is namespaced but has no namespace", o)
-				case !scoped && o.Namespace != "":
-					t.Errorf("%s is cluster-scoped but has a namespace", o)
-				}
-			}
-			out, stderr, err := clusterKubectl(t, stream,
-				"apply", "--server-side", "--dry-run=server", "--field-manager=tunnel-broker-deploy", "--validate=strict", "-f", "-")
-			if err != nil {
-				t.Fatalf("kubectl apply --server-side --dry-run=server of deploy/%s: %v\n%s%s", k.Dir, err, out, stderr)
-			}
-			if strings.TrimSpace(stderr) != "" {
-				t.Errorf("the API server warned about deploy/%s:\n%s", k.Dir, stderr)
-			}
-			applied := strings.Count(out, "serverside-applied (server dry run)")
-			if applied != len(objs) {
-				t.Errorf("%d of %d objects applied:\n%s", applied, len(objs), out)
-			}
-			t.Logf("deploy/%s: %d objects accepted", k.Dir, applied)
+			dryRun(t, "deploy/"+k.Dir, stream, objs)
 		})
 	}
+}
+
+// dryRun applies stream, rendered as objs, with a server-side dry run: every
+// object must be of a kind the API server serves, namespaced exactly when
+// it says the kind is, and be accepted, with no warning.
+func dryRun(t *testing.T, what string, stream []byte, objs []object) {
+	t.Helper()
+	namespaced := apiResources(t)
+	for _, o := range objs {
+		scoped, known := namespaced[groupOf(o.APIVersion)+"/"+o.Kind]
+		switch {
+		case !known:
+			t.Errorf("%s: the API server does not serve %s (a CRD missing from testdata/crds?)", o, o.APIVersion)
+		case scoped && o.Namespace == "":
+			t.Errorf("%s is namespaced but has no namespace", o)
+		case !scoped && o.Namespace != "":
+			t.Errorf("%s is cluster-scoped but has a namespace", o)
+		}
+	}
+	out, stderr, err := clusterKubectl(t, stream,
+		"apply", "--server-side", "--dry-run=server", "--field-manager=tunnel-broker-deploy", "--validate=strict", "-f", "-")
+	if err != nil {
+		t.Fatalf("kubectl apply --server-side --dry-run=server of %s: %v\n%s%s", what, err, out, stderr)
+	}
+	if strings.TrimSpace(stderr) != "" {
+		t.Errorf("the API server warned about %s:\n%s", what, stderr)
+	}
+	applied := strings.Count(out, "serverside-applied (server dry run)")
+	if applied != len(objs) {
+		t.Errorf("%d of %d objects applied:\n%s", applied, len(objs), out)
+	}
+	t.Logf("%s: %d objects accepted", what, applied)
 }
 
 // TestDeployDryRunCatches proves the dry run has teeth: the API server

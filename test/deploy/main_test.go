@@ -3,11 +3,14 @@
 // Services, PodDisruptionBudget, NetworkPolicy, policy and SPIRE
 // registration, and the syncer-agent sidecar with its RBAC, have the
 // properties an operator relies on (and match the binaries' flags); a real
-// kube-apiserver accepts every overlay in a server-side dry run; and the
-// Dockerfiles build static binaries into non-root images.
+// kube-apiserver accepts every overlay in a server-side dry run; the Helm
+// charts in deploy/charts lint, render, pass the same checks and the same
+// dry run, and render what the kustomize bases do; and the Dockerfiles
+// build static binaries into non-root images.
 //
 // kubectl and kube-apiserver are built from the versions pinned in
-// test/tools/kube (cached in .cache/kube/), and everything runs in a
+// test/tools/kube (cached in .cache/kube/), helm from test/tools/helm
+// (.cache/helm-<version>/), and everything runs in a
 // network namespace of the tests' own (harness.RunIsolated). Run them alone
 // with: go test -run Deploy ./...
 package deploy
@@ -32,10 +35,13 @@ import (
 func TestMain(m *testing.M) {
 	// Outside the network namespace: build (or find cached) kubectl,
 	// kube-apiserver and etcd, and the project's binaries, whose flags the
-	// manifests must match. Both may need the Go module proxy.
+	// manifests must match, and helm. All may need the Go module proxy.
 	var builtBin string
 	prepare := func() error {
 		if _, err := harness.KubeBinaries(); err != nil {
+			return err
+		}
+		if _, err := harness.HelmBinary(); err != nil {
 			return err
 		}
 		if os.Getenv("TUNNEL_BIN_DIR") == "" {
@@ -222,6 +228,9 @@ func parseObjects(stream []byte) ([]object, error) {
 		j, err := yaml.YAMLToJSON([]byte(doc))
 		if err != nil {
 			return nil, err
+		}
+		if string(j) == "null" {
+			continue // comments only (helm template's, of a template that rendered nothing)
 		}
 		var head struct {
 			APIVersion string `json:"apiVersion"`

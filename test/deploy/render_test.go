@@ -151,7 +151,7 @@ func checkBroker(t *testing.T, k kustomization, objs []object, d *appsv1.Deploym
 	if pod.Spec.AutomountServiceAccountToken == nil || *pod.Spec.AutomountServiceAccountToken {
 		t.Error("the broker calls no Kubernetes API: automountServiceAccountToken must be false")
 	}
-	checkWorkloadAPI(t, pod.Spec, c, flags)
+	checkIdentitySource(t, pod.Spec, c, flags)
 	if _, ok := find(objs, "ServiceAccount", d.Namespace, pod.Spec.ServiceAccountName); !ok || pod.Spec.ServiceAccountName == "" {
 		t.Errorf("ServiceAccount %q is not rendered with the Deployment", pod.Spec.ServiceAccountName)
 	}
@@ -235,7 +235,7 @@ func checkAgent(t *testing.T, objs []object, d *appsv1.Deployment) {
 	checkProbes(t, c, listenPort(t, "--metrics-listen", flags["metrics-listen"]))
 	checkResources(t, c)
 	checkSecurity(t, pod.Spec, c)
-	checkWorkloadAPI(t, pod.Spec, c, flags)
+	checkIdentitySource(t, pod.Spec, c, flags)
 	checkAgentRBAC(t, objs, d)
 	checkAgentIdentity(t, objs, d, flags)
 }
@@ -542,6 +542,55 @@ func checkSecurity(t *testing.T, spec corev1.PodSpec, c *corev1.Container) {
 	}
 	if seccomp == nil || seccomp.Type != corev1.SeccompProfileTypeRuntimeDefault {
 		t.Errorf("%s: seccompProfile is not RuntimeDefault", c.Name)
+	}
+}
+
+// checkIdentitySource checks where the container takes its SVID from:
+// SVID files (--svid-cert) or else the Workload API.
+func checkIdentitySource(t *testing.T, spec corev1.PodSpec, c *corev1.Container, flags map[string]string) {
+	t.Helper()
+	if _, ok := flags["svid-cert"]; ok {
+		checkSVIDSecret(t, spec, c, flags)
+		return
+	}
+	checkWorkloadAPI(t, spec, c, flags)
+}
+
+// checkSVIDSecret: --svid-cert, --svid-key and --trust-bundle name the keys
+// tls.crt, tls.key and ca.crt (what tunnelctl dev-ca and cert-manager
+// write) of one mounted Secret, and the Workload API is not asked.
+func checkSVIDSecret(t *testing.T, spec corev1.PodSpec, c *corev1.Container, flags map[string]string) {
+	t.Helper()
+	secrets := map[string]string{} // mount path -> Secret
+	for _, v := range spec.Volumes {
+		if v.Secret == nil {
+			continue
+		}
+		if len(v.Secret.Items) > 0 {
+			t.Errorf("volume %s: items rename the Secret's keys; the SVID files are its keys", v.Name)
+		}
+		for _, m := range c.VolumeMounts {
+			if m.Name == v.Name && m.SubPath == "" {
+				secrets[path.Clean(m.MountPath)] = v.Secret.SecretName
+			}
+		}
+	}
+	var secret string
+	for flag, key := range map[string]string{"svid-cert": "tls.crt", "svid-key": "tls.key", "trust-bundle": "ca.crt"} {
+		file := flags[flag]
+		s, ok := secrets[path.Dir(file)]
+		switch {
+		case !ok:
+			t.Errorf("%s: --%s %q is not in a mounted Secret (a subPath mount would not see rotations)", c.Name, flag, file)
+		case path.Base(file) != key:
+			t.Errorf("%s: --%s %q: want the Secret's key %s", c.Name, flag, file, key)
+		case secret != "" && s != secret:
+			t.Errorf("%s: the SVID files come from two Secrets, %s and %s", c.Name, secret, s)
+		}
+		secret = s
+	}
+	if flags["spiffe-socket"] != "" || slices.ContainsFunc(c.Env, func(e corev1.EnvVar) bool { return e.Name == "SPIFFE_ENDPOINT_SOCKET" }) {
+		t.Errorf("%s: SVID files and the Workload API both", c.Name)
 	}
 }
 

@@ -4,6 +4,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 
 	"sigs.k8s.io/yaml"
@@ -48,6 +49,46 @@ func TestDeployOverlaysDeployTheImagesOfThisVersion(t *testing.T) {
 	for _, name := range release.Images {
 		if !seen[name] {
 			t.Errorf("no overlay sets the tag of %s", name)
+		}
+	}
+}
+
+// TestDeployHelmChartsDeployTheImagesOfThisVersion: every chart's
+// appVersion, the default tag of its image, is the VERSION file's, and its
+// version the same without the v (make release sets both), and the chart's
+// image is one make images builds.
+func TestDeployHelmChartsDeployTheImagesOfThisVersion(t *testing.T) {
+	version := harness.Version(t)
+	for _, chart := range charts {
+		raw, err := os.ReadFile(filepath.Join(chartDir(chart), "Chart.yaml"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var c struct{ Version, AppVersion string }
+		if err := yaml.Unmarshal(raw, &c); err != nil {
+			t.Fatalf("%s: %v", chart, err)
+		}
+		if c.AppVersion != version {
+			t.Errorf("%s: appVersion %q, want %s (VERSION)", chart, c.AppVersion, version)
+		}
+		if want := strings.TrimPrefix(version, "v"); c.Version != want {
+			t.Errorf("%s: version %q, want %s (VERSION without its v)", chart, c.Version, want)
+		}
+		if stamped := release.StampChart(string(raw), version); stamped != string(raw) {
+			t.Errorf("%s: make release would change Chart.yaml:\n%s", chart, stamped)
+		}
+		raw, err = os.ReadFile(filepath.Join(chartDir(chart), "values.yaml"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var v struct {
+			Image struct{ Repository, Tag string }
+		}
+		if err := yaml.Unmarshal(raw, &v); err != nil {
+			t.Fatalf("%s: %v", chart, err)
+		}
+		if !slices.Contains(release.Images, v.Image.Repository) || v.Image.Tag != "" {
+			t.Errorf("%s: image %s:%s, want one of %v with the appVersion's tag", chart, v.Image.Repository, v.Image.Tag, release.Images)
 		}
 	}
 }

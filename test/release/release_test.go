@@ -33,6 +33,9 @@ func TestReleaseTagsOneStampedCommitAndPushesNothing(t *testing.T) {
 	if got := strings.TrimSpace(showAt(t, repo, "HEAD", "VERSION")); got != next {
 		t.Errorf("VERSION after the release: %s, want %s", got, next)
 	}
+	if chart := showAt(t, repo, "HEAD", "deploy/charts/tunnel-agent/Chart.yaml"); !strings.Contains(chart, `appVersion: "`+next+`"`) {
+		t.Errorf("the agent's chart after the release is not at %s:\n%s", next, chart)
+	}
 	if status := mustRun(t, repo, "git", "status", "--porcelain"); status != "" {
 		t.Errorf("make release left changes behind:\n%s", status)
 	}
@@ -103,6 +106,10 @@ func checkStampedCommit(t *testing.T, repo, version string) {
 	}
 	if overlay := showAt(t, repo, version, "deploy/overlays/production/kustomization.yaml"); !strings.Contains(overlay, "newTag: "+version) {
 		t.Errorf("the production overlay at the release does not deploy %s:\n%s", version, overlay)
+	}
+	if chart := showAt(t, repo, version, "deploy/charts/tunnel-broker/Chart.yaml"); !strings.Contains(chart, `appVersion: "`+version+`"`) ||
+		!strings.Contains(chart, "version: "+strings.TrimPrefix(version, "v")+"\n") {
+		t.Errorf("the broker's chart at the release does not deploy %s:\n%s", version, chart)
 	}
 	if changelog := showAt(t, repo, version, "CHANGELOG.md"); !strings.Contains(changelog, "## Unreleased\n\n## "+version+" (") {
 		t.Errorf("CHANGELOG.md at the release has no section for %s under a new Unreleased one", version)

@@ -11,5 +11,5 @@ endif
 
 .PHONY: deploy-check
 ## deploy-check: the Deploy tests alone (render, check and dry-run deploy/)
-deploy-check: kube-tools build
+deploy-check: kube-tools helm-tools build
 	cd test && $(GO) test -count=1 -run Deploy ./...

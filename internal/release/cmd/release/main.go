@@ -4,7 +4,7 @@
 //  1. it refuses a dirty tree, a version that is not vX.Y.Z (or vX.Y.Z-rc.N),
 //     a tag that exists already, and an empty "Unreleased" in CHANGELOG.md;
 //  2. it stamps the version into VERSION, the modules' requirements on each
-//     other, the overlays' image tags and CHANGELOG.md;
+//     other, the overlays' image tags, the charts' versions and CHANGELOG.md;
 //  3. it runs the checks (make test by default: lint with buf breaking
 //     against the last release, every test, and the release check, which
 //     serves the modules at this version to a consumer outside the repo);
@@ -12,7 +12,7 @@
 //  4. it commits "Release vX.Y.Z" and tags it proto/vX.Y.Z,
 //     kcpplugin/vX.Y.Z and vX.Y.Z;
 //  5. it builds the images (make images) from that commit;
-//  6. it commits the next -dev version to VERSION and the overlays;
+//  6. it commits the next -dev version to VERSION, the overlays and the charts;
 //  7. it prints what to push.
 package main
 
@@ -31,7 +31,7 @@ import (
 )
 
 // stampedFiles are what release.StampTree changes.
-var stampedFiles = []string{"VERSION", "go.mod", "kcpplugin/go.mod", "proto/go.mod", "deploy/overlays"}
+var stampedFiles = []string{"VERSION", "go.mod", "kcpplugin/go.mod", "proto/go.mod", "deploy/overlays", "deploy/charts"}
 
 func main() {
 	var (
@@ -68,7 +68,7 @@ func run(repo, version string, checks []string) error {
 	if err := release.SetVersion(repo, next); err != nil {
 		return err
 	}
-	if _, err := git(repo, "commit", "-m", "Open "+next, "--", "VERSION", "deploy/overlays"); err != nil {
+	if _, err := git(repo, "commit", "-m", "Open "+next, "--", "VERSION", "deploy/overlays", "deploy/charts"); err != nil {
 		return err
 	}
 
@@ -119,7 +119,7 @@ func stampAndCheck(repo, version string, checks []string) error {
 		return err
 	}
 
-	step("stamping %s into VERSION, the go.mod files, the overlays and CHANGELOG.md", version)
+	step("stamping %s into VERSION, the go.mod files, the overlays, the charts and CHANGELOG.md", version)
 	if err := release.StampTree(repo, version); err != nil {
 		return restore(repo, err)
 	}

@@ -1,0 +1,107 @@
+{{/* The objects' name: <release>-<chart>, or the release's name if it contains the chart's. */}}
+{{- define "tunnel-broker.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "tunnel-broker.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "tunnel-broker.namespace" -}}
+{{- default .Release.Namespace .Values.namespaceOverride }}
+{{- end }}
+
+{{- define "tunnel-broker.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Selector labels: immutable in a Deployment, so only these two. */}}
+{{- define "tunnel-broker.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "tunnel-broker.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "tunnel-broker.labels" -}}
+helm.sh/chart: {{ include "tunnel-broker.chart" . }}
+{{ include "tunnel-broker.selectorLabels" . }}
+app.kubernetes.io/version: {{ include "tunnel-broker.tag" . | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: kcp-tunnel-broker
+app.kubernetes.io/component: broker
+{{- with .Values.extraLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* metadata: name, namespace, labels and annotations of a namespaced object; pass (list . "suffix"). */}}
+{{- define "tunnel-broker.metadata" -}}
+{{- $ := index . 0 }}
+{{- $suffix := index . 1 -}}
+name: {{ include "tunnel-broker.fullname" $ }}{{ $suffix }}
+namespace: {{ include "tunnel-broker.namespace" $ }}
+labels:
+  {{- include "tunnel-broker.labels" $ | nindent 2 }}
+{{- with $.Values.extraAnnotations }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{- define "tunnel-broker.tag" -}}
+{{- .Values.image.tag | default .Chart.AppVersion }}
+{{- end }}
+
+{{- define "tunnel-broker.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository (include "tunnel-broker.tag" .) }}
+{{- end }}
+{{- end }}
+
+{{- define "tunnel-broker.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "tunnel-broker.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The policy file's text: policy is a map, or the file's text (--set-file). */}}
+{{- define "tunnel-broker.policy" -}}
+{{- if kindIs "string" .Values.policy }}
+{{- .Values.policy }}
+{{- else }}
+{{- toYaml (required "policy is required: the broker does not start without one" .Values.policy) }}
+{{- end }}
+{{- end }}
+
+{{- define "tunnel-broker.imagePullSecrets" -}}
+{{- range .Values.global.imagePullSecrets }}
+{{- if kindIs "map" . }}
+- {{ toYaml . | trim }}
+{{- else }}
+- name: {{ . }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "tunnel-broker.svidSource" -}}
+{{- $s := .Values.svid.source }}
+{{- if not (has $s (list "spire" "secret")) }}
+{{- fail (printf "svid.source is %q: it is spire or secret" $s) }}
+{{- end }}
+{{- if and (eq $s "secret") (not .Values.svid.secret.name) }}
+{{- fail "svid.source is secret: set svid.secret.name, a Secret with tls.crt, tls.key and ca.crt" }}
+{{- end }}
+{{- $s }}
+{{- end }}
