@@ -132,6 +132,7 @@ func checkBroker(t *testing.T, k kustomization, objs []object, d *appsv1.Deploym
 	}
 	selects(t, "the Deployment's selector", d.Spec.Selector, pod.Labels)
 	checkAntiAffinity(t, pod)
+	checkMinReady(t, d)
 
 	flags := flagsOf(c.Args)
 	checkFlagsExist(t, "broker", flags)
@@ -172,6 +173,18 @@ func checkBroker(t *testing.T, k kustomization, objs []object, d *appsv1.Deploym
 		} else {
 			t.Logf("broker SPIFFE ID %s", id)
 		}
+	}
+}
+
+// checkMinReady: a rollout drains an old replica only once the agents have
+// had time to find the new one, on their next resolve of the headless
+// Service (--resolve-interval, 30s) and within their reconnect ceiling
+// (--reconnect-max-delay, 2s): until then, only the old replicas serve
+// the clusters of the agents that have not joined the new one.
+func checkMinReady(t *testing.T, d *appsv1.Deployment) {
+	const agentsJoin = 30 + 2 // seconds
+	if d.Spec.MinReadySeconds < agentsJoin {
+		t.Errorf("minReadySeconds %d: want at least %d, the agents' resolve interval and reconnect ceiling", d.Spec.MinReadySeconds, agentsJoin)
 	}
 }
 
