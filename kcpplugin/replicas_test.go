@@ -18,6 +18,17 @@ import (
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
+// freeAddr is a loopback address with no broker on it (yet).
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lis.Close()
+	return lis.Addr().String()
+}
+
 // notHere is a replica that no agent of the dial's cluster has joined: it
 // refuses every dial as the broker does, before ordering anything.
 func notHere(dials *atomic.Int32) dialHandler {
@@ -98,13 +109,7 @@ func TestADialThatMayHaveReachedItsTargetIsNotRetried(t *testing.T) {
 
 func TestADialWaitsForABrokerThatStartsWithinItsTimeout(t *testing.T) {
 	certs := selfSignedMTLS(t)
-	// A port with no broker on it yet.
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := lis.Addr().String()
-	lis.Close()
+	addr := freeAddr(t)
 	dialer := newTestClient(t, "replicas:///broker", certs, grpc.WithResolvers(replicas(addr)))
 	dialer.Timeout = waitLong
 	var served atomic.Int32
@@ -126,7 +131,7 @@ func TestADialWaitsForABrokerThatStartsWithinItsTimeout(t *testing.T) {
 	// The dial waits, however many connection attempts fail meanwhile.
 	stillBlocked(t, dialed, 300*time.Millisecond, "a dial with no broker")
 
-	lis, err = net.Listen("tcp", addr)
+	lis, err := net.Listen("tcp", addr)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -141,15 +146,9 @@ func TestADialWaitsForABrokerThatStartsWithinItsTimeout(t *testing.T) {
 
 func TestADialThatFindsNoBrokerInItsTimeoutSaysWhy(t *testing.T) {
 	certs := selfSignedMTLS(t)
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := lis.Addr().String()
-	lis.Close()
-	dialer := newTestClient(t, "replicas:///broker", certs, grpc.WithResolvers(replicas(addr)))
+	dialer := newTestClient(t, "replicas:///broker", certs, grpc.WithResolvers(replicas(freeAddr(t))))
 	dialer.Timeout = 500 * time.Millisecond
-	_, err = dialer.DialService(context.Background(), testCluster, testNamespace, testService, testPort)
+	_, err := dialer.DialService(context.Background(), testCluster, testNamespace, testService, testPort)
 	if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "no tunnel broker reachable within 500ms") ||
 		!strings.Contains(err.Error(), "connection refused") {
 		t.Fatalf("dial: %v, want Unavailable: no tunnel broker reachable within 500ms, with the last connection error", err)

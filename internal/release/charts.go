@@ -1,7 +1,6 @@
 package release
 
 import (
-	"os"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -17,23 +16,9 @@ var (
 // the default image tag, to version, so that a release's charts deploy the
 // images make images built for it. It edits lines, keeping comments.
 func StampCharts(repo, version string) error {
-	files, err := filepath.Glob(filepath.Join(repo, "deploy", "charts", "*", "Chart.yaml"))
-	if err != nil {
-		return err
-	}
-	for _, f := range files {
-		data, err := os.ReadFile(f)
-		if err != nil {
-			return err
-		}
-		stamped := StampChart(string(data), version)
-		if stamped != string(data) {
-			if err := os.WriteFile(f, []byte(stamped), 0o644); err != nil {
-				return err
-			}
-		}
-	}
-	return nil
+	return stampFiles(filepath.Join(repo, "deploy", "charts", "*", "Chart.yaml"), func(chart string) string {
+		return StampChart(chart, version)
+	})
 }
 
 // StampChart rewrites a Chart.yaml's version and appVersion lines.

@@ -20,7 +20,15 @@ var (
 // deploy/overlays to version, so that the overlays of a release deploy the
 // images make images built for it. It edits lines, keeping comments.
 func StampOverlays(repo, version string) error {
-	files, err := filepath.Glob(filepath.Join(repo, "deploy", "overlays", "*", "kustomization.yaml"))
+	return stampFiles(filepath.Join(repo, "deploy", "overlays", "*", "kustomization.yaml"), func(k string) string {
+		return stampTags(k, version)
+	})
+}
+
+// stampFiles rewrites every file pattern matches with stamp, leaving those
+// it does not change untouched.
+func stampFiles(pattern string, stamp func(string) string) error {
+	files, err := filepath.Glob(pattern)
 	if err != nil {
 		return err
 	}
@@ -29,8 +37,7 @@ func StampOverlays(repo, version string) error {
 		if err != nil {
 			return err
 		}
-		stamped := stampTags(string(data), version)
-		if stamped != string(data) {
+		if stamped := stamp(string(data)); stamped != string(data) {
 			if err := os.WriteFile(f, []byte(stamped), 0o644); err != nil {
 				return err
 			}

@@ -214,12 +214,7 @@ func TestDeployHelmBroker(t *testing.T) {
 	for _, c := range casesOf("tunnel-broker") {
 		t.Run(c.String(), func(t *testing.T) {
 			_, objs := renderChart(t, c)
-			deps := ofKind(objs, "Deployment")
-			if len(deps) != 1 {
-				t.Fatalf("%d Deployments rendered, want 1", len(deps))
-			}
-			var d appsv1.Deployment
-			deps[0].into(t, &d)
+			d := theDeployment(t, objs)
 			bc := container(d.Spec.Template.Spec, "broker")
 			if bc == nil {
 				t.Fatal("no broker container")
@@ -302,12 +297,7 @@ func TestDeployHelmAgent(t *testing.T) {
 	for _, c := range casesOf("tunnel-agent") {
 		t.Run(c.String(), func(t *testing.T) {
 			_, objs := renderChart(t, c)
-			deps := ofKind(objs, "Deployment")
-			if len(deps) != 1 {
-				t.Fatalf("%d Deployments rendered, want 1", len(deps))
-			}
-			var d appsv1.Deployment
-			deps[0].into(t, &d)
+			d := theDeployment(t, objs)
 			pod := d.Spec.Template
 			ac := container(pod.Spec, "syncer-agent")
 			if ac == nil {
@@ -356,4 +346,16 @@ func TestDeployHelmServerSideDryRun(t *testing.T) {
 			dryRun(t, c.String(), stream, objs)
 		})
 	}
+}
+
+// theDeployment is the one Deployment a chart renders.
+func theDeployment(t *testing.T, objs []object) appsv1.Deployment {
+	t.Helper()
+	deps := ofKind(objs, "Deployment")
+	if len(deps) != 1 {
+		t.Fatalf("%d Deployments rendered, want 1", len(deps))
+	}
+	var d appsv1.Deployment
+	deps[0].into(t, &d)
+	return d
 }

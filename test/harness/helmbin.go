@@ -1,20 +1,8 @@
 package harness
 
-import (
-	"fmt"
-	"os"
-	"os/exec"
-	"path/filepath"
-	"runtime"
-	"strings"
-	"sync"
-)
+import "os"
 
-var (
-	helmBinOnce sync.Once
-	helmBin     string
-	helmBinErr  error
-)
+var helmTool = cachedTool{name: "helm"}
 
 // HelmBinary returns the path of helm, built by test/tools/helm/build.sh at
 // the version pinned there and cached in the repo's .cache/helm-<version>/:
@@ -22,27 +10,10 @@ var (
 // names an executable (make test exports the one helm-tools built), is
 // taken as it is.
 func HelmBinary() (string, error) {
-	helmBinOnce.Do(func() {
-		if h := os.Getenv("HELM"); h != "" {
-			if st, err := os.Stat(h); err == nil && st.Mode()&0o111 != 0 {
-				helmBin = h
-				return
-			}
+	if h := os.Getenv("HELM"); h != "" {
+		if st, err := os.Stat(h); err == nil && st.Mode()&0o111 != 0 {
+			return h, nil
 		}
-		_, self, _, ok := runtime.Caller(0)
-		if !ok {
-			helmBinErr = fmt.Errorf("cannot locate the harness source to find test/tools/helm")
-			return
-		}
-		script := filepath.Join(filepath.Dir(self), "..", "tools", "helm", "build.sh")
-		cmd := exec.Command(script)
-		cmd.Stderr = os.Stderr // the build says what it does; go test shows it
-		out, err := cmd.Output()
-		if err != nil {
-			helmBinErr = fmt.Errorf("%s: %w", script, err)
-			return
-		}
-		helmBin = strings.TrimSpace(string(out))
-	})
-	return helmBin, helmBinErr
+	}
+	return helmTool.get()
 }

@@ -111,6 +111,12 @@ func startTLS(t *testing.T) *frontEnd {
 // through door (nil: a front door of b's with the defaults).
 func serveTLS(t *testing.T, b *brokertest.Server, door *admission.Admission) *frontEnd {
 	t.Helper()
+	return serveTLSWith(t, b, Config{Admission: door})
+}
+
+// serveTLSWith is serveTLS with cfg, whose TLS server has opts.
+func serveTLSWith(t *testing.T, b *brokertest.Server, cfg Config, opts ...identity.Option) *frontEnd {
+	t.Helper()
 	src, err := b.CA.Source(devca.Leaf{SPIFFEID: brokertest.BrokerPath})
 	if err != nil {
 		t.Fatal(err)
@@ -119,7 +125,8 @@ func serveTLS(t *testing.T, b *brokertest.Server, door *admission.Admission) *fr
 	if err != nil {
 		t.Fatal(err)
 	}
-	serve(t, b, Config{Name: "tls", TLS: identity.NewTLSServer(src), Admission: door}, l)
+	cfg.Name, cfg.TLS = "tls", identity.NewTLSServer(src, opts...)
+	serve(t, b, cfg, l)
 	return &frontEnd{Server: b, addr: l.Addr().String(), network: "tcp", tls: true}
 }
 
@@ -343,21 +350,12 @@ func closedSoon(c net.Conn) bool {
 // connection, and not in an opening place: only a verified peer waits for
 // its answer in one. So they cannot keep a verified caller out.
 func TestConnectOverMTLSIsAnsweredWhileConnectionsStallTheirHandshakes(t *testing.T) {
-	b := startBroker(t)
-	src, err := b.CA.Source(devca.Leaf{SPIFFEID: brokertest.BrokerPath})
-	if err != nil {
-		t.Fatal(err)
-	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	serve(t, b, Config{Name: "tls", TLS: identity.NewTLSServer(src, identity.MaxConcurrentHandshakes(2)), MaxOpening: 1}, l)
-	f := &frontEnd{Server: b, addr: l.Addr().String(), network: "tcp", tls: true}
+	f := serveTLSWith(t, startBroker(t), Config{MaxOpening: 1}, identity.MaxConcurrentHandshakes(2))
 
 	// Two take the handshake slots, the others are closed at once.
 	stalled := make([]net.Conn, 4)
 	for i := range stalled {
+		var err error
 		if stalled[i], err = net.Dial("tcp", f.addr); err != nil {
 			t.Fatal(err)
 		}
