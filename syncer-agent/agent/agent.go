@@ -135,10 +135,18 @@ func (a *Agent) dial() (*grpc.ClientConn, error) {
 		// long after its broker, however long the broker was gone. The
 		// jitter spreads thousands of agents over a fifth of it either
 		// way; the broker paces their registrations.
-		grpc.WithConnectParams(grpc.ConnectParams{Backoff: grpcbackoff.Config{
-			BaseDelay: minRetry, Multiplier: 1.6, Jitter: 0.2, MaxDelay: a.reconnectMaxDelay(),
-		}, MinConnectTimeout: connectTimeout}))
+		grpc.WithConnectParams(ReconnectParams(a.reconnectMaxDelay())))
 	return grpc.NewClient(a.Broker, opts...)
+}
+
+// ReconnectParams are how an agent's connection to a replica comes back:
+// gRPC's backoff from 250ms up to maxDelay, with jitter, each attempt
+// bounded by 3s. Simulated agents (test/bench) reconnect with them too.
+func ReconnectParams(maxDelay time.Duration) grpc.ConnectParams {
+	return grpc.ConnectParams{
+		Backoff:           grpcbackoff.Config{BaseDelay: minRetry, Multiplier: 1.6, Jitter: 0.2, MaxDelay: maxDelay},
+		MinConnectTimeout: connectTimeout,
+	}
 }
 
 // agentRun is one Run of an agent: what its sessions and tunnels share.

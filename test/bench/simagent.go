@@ -109,7 +109,9 @@ func (c *simConn) Close() error {
 func StartSimAgent(ctx context.Context, cfg SimAgentConfig) (*SimAgent, error) {
 	// As syncer-agent/agent.Agent.Run connects.
 	opts := append(wire.DialOptions(coalesce.Writes(identity.ClientCredentials(cfg.Source, tlsconfig.AuthorizeID(cfg.BrokerID)))),
-		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 5 * time.Second, Timeout: 5 * time.Second, PermitWithoutStream: true}))
+		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 5 * time.Second, Timeout: 5 * time.Second, PermitWithoutStream: true}),
+		// And reconnects as it does: its backoff, its bound on an attempt.
+		grpc.WithConnectParams(agent.ReconnectParams(agent.DefaultReconnectMaxDelay)))
 	a := &SimAgent{cfg: cfg, ended: make(chan struct{})}
 	opts = append(opts, grpc.WithContextDialer(func(ctx context.Context, addr string) (net.Conn, error) {
 		var d net.Dialer

@@ -79,6 +79,7 @@ type scaleWorld struct {
 type scaleBroker struct {
 	label   string
 	proc    *harness.Process
+	args    []string // its flags but --listen
 	addr    string
 	pprof   string // "" without pprof
 	metrics string
@@ -90,7 +91,8 @@ func (b *scaleBroker) pid() int { return b.proc.Cmd.Process.Pid }
 // scale measures one broker replica with many agents against one with a
 // single agent: memory and goroutines per agent, the registrations, idle
 // traffic and CPU, dial latency, re-registrations, and a rolling restart
-// of every agent while dials run.
+// of every agent while dials run, and every agent's return to a replica
+// that restarted.
 func (r *runner) scale(ctx context.Context) {
 	cfg := scaleCfg
 	if f := flag.Lookup("quick"); f != nil && f.Value.String() == "true" {
@@ -118,6 +120,7 @@ func (r *runner) scale(ctx context.Context) {
 		{"large agent", func() { r.scaleBig(ctx, w) }},
 		{"rolling restart", func() { r.scaleRestart(ctx, w) }},
 		{"hung agents", func() { r.scaleVanish(ctx, w) }},
+		{"broker restart", func() { r.scaleReturn(ctx, w) }},
 	} {
 		r.logf("scale: %s (load %s)", step.name, loadAvg())
 		step.run()
@@ -184,6 +187,7 @@ func (r *runner) startScale(cfg scaleConfig) *scaleWorld {
 			extra = append(extra, "--pprof-listen", b.pprof)
 		}
 		t := time.Now()
+		b.args = extra
 		b.proc, b.addr = r.env.StartBrokerProcess(extra...)
 		r.logf("scale: broker %s started in %v with a policy of %d KiB", label, time.Since(t).Round(time.Millisecond), len(raw)>>10)
 		b.metrics = b.proc.MetricsAddr(r.m)
@@ -556,7 +560,15 @@ func (r *runner) scaleRestart(ctx context.Context, w *scaleWorld) {
 	}
 	startRep := r.loadDo(w, loadRequest{Op: "restart", Broker: "many", Indices: indices, PerAgent: cfg.clusters, Over: cfg.restart})
 	d := &restartDials{}
-	stopDials := d.run(ctx, w, time.Unix(0, startRep.Start))
+	began := time.Unix(0, startRep.Start)
+	stopDials := d.run(ctx, w, func() int {
+		if rand.IntN(2) == 0 {
+			// An agent due within the last half second.
+			due := time.Since(began) - time.Duration(rand.Int64N(int64(500*time.Millisecond)))
+			return max(0, min(cfg.agents-1, int(int64(due)*int64(cfg.agents)/int64(cfg.restart))))
+		}
+		return rand.IntN(cfg.agents)
+	})
 	rep := r.loadDo(w, loadRequest{Op: "restart_wait"})
 	// Dials go on a moment after the last agent is back.
 	time.Sleep(time.Second)
@@ -590,11 +602,11 @@ type restartFailure struct {
 	err        error
 }
 
-// run has two callers dial clusters of broker many's agents, whose restart
-// began at began, until the returned stop is called: half the dials go to
-// an agent due to restart about now, so that the dials meet agents as they
-// leave and come back; the other half to any agent.
-func (d *restartDials) run(ctx context.Context, w *scaleWorld, began time.Time) (stop func()) {
+// run has two callers dial clusters of broker many's agents that pick
+// chooses, until the returned stop is called. The rolling restart sends
+// half the dials to an agent due to restart about now, so that the dials
+// meet agents as they leave and come back; the other half to any agent.
+func (d *restartDials) run(ctx context.Context, w *scaleWorld, pick func() int) (stop func()) {
 	cfg := w.cfg
 	stopping := make(chan struct{})
 	var wg sync.WaitGroup
@@ -606,12 +618,7 @@ func (d *restartDials) run(ctx context.Context, w *scaleWorld, began time.Time) 
 					return
 				default:
 				}
-				agent := rand.IntN(cfg.agents)
-				if rand.IntN(2) == 0 {
-					// An agent due within the last half second.
-					due := time.Since(began) - time.Duration(rand.Int64N(int64(500*time.Millisecond)))
-					agent = max(0, min(cfg.agents-1, int(int64(due)*int64(cfg.agents)/int64(cfg.restart))))
-				}
+				agent := pick()
 				start, end, err := w.many.dialAndClose(ctx, scaleCluster(agent, rand.IntN(cfg.clusters)))
 				d.record(restartFailure{agent, start, end, err})
 			}
@@ -791,4 +798,62 @@ func (d *vanishDials) watch(ctx context.Context, w *scaleWorld, i int, away [2]i
 		}
 		d.mu.Unlock()
 	}
+}
+
+// scaleOutage is how long broker many is down before its agents return.
+const scaleOutage = 5 * time.Second
+
+// scaleReturn is a replica's restart with every agent coming back to it at
+// once: broker many is killed, its agents all try to register again at
+// once, each as the real agent does (gRPC's reconnect backoff, 250ms to
+// the agent's 2s ceiling, with jitter; no pacing of their own), and the
+// broker starts again on the same address scaleOutage later. It measures
+// how long after the broker served every agent was registered again, the
+// broker's CPU meanwhile, and the dials that failed to an agent already
+// back. The broker paces the herd by its bound on handshakes in progress.
+func (r *runner) scaleReturn(ctx context.Context, w *scaleWorld) {
+	cfg := w.cfg
+	indices := make([]int, cfg.agents)
+	for i := range indices {
+		indices[i] = i
+	}
+	w.many.proc.Kill()
+	returned := make(chan loadReply, 1)
+	go func() {
+		returned <- r.loadDo(w, loadRequest{Op: "register", Broker: "many", Addr: w.many.addr, Indices: indices, PerAgent: cfg.clusters, InFlight: cfg.agents})
+	}()
+	time.Sleep(scaleOutage)
+	w.many.proc, _ = r.env.StartBrokerProcess(append(slices.Clone(w.many.args), "--listen", w.many.addr)...)
+	serving := time.Now()
+	w.many.metrics = w.many.proc.MetricsAddr(r.m)
+	cpu0 := r.cpuOf(w.many.pid())
+	d := &restartDials{}
+	stopDials := d.run(ctx, w, func() int { return rand.IntN(cfg.agents) })
+	rep := <-returned
+	cpu := r.cpuOf(w.many.pid()) - cpu0
+	time.Sleep(time.Second)
+	stopDials()
+
+	var back bench.Samples
+	for _, a := range rep.Away {
+		if a[1] != 0 {
+			back = append(back, max(0, time.Unix(0, a[1]).Sub(serving)))
+		}
+	}
+	awayFailed, connectedFailed := r.sortRestartFailures(d.failures, rep.Away)
+	all := slices.Max(append(back, 0))
+	r.report.note("scale return: broker many killed, its %d agents trying to register again at once, the broker back on its address %v later; %d came back, %d did not within 30s; %d dials, %d failed while their agent was away, %d while it was registered",
+		cfg.agents, scaleOutage, len(back), rep.Failed, d.dials, awayFailed, connectedFailed)
+	r.report.row("scale_return_all_s", none, all.Seconds())
+	r.report.row("scale_return_p50_ms", none, bench.Millis(back.Quantile(0.5)))
+	r.report.row("scale_return_p99_ms", none, bench.Millis(back.Quantile(0.99)))
+	r.report.row("scale_return_broker_cpu_ms_per_agent", none, bench.Millis(cpu)/float64(cfg.agents))
+	r.report.row("scale_return_agents_not_back", none, float64(rep.Failed))
+	// Handshakes the herd cost the broker for nothing: refused or dropped
+	// for room (over_limit), or given up by their agent (closed, timeout).
+	for _, reason := range []string{"over_limit", "closed", "timeout"} {
+		n, _ := harness.Scrape(r.m, w.many.proc, `kcp_tunnel_broker_handshakes_refused_total{reason="`+reason+`"}`)
+		r.report.row("scale_return_handshakes_"+reason, none, n)
+	}
+	r.report.row("scale_return_dials_failed_agent_registered", none, float64(connectedFailed))
 }

@@ -75,8 +75,8 @@ type loadReply struct {
 	// wire: the bytes the agents of Broker read and wrote so far.
 	Read, Written int64
 
-	// restart: when it started (unix ns); restart_wait and vanish: each
-	// agent's time away (unix ns, from its disconnect to its new
+	// restart: when it started (unix ns); register, restart_wait and
+	// vanish: each agent's time away (unix ns, from its disconnect to its new
 	// registered; an end of 0 means it never came back), by index.
 	Start int64
 	Away  map[int][2]int64
@@ -267,6 +267,8 @@ func (l *loadProcess) register(req loadRequest) loadReply {
 		}
 	}
 	latencies := make([]time.Duration, len(req.Indices))
+	away := make(map[int][2]int64, len(req.Indices))
+	var awayMu sync.Mutex
 	var failed atomic.Int64
 	var firstErr atomic.Value
 	places := make(chan struct{}, max(1, req.InFlight))
@@ -276,21 +278,34 @@ func (l *loadProcess) register(req loadRequest) loadReply {
 		places <- struct{}{}
 		wg.Go(func() {
 			defer func() { <-places }()
+			l.mu.Lock()
+			old := l.agents[req.Broker][i]
+			l.mu.Unlock()
+			if old != nil {
+				// Its broker restarted: the agent comes back.
+				old.Close()
+			}
 			t := time.Now()
 			a, err := l.connect(req.Broker, i, req.PerAgent)
 			if err != nil {
 				failed.Add(1)
 				firstErr.CompareAndSwap(nil, fmt.Sprintf("agent %d: %v", i, err))
+				awayMu.Lock()
+				away[i] = [2]int64{t.UnixNano(), 0}
+				awayMu.Unlock()
 				return
 			}
 			latencies[n] = time.Since(t)
+			awayMu.Lock()
+			away[i] = [2]int64{t.UnixNano(), a.Registered.UnixNano()}
+			awayMu.Unlock()
 			l.mu.Lock()
 			l.agents[req.Broker][i] = a
 			l.mu.Unlock()
 		})
 	}
 	wg.Wait()
-	rep := loadReply{Took: time.Since(start), Latencies: latencies, Failed: int(failed.Load())}
+	rep := loadReply{Took: time.Since(start), Latencies: latencies, Failed: int(failed.Load()), Away: away}
 	if e, ok := firstErr.Load().(string); ok {
 		fmt.Fprintln(os.Stderr, "scale load: register:", e)
 	}
