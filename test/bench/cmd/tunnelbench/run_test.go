@@ -43,10 +43,13 @@ func TestTinyRunPrintsEveryFigure(t *testing.T) {
 			t.Errorf("%s: value %q is not a number", name, v)
 		}
 	}
-	// The one figure with a required value (issue 16): during the rolling
+	// The figures with a required value (issue 16): during the rolling
 	// restart, no dial to a cluster whose agent was registered failed.
-	if v := values["scale_restart_dials_failed_agent_registered"]; v != "0.000" {
-		t.Errorf("scale_restart_dials_failed_agent_registered = %s, want 0: a dial failed while its agent was registered", v)
+	// The same when every agent returns to a replica that restarted.
+	for _, name := range []string{"scale_restart_dials_failed_agent_registered", "scale_return_dials_failed_agent_registered"} {
+		if v := values[name]; v != "0.000" {
+			t.Errorf("%s = %s, want 0: a dial failed while its agent was registered", name, v)
+		}
 	}
 	if t.Failed() {
 		t.Logf("output:\n%s", out)
@@ -150,6 +153,7 @@ var tinyRunFigures = []string{
 	"scale_register_all_s", "scale_broker_rss_KiB_per_agent", "scale_broker_goroutines_per_agent", "scale_metrics_series",
 	"scale_idle_wire_B_per_s_per_agent", "scale_dial_p99_us", "scale_reregister_4_routed_ms", "scale_reregister_300_broker_cpu_ms",
 	"scale_restart_dials", "scale_restart_dials_failed_agent_registered", "scale_vanish_dials_failed_agent_registered",
+	"scale_return_all_s", "scale_return_broker_cpu_ms_per_agent", "scale_return_dials_failed_agent_registered",
 }
 
 // runTiny builds tunnelbench and the remotedialer peer, runs every phase
