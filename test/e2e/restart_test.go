@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -74,11 +75,23 @@ func (f *fleet) start(host string) *harness.Process {
 }
 
 // waitReady waits until the replica's /readyz says ready, as the rollout
-// does, and returns when it saw it.
+// does, and returns when it saw it; then until the Service lists it.
 func (f *fleet) waitReady(p *harness.Process) time.Time {
 	f.t.Helper()
 	harness.Eventually(f.t, 60*time.Second, "the replica to be ready", p.ReadyNow)
-	return time.Now()
+	ready := time.Now()
+	f.mu.Lock()
+	var addr string
+	for a, q := range f.live {
+		if q == p {
+			addr = a
+		}
+	}
+	f.mu.Unlock()
+	harness.Eventually(f.t, 10*time.Second, "the Service to list the replica", func() bool {
+		return slices.Contains(f.vip.Endpoints(), addr)
+	})
+	return ready
 }
 
 // drain sends the replica SIGTERM, as the rollout does, and waits for it to
@@ -238,6 +251,7 @@ func TestRestartRollingUpdateFailsNoDial(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer held.Close()
+	roundTrip(t, held, "the held tunnel")
 
 	start := time.Now()
 	load := startDialLoad(kcp, "root", "team-a")
@@ -277,12 +291,15 @@ func TestRestartDrainMovesNewDialsToTheOtherReplica(t *testing.T) {
 	}
 	kcp := f.dialer()
 	var open []net.Conn
-	for range 3 {
+	for i := range 3 {
 		c, err := dialEchoConn(kcp)
 		if err != nil {
 			t.Fatal(err)
 		}
 		defer c.Close()
+		// Established now: with early data, the dial goes with the first
+		// write.
+		roundTrip(t, c, fmt.Sprintf("tunnel %d before the drain", i))
 		open = append(open, c)
 	}
 	var draining string

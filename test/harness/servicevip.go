@@ -48,6 +48,13 @@ func (v *ServiceVIP) SetEndpoints(addrs ...string) {
 	v.endpoints = slices.Clone(addrs)
 }
 
+// Endpoints are the ready replicas now.
+func (v *ServiceVIP) Endpoints() []string {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	return slices.Clone(v.endpoints)
+}
+
 // FollowReadiness keeps the endpoints to those replicas whose /readyz
 // answers 200, polled every 100ms, until the test ends. replicas maps each
 // replica's gRPC address to its process, and is read under its lock; a
