@@ -111,9 +111,10 @@ func (d *Dialer) open(ctx context.Context, target *tunnelv1.Target, timeout time
 	switch {
 	case err == nil:
 		return newConn(stream, cancel, target, timeout, timeout-time.Since(start)), nil
-	case timedOut.Load():
-		// gRPC's message names the last connection error.
-		err = status.Errorf(codes.Unavailable, "no tunnel broker reachable within %v: %s", timeout, status.Convert(err).Message())
+	case timedOut.Load() || errors.Is(ctx.Err(), context.DeadlineExceeded):
+		// No broker was ready before the dial's timeout or deadline: say
+		// why, with gRPC's last connection error, which its message names.
+		err = status.Errorf(codes.Unavailable, "no tunnel broker reachable within %v: %s", time.Since(start).Round(time.Millisecond), status.Convert(err).Message())
 	case ctx.Err() != nil:
 		err = status.FromContextError(ctx.Err()).Err()
 	}
