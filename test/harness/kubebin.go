@@ -21,21 +21,23 @@ var (
 // cached in the repo's .cache/kube/, so only the first call on a machine
 // builds (many minutes); later ones find the binaries at once.
 func KubeBinaries() (string, error) {
-	kubeBinOnce.Do(func() {
-		_, self, _, ok := runtime.Caller(0)
-		if !ok {
-			kubeBinErr = fmt.Errorf("cannot locate the harness source to find test/tools/kube")
-			return
-		}
-		script := filepath.Join(filepath.Dir(self), "..", "tools", "kube", "build.sh")
-		cmd := exec.Command(script)
-		cmd.Stderr = os.Stderr // the build says what it does; go test shows it
-		out, err := cmd.Output()
-		if err != nil {
-			kubeBinErr = fmt.Errorf("%s: %w", script, err)
-			return
-		}
-		kubeBinDir = strings.TrimSpace(string(out))
-	})
+	kubeBinOnce.Do(func() { kubeBinDir, kubeBinErr = runBuildScript("kube") })
 	return kubeBinDir, kubeBinErr
+}
+
+// runBuildScript runs test/tools/<tool>/build.sh, which builds the tool
+// unless its build is cached, and returns the path the script prints.
+func runBuildScript(tool string) (string, error) {
+	_, self, _, ok := runtime.Caller(0)
+	if !ok {
+		return "", fmt.Errorf("cannot locate the harness source to find test/tools/%s", tool)
+	}
+	script := filepath.Join(filepath.Dir(self), "..", "tools", tool, "build.sh")
+	cmd := exec.Command(script)
+	cmd.Stderr = os.Stderr // the build says what it does; go test shows it
+	out, err := cmd.Output()
+	if err != nil {
+		return "", fmt.Errorf("%s: %w", script, err)
+	}
+	return strings.TrimSpace(string(out)), nil
 }
