@@ -1,0 +1,278 @@
+package realkcp
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/kcp-dev/tunnel-broker/broker/policy"
+	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
+	"github.com/kcp-dev/tunnel-broker/test/harness"
+)
+
+// namespace is where the tests' objects go in every workspace.
+const namespace = "realkcp"
+
+// kcpIP is kcp's address in the isolated network: it serves there, on
+// kcp's default port.
+const kcpIP = "192.0.2.20"
+
+var (
+	workspaces    = schema.GroupVersionResource{Group: "tenancy.kcp.io", Version: "v1alpha1", Resource: "workspaces"}
+	schemas       = schema.GroupVersionResource{Group: "apis.kcp.io", Version: "v1alpha1", Resource: "apiresourceschemas"}
+	exports       = schema.GroupVersionResource{Group: "apis.kcp.io", Version: "v1alpha1", Resource: "apiexports"}
+	bindings      = schema.GroupVersionResource{Group: "apis.kcp.io", Version: "v1alpha1", Resource: "apibindings"}
+	agentsPolicy  = []string{"a", "b", "m", "gone", "ca", "provider"}
+	kcpStartLimit = 5 * time.Minute
+)
+
+// server is a kcp process built with the tunnel patch, and the broker it
+// dials webhooks through.
+type server struct {
+	env    *harness.Env
+	broker string
+	// base is kcp's admin config without a cluster path.
+	base *rest.Config
+	cmd  *exec.Cmd
+	done chan struct{}
+	log  string
+}
+
+// startServer starts a broker binary, then kcp with kcpplugin dialing it as
+// /kcp. Its failures end the test binary (t is a harness.Main).
+func startServer(t *harness.Main) *server {
+	if err := harness.CheckIsolated(); err != nil {
+		t.Fatal(err)
+	}
+	bin, err := harness.KCPBinary()
+	if err != nil {
+		t.Fatal(err)
+	}
+	env := harness.NewEnv(t)
+	// The agents of these tests, one per workspace (or provider), each
+	// serving whichever logical cluster its services file names.
+	pol := harness.DefaultPolicy()
+	for _, name := range agentsPolicy {
+		pol.Agents = append(pol.Agents, policy.AgentRule{ID: "spiffe://" + harness.TrustDomain + "/agent/" + name, Clusters: []string{"*"}})
+	}
+	policyFile := harness.WriteShared(t, t.TempDir(), "policy.yaml", pol)
+	_, brokerAddr := env.StartBrokerProcess("--policy", policyFile)
+
+	dir := t.TempDir()
+	svid := env.SVID("/kcp")
+	s := &server{env: env, broker: brokerAddr, done: make(chan struct{}), log: filepath.Join(dir, "kcp.log")}
+	logFile, err := os.Create(s.log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.cmd = exec.Command(bin, "start",
+		"--root-directory", filepath.Join(dir, "kcp"),
+		"--bind-address", kcpIP, "--external-hostname", kcpIP,
+		"--embedded-etcd-client-port", "2379", "--embedded-etcd-peer-port", "2380")
+	s.cmd.Env = append(os.Environ(),
+		"KCP_TUNNEL_BROKER="+brokerAddr,
+		"KCP_TUNNEL_SVID_CERT="+svid.Cert, "KCP_TUNNEL_SVID_KEY="+svid.Key, "KCP_TUNNEL_TRUST_BUNDLE="+svid.Bundle,
+		"KCP_TUNNEL_BROKER_SPIFFE_ID="+harness.ID("/broker").String())
+	s.cmd.Stdout, s.cmd.Stderr = logFile, logFile
+	s.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := s.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		_ = s.cmd.Wait()
+		logFile.Close()
+		close(s.done)
+	}()
+	t.Cleanup(s.stop)
+
+	if err := s.waitReady(filepath.Join(dir, "kcp", "admin.kubeconfig")); err != nil {
+		t.Fatalf("%v\nkcp's log ends:\n%s", err, s.logTail())
+	}
+	return s
+}
+
+// waitReady waits for kcp's admin kubeconfig, then for /readyz, then for
+// the root workspace to take workspaces.
+func (s *server) waitReady(kubeconfig string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), kcpStartLimit)
+	defer cancel()
+	poll := func(what string, ok func() error) error {
+		var err error
+		for {
+			if err = ok(); err == nil {
+				return nil
+			}
+			select {
+			case <-s.done:
+				return fmt.Errorf("kcp exited while waiting for %s", what)
+			case <-ctx.Done():
+				return fmt.Errorf("kcp: no %s within %v: %v", what, kcpStartLimit, err)
+			case <-time.After(250 * time.Millisecond):
+			}
+		}
+	}
+	if err := poll("admin kubeconfig", func() error {
+		cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+		if err != nil {
+			return err
+		}
+		// The admin kubeconfig's server is the root workspace's URL.
+		cfg.Host = "https://" + net.JoinHostPort(kcpIP, "6443")
+		cfg.Timeout = 30 * time.Second
+		s.base = cfg
+		return nil
+	}); err != nil {
+		return err
+	}
+	root := s.client("root")
+	if err := poll("/readyz", func() error {
+		return root.Discovery().RESTClient().Get().AbsPath("/readyz").Do(ctx).Error()
+	}); err != nil {
+		return err
+	}
+	return poll("root workspace", func() error {
+		_, err := s.dynamic("root").Resource(workspaces).List(ctx, metav1.ListOptions{})
+		return err
+	})
+}
+
+func (s *server) stop() {
+	select {
+	case <-s.done:
+		return
+	default:
+	}
+	_ = s.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-s.done:
+	case <-time.After(30 * time.Second):
+		_ = s.cmd.Process.Kill()
+		<-s.done
+	}
+}
+
+func (s *server) logTail() string {
+	data, _ := os.ReadFile(s.log)
+	lines := strings.Split(strings.TrimRight(string(data), "\n"), "\n")
+	if len(lines) > 40 {
+		lines = lines[len(lines)-40:]
+	}
+	return strings.Join(lines, "\n")
+}
+
+// config is the admin's client config for the workspace at path (root:a).
+func (s *server) config(path string) *rest.Config {
+	cfg := rest.CopyConfig(s.base)
+	cfg.Host = s.base.Host + "/clusters/" + path
+	return cfg
+}
+
+func (s *server) client(path string) kubernetes.Interface {
+	return kubernetes.NewForConfigOrDie(s.config(path))
+}
+
+func (s *server) dynamic(path string) dynamic.Interface {
+	return dynamic.NewForConfigOrDie(s.config(path))
+}
+
+// workspace is a kcp workspace of the test's: its path and the logical
+// cluster that kcp scheduled it to (what agents serve and the broker routes
+// by).
+type workspace struct {
+	path, cluster string
+	kube          kubernetes.Interface
+	dyn           dynamic.Interface
+}
+
+// workspace creates a workspace under root, named after the test, waits
+// until it is ready and makes namespace "realkcp" in it.
+func (s *server) workspace(t *testing.T, suffix string) *workspace {
+	t.Helper()
+	ctx := context.Background()
+	name := strings.ToLower(strings.NewReplacer("/", "-", "_", "-").Replace(strings.TrimPrefix(t.Name(), "TestRealKCP")))
+	name = strings.Trim(fmt.Sprintf("%.40s-%s", name, suffix), "-")
+	ws := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "tenancy.kcp.io/v1alpha1", "kind": "Workspace",
+		"metadata": map[string]any{"name": name},
+	}}
+	client := s.dynamic("root").Resource(workspaces)
+	if _, err := client.Create(ctx, ws, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("creating workspace %s: %v", name, err)
+	}
+	var cluster string
+	harness.Eventually(t, 2*time.Minute, "workspace "+name+" to be ready", func() bool {
+		got, err := client.Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return false
+		}
+		phase, _, _ := unstructured.NestedString(got.Object, "status", "phase")
+		cluster, _, _ = unstructured.NestedString(got.Object, "spec", "cluster")
+		return phase == "Ready" && cluster != ""
+	})
+	w := &workspace{path: "root:" + name, cluster: cluster}
+	w.kube, w.dyn = s.client(w.path), s.dynamic(w.path)
+	harness.Eventually(t, time.Minute, "namespace realkcp in "+w.path, func() bool {
+		_, err := w.kube.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: namespace}}, metav1.CreateOptions{})
+		return err == nil || apierrors.IsAlreadyExists(err)
+	})
+	t.Logf("workspace %s is logical cluster %s", w.path, w.cluster)
+	return w
+}
+
+// agent runs a syncer-agent binary as /agent/<name>, serving Service
+// webhooks/webhook port 443 of cluster at addr (its services file).
+func (s *server) agent(t *testing.T, name, cluster, addr string) *harness.Process {
+	t.Helper()
+	env := &harness.Env{T: t, Dir: t.TempDir(), CA: s.env.CA}
+	return env.StartAgentProcess(s.broker, "/agent/"+name, lookup.StaticFile{Services: []lookup.StaticService{{
+		Cluster: cluster, Namespace: "webhooks", Name: "webhook", Ports: map[string]string{"443": addr},
+	}}})
+}
+
+// errText is err's message, or "<nil>".
+func errText(err error) string {
+	if err == nil {
+		return "<nil>"
+	}
+	var status apierrors.APIStatus
+	if errors.As(err, &status) {
+		return status.Status().Message
+	}
+	return err.Error()
+}
+
+// eventually polls try until it returns true, for up to a minute, and
+// fails the test with what, and the last message try returned, if it
+// never does.
+func eventually(t *testing.T, what string, try func() (bool, string)) string {
+	t.Helper()
+	deadline := time.Now().Add(time.Minute)
+	for {
+		ok, msg := try()
+		if ok {
+			return msg
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after a minute waiting for %s; the last attempt: %s", what, msg)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
