@@ -5,11 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -51,9 +48,7 @@ type server struct {
 	broker string
 	// base is kcp's admin config without a cluster path.
 	base *rest.Config
-	cmd  *exec.Cmd
-	done chan struct{}
-	log  string
+	kcp  *harness.Daemon
 }
 
 // startServer starts a broker binary, then kcp with kcpplugin dialing it as
@@ -78,104 +73,38 @@ func startServer(t *harness.Main) *server {
 
 	dir := t.TempDir()
 	svid := env.SVID("/kcp")
-	s := &server{env: env, broker: brokerAddr, done: make(chan struct{}), log: filepath.Join(dir, "kcp.log")}
-	logFile, err := os.Create(s.log)
+	s := &server{env: env, broker: brokerAddr}
+	s.kcp, err = harness.StartDaemon(bin, filepath.Join(dir, "kcp.log"), []string{
+		"KCP_TUNNEL_BROKER=" + brokerAddr,
+		"KCP_TUNNEL_SVID_CERT=" + svid.Cert, "KCP_TUNNEL_SVID_KEY=" + svid.Key, "KCP_TUNNEL_TRUST_BUNDLE=" + svid.Bundle,
+		"KCP_TUNNEL_BROKER_SPIFFE_ID=" + harness.ID("/broker").String(),
+	}, "start", "--root-directory", filepath.Join(dir, "kcp"), "--bind-address", kcpIP, "--external-hostname", kcpIP)
 	if err != nil {
 		t.Fatal(err)
 	}
-	s.cmd = exec.Command(bin, "start",
-		"--root-directory", filepath.Join(dir, "kcp"),
-		"--bind-address", kcpIP, "--external-hostname", kcpIP,
-		"--embedded-etcd-client-port", "2379", "--embedded-etcd-peer-port", "2380")
-	s.cmd.Env = append(os.Environ(),
-		"KCP_TUNNEL_BROKER="+brokerAddr,
-		"KCP_TUNNEL_SVID_CERT="+svid.Cert, "KCP_TUNNEL_SVID_KEY="+svid.Key, "KCP_TUNNEL_TRUST_BUNDLE="+svid.Bundle,
-		"KCP_TUNNEL_BROKER_SPIFFE_ID="+harness.ID("/broker").String())
-	s.cmd.Stdout, s.cmd.Stderr = logFile, logFile
-	s.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := s.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	go func() {
-		_ = s.cmd.Wait()
-		logFile.Close()
-		close(s.done)
-	}()
-	t.Cleanup(s.stop)
+	t.Cleanup(func() { _ = s.kcp.Stop() })
 
-	if err := s.waitReady(filepath.Join(dir, "kcp", "admin.kubeconfig")); err != nil {
-		t.Fatalf("%v\nkcp's log ends:\n%s", err, s.logTail())
-	}
-	return s
-}
-
-// waitReady waits for kcp's admin kubeconfig, then for /readyz, then for
-// the root workspace to take workspaces.
-func (s *server) waitReady(kubeconfig string) error {
-	ctx, cancel := context.WithTimeout(context.Background(), kcpStartLimit)
-	defer cancel()
-	poll := func(what string, ok func() error) error {
-		var err error
-		for {
-			if err = ok(); err == nil {
-				return nil
-			}
-			select {
-			case <-s.done:
-				return fmt.Errorf("kcp exited while waiting for %s", what)
-			case <-ctx.Done():
-				return fmt.Errorf("kcp: no %s within %v: %v", what, kcpStartLimit, err)
-			case <-time.After(250 * time.Millisecond):
-			}
-		}
-	}
-	if err := poll("admin kubeconfig", func() error {
+	// kcp writes its admin kubeconfig as it starts; its server is the root
+	// workspace's URL.
+	kubeconfig := filepath.Join(dir, "kcp", "admin.kubeconfig")
+	if err := s.kcp.WaitReady("kcp", kcpStartLimit, func(ctx context.Context) error {
 		cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
 		if err != nil {
 			return err
 		}
-		// The admin kubeconfig's server is the root workspace's URL.
 		cfg.Host = "https://" + net.JoinHostPort(kcpIP, "6443")
 		cfg.Timeout = 30 * time.Second
 		s.base = cfg
-		return nil
+		if err := s.client("root").Discovery().RESTClient().Get().AbsPath("/readyz").Do(ctx).Error(); err != nil {
+			return err
+		}
+		// Ready to take workspaces.
+		_, err = s.dynamic("root").Resource(workspaces).List(ctx, metav1.ListOptions{})
+		return err
 	}); err != nil {
-		return err
+		t.Fatal(err)
 	}
-	root := s.client("root")
-	if err := poll("/readyz", func() error {
-		return root.Discovery().RESTClient().Get().AbsPath("/readyz").Do(ctx).Error()
-	}); err != nil {
-		return err
-	}
-	return poll("root workspace", func() error {
-		_, err := s.dynamic("root").Resource(workspaces).List(ctx, metav1.ListOptions{})
-		return err
-	})
-}
-
-func (s *server) stop() {
-	select {
-	case <-s.done:
-		return
-	default:
-	}
-	_ = s.cmd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-s.done:
-	case <-time.After(30 * time.Second):
-		_ = s.cmd.Process.Kill()
-		<-s.done
-	}
-}
-
-func (s *server) logTail() string {
-	data, _ := os.ReadFile(s.log)
-	lines := strings.Split(strings.TrimRight(string(data), "\n"), "\n")
-	if len(lines) > 40 {
-		lines = lines[len(lines)-40:]
-	}
-	return strings.Join(lines, "\n")
+	return s
 }
 
 // config is the admin's client config for the workspace at path (root:a).
