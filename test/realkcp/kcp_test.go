@@ -7,6 +7,7 @@ import (
 	"net"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -49,6 +50,12 @@ type server struct {
 	// base is kcp's admin config without a cluster path.
 	base *rest.Config
 	kcp  *harness.Daemon
+
+	// physical is a real kube-apiserver (and etcd): the service cluster
+	// of the provider test, read by its agent; admin writes into it.
+	physical *harness.KubeCluster
+	admin    kubernetes.Interface
+	rbacOnce sync.Once
 }
 
 // startServer starts a broker binary, then kcp with kcpplugin dialing it as
@@ -72,13 +79,27 @@ func startServer(t *harness.Main) *server {
 	_, brokerAddr := env.StartBrokerProcess("--policy", policyFile)
 
 	dir := t.TempDir()
-	svid := env.SVID("/kcp")
 	s := &server{env: env, broker: brokerAddr}
+	if s.physical, err = harness.StartKubeCluster(t.TempDir()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.physical.Stop)
+	cfg, err := s.physical.Config("test-admin", "system:masters")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.admin, err = kubernetes.NewForConfig(cfg); err != nil {
+		t.Fatal(err)
+	}
+
+	svid := env.SVID("/kcp")
 	s.kcp, err = harness.StartDaemon(bin, filepath.Join(dir, "kcp.log"), []string{
 		"KCP_TUNNEL_BROKER=" + brokerAddr,
 		"KCP_TUNNEL_SVID_CERT=" + svid.Cert, "KCP_TUNNEL_SVID_KEY=" + svid.Key, "KCP_TUNNEL_TRUST_BUNDLE=" + svid.Bundle,
 		"KCP_TUNNEL_BROKER_SPIFFE_ID=" + harness.ID("/broker").String(),
-	}, "start", "--root-directory", filepath.Join(dir, "kcp"), "--bind-address", kcpIP, "--external-hostname", kcpIP)
+	}, "start", "--root-directory", filepath.Join(dir, "kcp"), "--bind-address", kcpIP, "--external-hostname", kcpIP,
+		// The physical cluster's etcd has 2379 and 2380.
+		"--embedded-etcd-client-port", "2381", "--embedded-etcd-peer-port", "2382")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -174,6 +195,20 @@ func (s *server) agent(t *testing.T, name, cluster, addr string) *harness.Proces
 	return env.StartAgentProcess(s.broker, "/agent/"+name, lookup.StaticFile{Services: []lookup.StaticService{{
 		Cluster: cluster, Namespace: "webhooks", Name: "webhook", Ports: map[string]string{"443": addr},
 	}}})
+}
+
+// plainAgent runs a syncer-agent binary as /agent/<name> in plain mode:
+// serving cluster from the physical cluster's API, as the agent beside an
+// api-syncagent does, with the rights of deploy/agent/rbac.yaml.
+func (s *server) plainAgent(t *testing.T, name, cluster string) *harness.Process {
+	t.Helper()
+	s.rbacOnce.Do(func() { harness.ApplyAgentRBAC(t, s.admin) })
+	kubeconfig, err := s.physical.Kubeconfig(harness.AgentUser)
+	if err != nil {
+		t.Fatal(err)
+	}
+	env := &harness.Env{T: t, Dir: t.TempDir(), CA: s.env.CA}
+	return env.StartPlainAgentProcess(s.broker, "/agent/"+name, kubeconfig, cluster)
 }
 
 // errText is err's message, or "<nil>".

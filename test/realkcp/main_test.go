@@ -5,8 +5,10 @@
 // the Services of webhook configurations through kcpplugin, a real broker and
 // real syncer-agents, to TLS webhooks with CAs of their own.
 //
-// The agents resolve Services from services files (the agent's --services),
-// not from a physical cluster's API: that part is the KubeAPIServer tests'.
+// The provider's agent resolves its Service in a real kube-apiserver (the
+// provider's service cluster, in plain mode, as beside kcp's api-syncagent);
+// the workspaces' agents read services files (--services), which keeps the
+// other cases to what kcp does.
 //
 // Everything runs in a network namespace of the tests' own
 // (harness.RunIsolated). Run them alone with: go test -run RealKCP ./...
@@ -43,6 +45,9 @@ func kcp(t *testing.T) *server {
 func TestMain(m *testing.M) {
 	prepare := func() error {
 		if _, err := harness.KCPBinary(); err != nil {
+			return err
+		}
+		if _, err := harness.KubeBinaries(); err != nil {
 			return err
 		}
 		// The broker and agent binaries, built outside the namespace too

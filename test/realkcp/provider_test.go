@@ -3,14 +3,19 @@ package realkcp
 import (
 	"context"
 	"fmt"
+	"net"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/util/intstr"
 
 	"github.com/kcp-dev/tunnel-broker/test/harness"
 )
@@ -20,15 +25,25 @@ var widgets = schema.GroupVersionResource{Group: "example.io", Version: "v1", Re
 // The provider's case: an APIExport whose workspace holds the webhook
 // configuration for its resource, bound in a consumer's workspace. Creating
 // the bound resource in the consumer's workspace calls the provider's
-// webhook through the agent that serves the export's logical cluster (the
-// provider's service cluster). No agent serves the consumer's cluster, so a
+// webhook through the agent that serves the export's logical cluster from
+// the provider's service cluster, a real kube-apiserver. No agent serves the consumer's cluster, so a
 // plugin that dialed for the request's cluster instead would fail.
 func TestRealKCPProviderWebhookForABoundResource(t *testing.T) {
 	s := kcp(t)
 	ctx := context.Background()
 	provider, consumer := s.workspace(t, "provider"), s.workspace(t, "consumer")
-	wh := startStandIn(t, "provider")
-	s.agent(t, "provider", provider.cluster, wh.Addr)
+	// The provider's service cluster: its webhook pod at podIP behind
+	// Service webhooks/webhook, and an agent in plain mode serving the
+	// export's logical cluster from that cluster's API.
+	const podIP, podPort = "192.0.2.30", 8443
+	wh := startStandIn(t, "provider", net.JoinHostPort(podIP, strconv.Itoa(podPort)))
+	if _, err := s.admin.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "webhooks"}},
+		metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+	harness.KubeService(t, s.admin, "webhooks", "webhook", intstr.FromInt32(podPort))
+	harness.SetKubeEndpoints(t, s.admin, "webhooks", "webhook", "webhook-abcde", podPort, harness.KubeEndpoint{IP: podIP, Ready: true})
+	s.plainAgent(t, "provider", provider.cluster)
 
 	create := func(w *workspace, gvr schema.GroupVersionResource, obj map[string]any) {
 		t.Helper()

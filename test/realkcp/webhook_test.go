@@ -24,7 +24,7 @@ const clusterAnnotation = "kcp.io/cluster"
 // standIn is a webhook pod's stand-in: a TLS server for Service
 // webhooks/webhook with a CA of its own, that denies objects labelled
 // deny=yes (/validate) or labels them mutated-by=<name> (/mutate), and
-// remembers what it reviewed.
+// remembers what it reviewed. It listens on listen, or a loopback port.
 type standIn struct {
 	name string
 	*harness.Webhook
@@ -33,13 +33,17 @@ type standIn struct {
 	reviewed []string // cluster/name of each object, as kcp sent it
 }
 
-func startStandIn(t *testing.T, name string) *standIn {
+func startStandIn(t *testing.T, name string, listen ...string) *standIn {
 	t.Helper()
 	s := &standIn{name: name}
 	mux := http.NewServeMux()
 	mux.Handle("/validate", harness.AdmissionHandler(s.validate))
 	mux.Handle("/mutate", harness.AdmissionHandler(s.mutate))
-	s.Webhook = harness.StartTLSWebhook(t, harness.WebhookOptions{Namespace: "webhooks", Name: "webhook"}, mux)
+	opts := harness.WebhookOptions{Namespace: "webhooks", Name: "webhook"}
+	if len(listen) > 0 {
+		opts.Listen = listen[0]
+	}
+	s.Webhook = harness.StartTLSWebhook(t, opts, mux)
 	return s
 }
 
