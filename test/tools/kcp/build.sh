@@ -72,5 +72,9 @@ if [ ! -x "$dir/kcp" ]; then
 	)
 	mkdir -p "$dir"
 	mv "$build/kcp.bin" "$dir/kcp"
+	# Builds for an older patch or kcpplugin are not wanted again.
+	for old in "$cache"/kcp-*; do
+		case $old in "$dir" | "$dir.lock") ;; *) rm -rf "$old" ;; esac
+	done
 fi
 echo "$dir/kcp"

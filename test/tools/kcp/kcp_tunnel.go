@@ -47,8 +47,9 @@ func init() {
 		os.Exit(1)
 	}
 	// The patch calls this with the logical cluster that owns the webhook
-	// configurations of a request (the APIExport's for bound resources):
-	// the Services those webhooks name are that cluster's.
+	// configurations of a request (the APIExport's for bound resources), or
+	// the CRD with a conversion webhook: the Services they name are that
+	// cluster's.
 	webhookAuthenticationInfoResolverWrapper = func(cluster logicalcluster.Name) webhook.AuthenticationInfoResolverWrapper {
 		return kcpplugin.AuthInfoResolverWrapper(cluster.String(), dialer)
 	}
