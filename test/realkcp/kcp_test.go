@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -40,6 +41,8 @@ var (
 	bindings      = schema.GroupVersionResource{Group: "apis.kcp.io", Version: "v1alpha1", Resource: "apibindings"}
 	agentsPolicy  = []string{"a", "b", "m", "gone", "ca", "provider"}
 	kcpStartLimit = 5 * time.Minute
+	// workspaceRuns numbers the workspaces of this test binary.
+	workspaceRuns atomic.Uint32
 )
 
 // server is a kcp process built with the tunnel patch, and the broker it
@@ -152,13 +155,14 @@ type workspace struct {
 	dyn           dynamic.Interface
 }
 
-// workspace creates a workspace under root, named after the test, waits
-// until it is ready and makes namespace "realkcp" in it.
+// workspace creates a workspace under root, named after the test and
+// numbered (kcp outlives a test: go test -count=N runs each test N times
+// against it), waits until it is ready and makes namespace "realkcp" in it.
 func (s *server) workspace(t *testing.T, suffix string) *workspace {
 	t.Helper()
 	ctx := context.Background()
 	name := strings.ToLower(strings.NewReplacer("/", "-", "_", "-").Replace(strings.TrimPrefix(t.Name(), "TestRealKCP")))
-	name = strings.Trim(fmt.Sprintf("%.40s-%s", name, suffix), "-")
+	name = fmt.Sprintf("%.40s-%s-%d", name, suffix, workspaceRuns.Add(1))
 	ws := &unstructured.Unstructured{Object: map[string]any{
 		"apiVersion": "tenancy.kcp.io/v1alpha1", "kind": "Workspace",
 		"metadata": map[string]any{"name": name},
