@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 
 	admissionv1 "k8s.io/api/admission/v1"
@@ -16,6 +17,9 @@ import (
 
 	"github.com/kcp-dev/tunnel-broker/test/harness"
 )
+
+// probes numbers the ConfigMaps that eventuallyRefused creates.
+var probes atomic.Uint32
 
 // clusterAnnotation is where kcp's webhook plugins tell a webhook which
 // logical cluster the object is in.
@@ -169,10 +173,8 @@ func (w *workspace) createConfigMap(name string, deny bool) (*corev1.ConfigMap, 
 // configuration a moment after it was written. It returns the message.
 func (w *workspace) eventuallyRefused(t *testing.T, deny bool, want string) string {
 	t.Helper()
-	n := 0
 	msg := eventually(t, fmt.Sprintf("kcp to refuse a ConfigMap in %s with %q", w.path, want), func() (bool, string) {
-		n++
-		_, err := w.createConfigMap(fmt.Sprintf("probe-%d", n), deny)
+		_, err := w.createConfigMap(fmt.Sprintf("probe-%d", probes.Add(1)), deny)
 		return err != nil && strings.Contains(errText(err), want), errText(err)
 	})
 	t.Logf("kcp refused: %s", msg)
