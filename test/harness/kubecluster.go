@@ -4,16 +4,13 @@ import (
 	"context"
 	"crypto/x509"
 	"encoding/pem"
-	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"time"
 
 	"k8s.io/client-go/kubernetes"
@@ -30,8 +27,8 @@ type KubeCluster struct {
 	pki      *kubePKI
 	// Host is the API server's URL, on IsolatedAPIServerIP.
 	Host      string
-	etcd      *daemon
-	apiServer *daemon
+	etcd      *Daemon
+	apiServer *Daemon
 	// ExtraArgs are added to kube-apiserver's flags at its next start,
 	// e.g. --egress-selector-config-file.
 	ExtraArgs []string
@@ -104,7 +101,7 @@ func (c *KubeCluster) writeServingFiles() error {
 }
 
 func (c *KubeCluster) startEtcd() error {
-	d, err := startDaemon(filepath.Join(c.bin, "etcd"), c.path("etcd.log"),
+	d, err := StartDaemon(filepath.Join(c.bin, "etcd"), c.path("etcd.log"), nil,
 		"--name=test", "--data-dir="+c.path("etcd"),
 		"--listen-client-urls="+etcdClientURL, "--advertise-client-urls="+etcdClientURL,
 		"--listen-peer-urls="+etcdPeerURL, "--initial-advertise-peer-urls="+etcdPeerURL,
@@ -114,7 +111,7 @@ func (c *KubeCluster) startEtcd() error {
 		return err
 	}
 	c.etcd = d
-	return d.waitReady("etcd", func(ctx context.Context) error {
+	return d.WaitReady("etcd", time.Minute, func(ctx context.Context) error {
 		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, etcdClientURL+"/health", nil)
 		resp, err := http.DefaultClient.Do(req)
 		if err != nil {
@@ -132,7 +129,7 @@ func (c *KubeCluster) startEtcd() error {
 // StartAPIServer starts kube-apiserver (again, after StopAPIServer) and
 // waits until /readyz answers ok.
 func (c *KubeCluster) StartAPIServer() error {
-	d, err := startDaemon(filepath.Join(c.bin, "kube-apiserver"), c.path("kube-apiserver.log"), append([]string{
+	d, err := StartDaemon(filepath.Join(c.bin, "kube-apiserver"), c.path("kube-apiserver.log"), nil, append([]string{
 		"--etcd-servers=" + etcdClientURL,
 		"--bind-address=" + IsolatedAPIServerIP, "--advertise-address=" + IsolatedAPIServerIP,
 		"--secure-port=" + apiServerPort,
@@ -161,7 +158,7 @@ func (c *KubeCluster) StartAPIServer() error {
 	if err != nil {
 		return err
 	}
-	return d.waitReady("kube-apiserver", func(ctx context.Context) error {
+	return d.WaitReady("kube-apiserver", time.Minute, func(ctx context.Context) error {
 		body, err := client.Discovery().RESTClient().Get().AbsPath("/readyz").DoRaw(ctx)
 		if err != nil {
 			return err
@@ -180,14 +177,14 @@ func (c *KubeCluster) StopAPIServer() error {
 	}
 	d := c.apiServer
 	c.apiServer = nil
-	return d.stop()
+	return d.Stop()
 }
 
 // Stop stops both servers.
 func (c *KubeCluster) Stop() {
 	_ = c.StopAPIServer()
 	if c.etcd != nil {
-		_ = c.etcd.stop()
+		_ = c.etcd.Stop()
 		c.etcd = nil
 	}
 }
@@ -222,83 +219,4 @@ func (c *KubeCluster) Kubeconfig(user string, groups ...string) (string, error) 
 		Contexts:       map[string]*clientcmdapi.Context{"test": {Cluster: "test", AuthInfo: user}},
 		CurrentContext: "test",
 	}, path)
-}
-
-// daemon is a server process whose output goes to a log file.
-type daemon struct {
-	cmd     *exec.Cmd
-	logPath string
-	done    chan struct{}
-	err     error
-}
-
-func startDaemon(bin, logPath string, args ...string) (*daemon, error) {
-	log, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
-	if err != nil {
-		return nil, err
-	}
-	cmd := exec.Command(bin, args...)
-	cmd.Stdout, cmd.Stderr = log, log
-	// If the test process dies, its servers die with it.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
-		log.Close()
-		return nil, err
-	}
-	d := &daemon{cmd: cmd, logPath: logPath, done: make(chan struct{})}
-	go func() {
-		d.err = cmd.Wait()
-		log.Close()
-		close(d.done)
-	}()
-	return d, nil
-}
-
-// waitReady polls ready until it succeeds, the process exits, or a minute
-// passes (a bound for a broken setup; it is ready in seconds).
-func (d *daemon) waitReady(name string, ready func(context.Context) error) error {
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	var last error
-	for {
-		attempt, cancelAttempt := context.WithTimeout(ctx, 5*time.Second)
-		last = ready(attempt)
-		cancelAttempt()
-		if last == nil {
-			return nil
-		}
-		select {
-		case <-d.done:
-			return fmt.Errorf("%s exited: %v\n%s", name, d.err, d.logTail())
-		case <-ctx.Done():
-			_ = d.stop()
-			return fmt.Errorf("%s not ready after a minute: %v\n%s", name, last, d.logTail())
-		case <-time.After(100 * time.Millisecond):
-		}
-	}
-}
-
-// stop sends SIGTERM and waits; SIGKILL if it does not exit in 30 s.
-func (d *daemon) stop() error {
-	_ = d.cmd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-d.done:
-	case <-time.After(30 * time.Second):
-		_ = d.cmd.Process.Kill()
-		<-d.done
-	}
-	var exit *exec.ExitError
-	if d.err != nil && !errors.As(d.err, &exit) {
-		return d.err
-	}
-	return nil
-}
-
-// logTail is the end of the log, for errors.
-func (d *daemon) logTail() string {
-	b, _ := os.ReadFile(d.logPath)
-	if len(b) > 4000 {
-		b = b[len(b)-4000:]
-	}
-	return string(b)
 }

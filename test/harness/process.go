@@ -244,7 +244,27 @@ func (e *Env) StartBrokerProcess(extra ...string) (*Process, string) {
 func (e *Env) StartAgentProcess(brokerAddr, path string, services lookup.StaticFile, extra ...string) *Process {
 	e.T.Helper()
 	p := e.RunAgentProcess(brokerAddr, filepath.Base(path), e.SVID(path), services, extra...)
-	// Ready means registered with every broker replica it was given.
+	e.waitAgentReady(p)
+	return p
+}
+
+// StartPlainAgentProcess runs the syncer-agent binary with identity path in
+// plain mode, serving logical cluster cluster from the physical cluster of
+// kubeconfig, and waits until it has registered with the broker.
+func (e *Env) StartPlainAgentProcess(brokerAddr, path, kubeconfig, cluster string) *Process {
+	e.T.Helper()
+	f := e.SVID(path)
+	p := start(e.T, "syncer-agent", []string{"--broker", brokerAddr, "--metrics-listen", "127.0.0.1:0", "--name", filepath.Base(path),
+		"--kubeconfig", kubeconfig, "--plain-cluster", cluster,
+		"--svid-cert", f.Cert, "--svid-key", f.Key, "--trust-bundle", f.Bundle}, nil)
+	e.waitAgentReady(p)
+	return p
+}
+
+// waitAgentReady waits until the agent p is ready: registered with every
+// broker replica it was given.
+func (e *Env) waitAgentReady(p *Process) {
+	e.T.Helper()
 	Eventually(e.T, 20*time.Second, "the agent to be ready", func() bool {
 		select {
 		case <-p.done:
@@ -253,7 +273,6 @@ func (e *Env) StartAgentProcess(brokerAddr, path string, services lookup.StaticF
 		}
 		return p.Ready(e.T)
 	})
-	return p
 }
 
 // RunAgentProcess runs the syncer-agent binary named name with the SVID

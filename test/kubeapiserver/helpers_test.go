@@ -3,13 +3,11 @@ package kubeapiserver
 import (
 	"bufio"
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/netip"
 	"net/url"
-	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -20,13 +18,9 @@ import (
 	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
-	rbacv1 "k8s.io/api/rbac/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
-	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 
 	"github.com/kcp-dev/tunnel-broker/kcpplugin"
@@ -34,14 +28,12 @@ import (
 	"github.com/kcp-dev/tunnel-broker/test/harness"
 )
 
-// The agent's identity towards the physical cluster: the ServiceAccount of
-// deploy/agent/rbac.yaml, authenticated here by a client certificate with
-// its user name, so it has exactly the rights that manifest grants.
+// The agent's identity towards the physical cluster is harness.AgentUser,
+// the ServiceAccount of deploy/agent/rbac.yaml (harness.ApplyAgentRBAC).
 const (
-	rbacManifest = "../../deploy/agent/rbac.yaml"
-	agentUser    = "system:serviceaccount:kcp-tunnel:kcp-tunnel-syncer-agent"
-	agentPath    = "/agent/sync-target-1"
-	webhookPort  = 8443
+	agentUser   = harness.AgentUser
+	agentPath   = "/agent/sync-target-1"
+	webhookPort = 8443
 )
 
 var (
@@ -75,7 +67,7 @@ func newWorld(t *testing.T) *world {
 	if err != nil {
 		t.Fatal(err)
 	}
-	rbacOnce.Do(func() { applyRBAC(t, admin) })
+	rbacOnce.Do(func() { harness.ApplyAgentRBAC(t, admin) })
 	env := harness.NewEnv(t)
 	b := env.StartBroker(harness.BrokerOptions{})
 	// The API server outlives a test (go test -count=N runs each test N
@@ -89,46 +81,6 @@ func newWorld(t *testing.T) *world {
 		t: t, kube: k, admin: admin, env: env, broker: b,
 		dialer:     env.Dialer(b.Addr, "/kcp"),
 		syncTarget: lookup.SyncTarget{Name: "st", Cluster: "stws", UID: uid},
-	}
-}
-
-// applyRBAC creates what deploy/agent/rbac.yaml holds, as shipped.
-func applyRBAC(t *testing.T, admin kubernetes.Interface) {
-	ctx := context.Background()
-	if _, err := admin.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "kcp-tunnel"}}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	f, err := os.Open(rbacManifest)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	docs := utilyaml.NewYAMLReader(bufio.NewReader(f))
-	for {
-		doc, err := docs.Read()
-		if errors.Is(err, io.EOF) {
-			return
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
-		obj, _, err := scheme.Codecs.UniversalDeserializer().Decode(doc, nil, nil)
-		if err != nil {
-			t.Fatalf("%s: %v", rbacManifest, err)
-		}
-		switch o := obj.(type) {
-		case *corev1.ServiceAccount:
-			_, err = admin.CoreV1().ServiceAccounts(o.Namespace).Create(ctx, o, metav1.CreateOptions{})
-		case *rbacv1.ClusterRole:
-			_, err = admin.RbacV1().ClusterRoles().Create(ctx, o, metav1.CreateOptions{})
-		case *rbacv1.ClusterRoleBinding:
-			_, err = admin.RbacV1().ClusterRoleBindings().Create(ctx, o, metav1.CreateOptions{})
-		default:
-			t.Fatalf("%s: unexpected %T", rbacManifest, obj)
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
 	}
 }
 
@@ -211,60 +163,22 @@ func (w *world) plainNamespace() string {
 	return created.Name
 }
 
-// service creates a Service with a selector (so the EndpointSlice
-// controller would own its slices) and port 443 named "https" -> targetPort.
-// The test's cleanup deletes it, which frees its cluster IP: the shared API
-// server's service range would fill up over go test -count=N otherwise.
+// service creates a Service with a selector and port 443 named "https" ->
+// targetPort, deleted when the test ends (harness.KubeService).
 func (w *world) service(ns, name string, targetPort intstr.IntOrString) *corev1.Service {
 	w.t.Helper()
-	services := w.admin.CoreV1().Services(ns)
-	svc, err := services.Create(context.Background(), &corev1.Service{
-		ObjectMeta: metav1.ObjectMeta{Name: name},
-		Spec: corev1.ServiceSpec{
-			Selector: map[string]string{"app": name},
-			Ports:    []corev1.ServicePort{{Name: "https", Port: 443, TargetPort: targetPort}},
-		},
-	}, metav1.CreateOptions{})
-	if err != nil {
-		w.t.Fatal(err)
-	}
-	t := w.t
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		if err := services.Delete(ctx, name, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
-			t.Errorf("deleting Service %s/%s: %v", ns, name, err)
-		}
-	})
-	return svc
+	return harness.KubeService(w.t, w.admin, ns, name, targetPort)
 }
 
 // endpoint is one endpoint of a slice.
-type endpoint struct {
-	ip    string
-	ready bool
-}
+type endpoint = harness.KubeEndpoint
 
-// mustSetEndpoints creates or replaces the EndpointSlice name of Service
-// svc as the EndpointSlice controller writes it, after the Pods it lists:
-// for each endpoint, a running Pod at its address that the Service
-// selects; then a slice managed by the controller and controlled by the
-// Service, whose endpoints name those Pods.
+// mustSetEndpoints writes the EndpointSlice name of Service svc as the
+// EndpointSlice controller would, after the Pods it lists
+// (harness.SetKubeEndpoints).
 func (w *world) mustSetEndpoints(ns, svc, name string, port int32, eps ...endpoint) {
 	w.t.Helper()
-	service, err := w.admin.CoreV1().Services(ns).Get(context.Background(), svc, metav1.GetOptions{})
-	if err != nil {
-		w.t.Fatal(err)
-	}
-	slice := newSlice(svc, name, lookup.EndpointSliceController, port, eps...)
-	slice.OwnerReferences = []metav1.OwnerReference{*metav1.NewControllerRef(service, corev1.SchemeGroupVersion.WithKind("Service"))}
-	for i, ep := range eps {
-		pod := w.pod(ns, service.Spec.Selector, ep.ip, false)
-		slice.Endpoints[i].TargetRef = &corev1.ObjectReference{Kind: "Pod", Namespace: ns, Name: pod.Name, UID: pod.UID}
-	}
-	if err := w.writeSlice(ns, slice); err != nil {
-		w.t.Fatal(err)
-	}
+	harness.SetKubeEndpoints(w.t, w.admin, ns, svc, name, port, eps...)
 }
 
 // setEndpoints creates or replaces the EndpointSlice name of Service svc as
@@ -275,98 +189,25 @@ func (w *world) setEndpoints(ns, svc, name, managedBy string, port int32, eps ..
 	return w.writeSlice(ns, newSlice(svc, name, managedBy, port, eps...))
 }
 
-// newSlice is an IPv4 EndpointSlice of Service svc with one port named
-// "https" and the given endpoints.
 func newSlice(svc, name, managedBy string, port int32, eps ...endpoint) *discoveryv1.EndpointSlice {
-	portName, tcp := "https", corev1.ProtocolTCP
-	slice := &discoveryv1.EndpointSlice{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{
-			discoveryv1.LabelServiceName: svc,
-			discoveryv1.LabelManagedBy:   managedBy,
-		}},
-		AddressType: discoveryv1.AddressTypeIPv4,
-		Ports:       []discoveryv1.EndpointPort{{Name: &portName, Port: &port, Protocol: &tcp}},
-	}
-	for _, ep := range eps {
-		ready := ep.ready
-		slice.Endpoints = append(slice.Endpoints, discoveryv1.Endpoint{
-			Addresses:  []string{ep.ip},
-			Conditions: discoveryv1.EndpointConditions{Ready: &ready, Serving: &ready},
-		})
-	}
-	return slice
+	return harness.NewEndpointSlice(svc, name, managedBy, port, eps...)
 }
 
-// writeSlice creates slice in namespace ns, or replaces the one of its name.
 func (w *world) writeSlice(ns string, slice *discoveryv1.EndpointSlice) error {
-	ctx := context.Background()
-	slices := w.admin.DiscoveryV1().EndpointSlices(ns)
-	_, err := slices.Create(ctx, slice, metav1.CreateOptions{})
-	if apierrors.IsAlreadyExists(err) {
-		var old *discoveryv1.EndpointSlice
-		if old, err = slices.Get(ctx, slice.Name, metav1.GetOptions{}); err == nil {
-			slice.ResourceVersion = old.ResourceVersion
-			_, err = slices.Update(ctx, slice, metav1.UpdateOptions{})
-		}
-	}
-	return err
+	return harness.WriteEndpointSlice(w.admin, ns, slice)
 }
 
-// pod creates the Pod "pod-<ip>" of namespace ns with the given labels, or
-// adds them to it, and writes its status as its kubelet would: running at
-// ip, which is its node's address if hostNetwork. No kubelet runs here, so
-// nothing else ever changes it.
+// pod creates or labels the Pod "pod-<ip>" of namespace ns, running at ip
+// (harness.KubePod).
 func (w *world) pod(ns string, labels map[string]string, ip string, hostNetwork bool) *corev1.Pod {
 	w.t.Helper()
-	ctx := context.Background()
-	pods := w.admin.CoreV1().Pods(ns)
-	name := "pod-" + strings.ReplaceAll(ip, ".", "-")
-	// Admission gives a Pod the namespace's default ServiceAccount, which
-	// nothing creates here but this.
-	if _, err := w.admin.CoreV1().ServiceAccounts(ns).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "default"}},
-		metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
-		w.t.Fatal(err)
-	}
-	p, err := pods.Get(ctx, name, metav1.GetOptions{})
-	switch {
-	case apierrors.IsNotFound(err):
-		p, err = pods.Create(ctx, &corev1.Pod{
-			ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels},
-			Spec: corev1.PodSpec{
-				HostNetwork:                  hostNetwork,
-				AutomountServiceAccountToken: new(false),
-				Containers:                   []corev1.Container{{Name: "server", Image: "example.com/server"}},
-			},
-		}, metav1.CreateOptions{})
-	case err == nil && p.Spec.HostNetwork == hostNetwork:
-		if p.Labels == nil {
-			p.Labels = map[string]string{}
-		}
-		for k, v := range labels {
-			p.Labels[k] = v
-		}
-		p, err = pods.Update(ctx, p, metav1.UpdateOptions{})
-	case err == nil:
-		w.t.Fatalf("Pod %s/%s exists, with hostNetwork %v", ns, name, p.Spec.HostNetwork)
-	}
-	if err != nil {
-		w.t.Fatal(err)
-	}
-	p.Status = corev1.PodStatus{Phase: corev1.PodRunning, PodIP: ip, PodIPs: []corev1.PodIP{{IP: ip}}}
-	if hostNetwork {
-		p.Status.HostIP, p.Status.HostIPs = ip, []corev1.HostIP{{IP: ip}}
-	}
-	p, err = pods.UpdateStatus(ctx, p, metav1.UpdateOptions{})
-	if err != nil {
-		w.t.Fatal(err)
-	}
-	return p
+	return harness.KubePod(w.t, w.admin, ns, labels, ip, hostNetwork)
 }
 
 func ready(ips ...string) []endpoint {
 	var eps []endpoint
 	for _, ip := range ips {
-		eps = append(eps, endpoint{ip: ip, ready: true})
+		eps = append(eps, endpoint{IP: ip, Ready: true})
 	}
 	return eps
 }

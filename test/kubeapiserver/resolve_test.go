@@ -36,7 +36,7 @@ func TestKubeAPIServerResolvesSyncedServices(t *testing.T) {
 		w.eventuallyReach("c1", "default", "webhook", 443, second)
 	})
 	t.Run("not ready", func(t *testing.T) {
-		w.mustSetEndpoints(current, "webhook", "webhook-abcde", webhookPort, endpoint{ip: second.ip, ready: false})
+		w.mustSetEndpoints(current, "webhook", "webhook-abcde", webhookPort, endpoint{IP: second.ip, Ready: false})
 		w.eventuallyRefused("c1", "default", "webhook", 443, codes.Unavailable)
 	})
 	t.Run("no such port", func(t *testing.T) {
