@@ -71,12 +71,21 @@ func TestRealKCPProviderWebhookForABoundResource(t *testing.T) {
 	})
 	provider.validating(t, wh.CABundle, admissionregistrationv1.Fail, "example.io", "widgets")
 
-	create(consumer, bindings, map[string]any{
-		"apiVersion": "apis.kcp.io/v1alpha1", "kind": "APIBinding",
-		"metadata": map[string]any{"name": "widgets"},
-		"spec": map[string]any{"reference": map[string]any{"export": map[string]any{
-			"path": provider.path, "name": "widgets",
-		}}},
+	// kcp checks the right to bind against its authorization caches, which
+	// may not have the new export's workspace yet: "no permission to bind"
+	// until they have.
+	eventually(t, "kcp to let the consumer bind the export", func() (bool, string) {
+		_, err := consumer.dyn.Resource(bindings).Create(ctx, &unstructured.Unstructured{Object: map[string]any{
+			"apiVersion": "apis.kcp.io/v1alpha1", "kind": "APIBinding",
+			"metadata": map[string]any{"name": "widgets"},
+			"spec": map[string]any{"reference": map[string]any{"export": map[string]any{
+				"path": provider.path, "name": "widgets",
+			}}},
+		}}, metav1.CreateOptions{})
+		if err != nil && !strings.Contains(err.Error(), "no permission to bind") {
+			t.Fatalf("creating apibindings in %s: %v", consumer.path, err)
+		}
+		return err == nil, errText(err)
 	})
 	harness.Eventually(t, 2*time.Minute, "the consumer's APIBinding to be bound", func() bool {
 		b, err := consumer.dyn.Resource(bindings).Get(ctx, "widgets", metav1.GetOptions{})
