@@ -10,6 +10,7 @@ import (
 	"os"
 
 	"github.com/kcp-dev/tunnel-broker/broker/server"
+	"github.com/kcp-dev/tunnel-broker/internal/flagcheck"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -25,6 +26,22 @@ func (f *egressFlags) add(fs *flag.FlagSet) {
 	fs.StringVar(&f.uds, "egress-uds", "", "Unix socket to serve HTTP CONNECT on for kube-apiserver's egress selector (empty: off); who can open it reaches --egress-uds-cluster")
 	fs.StringVar(&f.udsCluster, "egress-uds-cluster", "", "the logical cluster whose Services --egress-uds reaches")
 	fs.StringVar(&f.tcp, "egress-listen", "", "TCP address to serve HTTP CONNECT on, with SPIFFE mTLS, for kube-apiserver's egress selector (empty: off); each caller reaches the cluster of its egress rule")
+}
+
+// check refuses a Unix socket without its cluster, and a cluster without
+// its socket.
+func (f *egressFlags) check() error {
+	switch {
+	case f.uds != "" && f.udsCluster == "":
+		return flagcheck.Errorf("--egress-uds %s needs --egress-uds-cluster: the logical cluster whose Services its callers reach", f.uds)
+	case f.uds == "" && f.udsCluster != "":
+		return flagcheck.Errorf("--egress-uds-cluster %s needs --egress-uds: the Unix socket to serve CONNECT on", f.udsCluster)
+	case f.udsCluster != "":
+		if err := tunnelv1.ValidateClusterName(f.udsCluster); err != nil {
+			return flagcheck.Errorf("--egress-uds-cluster: %w", err)
+		}
+	}
+	return nil
 }
 
 // listen starts the front ends the flags ask for, on srv; the function it
@@ -44,7 +61,7 @@ func (f *egressFlags) listen(srv *server.Server, log *slog.Logger) (wait func() 
 		l, err := f.listenUDS()
 		if err != nil {
 			stop()
-			return nil, err
+			return nil, fmt.Errorf("--egress-uds: %w", err)
 		}
 		start(l, "uds", srv.EgressUDS(f.udsCluster).Serve)
 	}
@@ -52,7 +69,7 @@ func (f *egressFlags) listen(srv *server.Server, log *slog.Logger) (wait func() 
 		l, err := net.Listen("tcp", f.tcp)
 		if err != nil {
 			stop()
-			return nil, errors.Join(err, closeAll(listeners))
+			return nil, errors.Join(fmt.Errorf("--egress-listen: %w", err), closeAll(listeners))
 		}
 		start(l, "tls", srv.EgressTLS().Serve)
 	}
@@ -71,9 +88,6 @@ func (f *egressFlags) listen(srv *server.Server, log *slog.Logger) (wait func() 
 // pod's fsGroup): who may connect to it reaches the cluster's Services, so
 // its directory and mode are the operator's control.
 func (f *egressFlags) listenUDS() (net.Listener, error) {
-	if err := tunnelv1.ValidateClusterName(f.udsCluster); err != nil {
-		return nil, fmt.Errorf("--egress-uds-cluster: %w", err)
-	}
 	if err := os.Remove(f.uds); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return nil, err
 	}

@@ -6,6 +6,7 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"io"
 	"log/slog"
 	"os"
 	"os/signal"
@@ -27,10 +28,7 @@ import (
 )
 
 func main() {
-	if err := run(); err != nil {
-		fmt.Fprintln(os.Stderr, "syncer-agent:", err)
-		os.Exit(1)
-	}
+	os.Exit(flagcheck.Report(os.Stderr, "syncer-agent", run()))
 }
 
 // options are the agent's flags.
@@ -51,7 +49,7 @@ type options struct {
 
 func addFlags(fs *flag.FlagSet) *options {
 	o := &options{}
-	fs.Var((*listFlag)(&o.brokers), "broker", "required, or --broker-dns: broker replica addresses, comma-separated `host:port,...` (repeatable: the lists add up)")
+	fs.Var((*listFlag)(&o.brokers), "broker", "required, or --broker-dns: broker replica addresses, comma-separated `host:port,...`, each with its port (repeatable: the lists add up)")
 	fs.StringVar(&o.dns, "broker-dns", "", "required, or --broker: host:port whose host resolves to every broker replica (a headless Service)")
 	fs.DurationVar(&o.resolveEvery, "resolve-interval", 30*time.Second, "how often --broker-dns is resolved again")
 	fs.DurationVar(&o.reconnectMaxDelay, "reconnect-max-delay", agent.DefaultReconnectMaxDelay, "the longest wait between attempts to reach a broker replica: the agent is back about this long after a replica is")
@@ -68,25 +66,56 @@ func addFlags(fs *flag.FlagSet) *options {
 	return o
 }
 
+// validate refuses what the flags cannot mean, as mistakes in the flags.
 func (o *options) validate() error {
 	if o.brokers == "" && o.dns == "" {
-		return fmt.Errorf("--broker or --broker-dns is required")
+		return flagcheck.Errorf("--broker or --broker-dns is required")
+	}
+	for _, addr := range splitList(o.brokers) {
+		if err := flagcheck.HostPort("broker", addr); err != nil {
+			return err
+		}
+	}
+	if o.dns != "" {
+		if err := flagcheck.HostPort("broker-dns", o.dns); err != nil {
+			return err
+		}
+	}
+	if o.name == "" {
+		return flagcheck.Errorf("--name is required: the agent's name in the broker's logs and metrics, e.g. the sync target's")
 	}
 	if err := tunnelv1.ValidateAgentName(o.name); err != nil {
-		return fmt.Errorf("--name: %w", err)
+		return flagcheck.Errorf("--name: %w", err)
 	}
-	if o.reconnectMaxDelay <= 0 {
-		return fmt.Errorf("--reconnect-max-delay must be positive, not %v", o.reconnectMaxDelay)
+	if err := o.resolver.check(); err != nil {
+		return &flagcheck.FlagError{Err: err}
 	}
 	return nil
 }
 
-func run() error {
-	o := addFlags(flag.CommandLine)
-	flagcheck.Usage(flag.CommandLine, "syncer-agent: registers the logical clusters of a physical cluster with every tunnel broker replica and connects their dials to Services.",
+// parseFlags parses args into fs: the agent's options, or a FlagError;
+// flag.ErrHelp after --help printed the usage to stdout.
+func parseFlags(fs *flag.FlagSet, args []string, stdout io.Writer) (*options, error) {
+	o := addFlags(fs)
+	flagcheck.Usage(fs, "syncer-agent: registers the logical clusters of a physical cluster with every tunnel broker replica and connects their dials to Services.",
 		"syncer-agent (--broker HOST:PORT | --broker-dns HOST:PORT) --name NAME (--services FILE | --sync-target-name NAME ...)\n      (--spiffe-socket ADDR | --svid-cert FILE --svid-key FILE --trust-bundle FILE) [flags]")
-	flag.Parse()
-	if err := flagcheck.Check(flag.CommandLine); err != nil {
+	if err := flagcheck.Parse(fs, args, stdout); err != nil {
+		return nil, err
+	}
+	// A duration that may not be off is positive: none takes 0 for its
+	// default.
+	if err := flagcheck.Check(fs, "reconnect-max-delay", "resolve-interval", "grace", "svid-reload-interval", "workload-api-timeout"); err != nil {
+		return nil, err
+	}
+	if o.showVersion {
+		return o, nil
+	}
+	return o, o.validate()
+}
+
+func run() error {
+	o, err := parseFlags(flag.CommandLine, os.Args[1:], os.Stdout)
+	if err != nil {
 		return err
 	}
 	if o.showVersion {
@@ -94,9 +123,6 @@ func run() error {
 		return nil
 	}
 	log := ops.NewLogger(o.jsonLogs, o.verbose)
-	if err := o.validate(); err != nil {
-		return err
-	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	// The health port answers from the start, and through the drain after

@@ -52,12 +52,24 @@ type resolver struct {
 	stop func()
 }
 
-// newResolver builds the resolver the flags choose and starts it under ctx.
-func (f *resolverFlags) newResolver(ctx context.Context, log *slog.Logger) (*resolver, error) {
+// check refuses flags that choose no resolver, or two.
+func (f *resolverFlags) check() error {
 	kube := f.syncTarget != (lookup.SyncTarget{}) || f.plainCluster != "" || f.kubeconfig != "" || f.trustSlicesIn != ""
 	switch {
 	case f.services != "" && kube:
-		return nil, errors.New("--services excludes --kubeconfig, --sync-target-*, --plain-cluster and --trust-endpointslices-in")
+		return errors.New("--services excludes --kubeconfig, --sync-target-*, --plain-cluster and --trust-endpointslices-in")
+	case f.services == "" && f.syncTarget.Name == "" && f.plainCluster == "":
+		return errors.New("give --services FILE, or --sync-target-name (with --sync-target-cluster and/or --sync-target-uid), or --plain-cluster")
+	}
+	return nil
+}
+
+// newResolver builds the resolver the flags choose and starts it under ctx.
+func (f *resolverFlags) newResolver(ctx context.Context, log *slog.Logger) (*resolver, error) {
+	if err := f.check(); err != nil {
+		return nil, err
+	}
+	switch {
 	case f.services != "":
 		s, err := lookup.LoadStatic(f.services)
 		if err != nil {
@@ -65,8 +77,6 @@ func (f *resolverFlags) newResolver(ctx context.Context, log *slog.Logger) (*res
 		}
 		return &resolver{Resolver: s, forAgent: func() lookup.Resolver { return s },
 			ready: func(context.Context) error { return nil }, stop: func() {}}, nil
-	case f.syncTarget.Name == "" && f.plainCluster == "":
-		return nil, errors.New("give --services FILE, or --sync-target-name (with --sync-target-cluster and/or --sync-target-uid), or --plain-cluster")
 	}
 
 	trust, err := lookup.ParseScope(f.trustSlicesIn)

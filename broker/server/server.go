@@ -7,6 +7,7 @@ import (
 	"cmp"
 	"context"
 	"log/slog"
+	"math"
 	"net"
 	"sync"
 	"sync/atomic"
@@ -78,6 +79,12 @@ const (
 	// DefaultWindowSize is the fixed per-stream window kcp and the agent
 	// use too (wire.WindowSize).
 	DefaultWindowSize = wire.WindowSize
+	// MinWindowSize and MaxWindowSize bound a fixed window: gRPC ignores
+	// one below HTTP/2's initial window (65535 bytes), and a connection's
+	// window, 16 times a stream's (wire.ServerOptions), must fit HTTP/2's
+	// 2^31-1.
+	MinWindowSize = 65535
+	MaxWindowSize = math.MaxInt32 / 16
 )
 
 // Config is what a broker replica needs. As in every Config of the broker,

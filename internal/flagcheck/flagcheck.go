@@ -1,24 +1,92 @@
 // Package flagcheck refuses, at start and with the flag named, values the
 // binaries' flags do not allow, and gives them a --help that starts with
-// what the binary is for.
+// what the binary is for. A mistake in the flags is reported as the error
+// and one line pointing at --help, never the whole usage burying it.
 package flagcheck
 
 import (
+	"errors"
 	"flag"
 	"fmt"
+	"io"
+	"net"
 	"slices"
 	"strings"
 	"time"
 )
+
+// FlagError is a mistake in how a binary was called: a flag, its value or
+// an argument. Report prints it with a pointer to --help.
+type FlagError struct {
+	Err error
+	// Help is the command that prints the usage ("tunnelctl agents
+	// --help"); empty: the binary's --help.
+	Help string
+}
+
+func (e *FlagError) Error() string { return e.Err.Error() }
+func (e *FlagError) Unwrap() error { return e.Err }
+
+// Errorf is a FlagError with a formatted message.
+func Errorf(format string, a ...any) error {
+	return &FlagError{Err: fmt.Errorf(format, a...)}
+}
+
+// Parse parses args into fs without printing anything on a mistake: it
+// returns the mistake as a FlagError. --help (-h) prints fs's usage to
+// stdout and returns flag.ErrHelp, which Report takes for success. fs's
+// error handling becomes ContinueOnError, whatever it was.
+func Parse(fs *flag.FlagSet, args []string, stdout io.Writer) error {
+	out, usage := fs.Output(), fs.Usage
+	fs.Init(fs.Name(), flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	fs.Usage = func() {}
+	err := fs.Parse(args)
+	fs.Usage = usage
+	switch {
+	case errors.Is(err, flag.ErrHelp):
+		fs.SetOutput(stdout)
+		fs.Usage()
+		fs.SetOutput(out)
+		return flag.ErrHelp
+	case err != nil:
+		fs.SetOutput(out)
+		return &FlagError{Err: err}
+	}
+	fs.SetOutput(out)
+	return nil
+}
+
+// Report prints err as the binary name's main does and returns its exit
+// code: 0 for none or flag.ErrHelp; 2 for a FlagError, printed with one
+// line pointing at --help; 1 for any other error.
+func Report(stderr io.Writer, name string, err error) int {
+	if err == nil || errors.Is(err, flag.ErrHelp) {
+		return 0
+	}
+	fmt.Fprintf(stderr, "%s: %v\n", name, err)
+	var fe *FlagError
+	if !errors.As(err, &fe) {
+		return 1
+	}
+	help := fe.Help
+	if help == "" {
+		help = name + " --help"
+	}
+	fmt.Fprintf(stderr, "Run '%s' for usage.\n", help)
+	return 2
+}
 
 // Check refuses what fs holds after Parse that its flags do not allow:
 //   - a negative duration or number, unless the flag's usage says what a
 //     negative value means ("negative: never");
 //   - zero for the flags named in positive;
 //   - arguments, for binaries that take flags only.
+//
+// Its errors are FlagErrors.
 func Check(fs *flag.FlagSet, positive ...string) error {
 	if fs.NArg() > 0 {
-		return fmt.Errorf("unexpected argument %q: only flags are taken (--help lists them)", fs.Arg(0))
+		return Errorf("unexpected argument %q: only flags are taken", fs.Arg(0))
 	}
 	var err error
 	fs.VisitAll(func(f *flag.Flag) {
@@ -51,9 +119,45 @@ func checkValue(f *flag.Flag, positive []string) error {
 	}
 	switch {
 	case negative && !strings.Contains(f.Usage, "negative:"):
-		return fmt.Errorf("--%s %s: must not be negative", f.Name, f.Value)
+		return Errorf("--%s %s: must not be negative", f.Name, f.Value)
 	case zero && slices.Contains(positive, f.Name):
-		return fmt.Errorf("--%s %s: must be positive", f.Name, f.Value)
+		if off := negativeMeans(f.Usage); off != "" {
+			return Errorf("--%s %s: must be positive (negative: %s)", f.Name, f.Value, off)
+		}
+		return Errorf("--%s %s: must be positive", f.Name, f.Value)
+	}
+	return nil
+}
+
+// negativeMeans is what a flag's usage says a negative value means, from
+// its "(negative: ...)"; empty if it says nothing.
+func negativeMeans(usage string) string {
+	_, after, ok := strings.Cut(usage, "negative: ")
+	if !ok {
+		return ""
+	}
+	if i := strings.IndexAny(after, ")"); i >= 0 {
+		after = after[:i]
+	}
+	return after
+}
+
+// HostPort refuses an address that is not HOST:PORT with both parts, as
+// flag name's value: without it, a gRPC client would silently take port
+// 443.
+func HostPort(name, addr string) error {
+	host, port, err := net.SplitHostPort(addr)
+	switch {
+	case err != nil:
+		var ae *net.AddrError
+		if errors.As(err, &ae) && ae.Err == "missing port in address" {
+			return Errorf("--%s %s: no port: give HOST:PORT, e.g. %s", name, addr, net.JoinHostPort(addr, "8443"))
+		}
+		return Errorf("--%s %s: %v: give HOST:PORT", name, addr, err)
+	case host == "":
+		return Errorf("--%s %s: no host: give HOST:PORT, e.g. localhost%s", name, addr, addr)
+	case port == "":
+		return Errorf("--%s %s: no port: give HOST:PORT, e.g. %s8443", name, addr, addr)
 	}
 	return nil
 }

@@ -6,6 +6,7 @@ package ops
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
@@ -20,8 +21,10 @@ import (
 // Options say what to serve where.
 type Options struct {
 	// Listen serves /metrics, /healthz and /readyz; empty: not served.
+	// Both binaries take it as --metrics-listen, which its errors name.
 	Listen string
-	// Pprof serves /debug/pprof; empty: not served.
+	// Pprof serves /debug/pprof; empty: not served. Its errors name
+	// --pprof-listen.
 	Pprof string
 	// Ready answers /readyz: nil when the process can do its job, else
 	// why not, which /readyz's body says.
@@ -49,7 +52,7 @@ func Serve(ctx context.Context, o Options, log *slog.Logger) error {
 			_, _ = w.Write([]byte("ok\n"))
 		})
 		if err := serve(ctx, o.Listen, mux, log); err != nil {
-			return err
+			return fmt.Errorf("--metrics-listen: %w", err)
 		}
 	}
 	if o.Pprof != "" {
@@ -60,7 +63,7 @@ func Serve(ctx context.Context, o Options, log *slog.Logger) error {
 		mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
 		mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
 		if err := serve(ctx, o.Pprof, mux, log); err != nil {
-			return err
+			return fmt.Errorf("--pprof-listen: %w", err)
 		}
 	}
 	return nil

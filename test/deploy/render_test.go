@@ -437,7 +437,7 @@ func binaryFlags(t *testing.T, binary string) map[string]bool {
 	if dir == "" {
 		t.Fatal("TUNNEL_BIN_DIR is not set (TestMain builds the binaries)")
 	}
-	out, _ := exec.Command(filepath.Join(dir, binary), "-h").CombinedOutput() // -h exits non-zero
+	out, _ := exec.Command(filepath.Join(dir, binary), "-h").CombinedOutput() // the usage, on stdout
 	known := map[string]bool{}
 	for _, m := range flagLine.FindAllStringSubmatch(string(out), -1) {
 		known[m[1]] = true

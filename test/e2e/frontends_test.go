@@ -137,7 +137,7 @@ func TestConnectTunnelsAreListedAndAuditedAsDialTunnelsAre(t *testing.T) {
 		t.Fatalf("tunnelctl tunnels: %v\n%s", err, out)
 	}
 	lines := strings.Split(strings.TrimSpace(string(out)), "\n")
-	if len(lines) != 3 || lines[0] != "broker replica broker-a: 1 tunnels" {
+	if len(lines) != 3 || lines[0] != "broker replica broker-a: 1 tunnel" {
 		t.Fatalf("tunnelctl tunnels, one CONNECT tunnel open, printed:\n%s", out)
 	}
 	// TUNNEL CALLER TARGET AGENT AGE UP DOWN IDLE

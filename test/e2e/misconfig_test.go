@@ -55,7 +55,8 @@ func TestTrustBundleWithoutCAIsRefused(t *testing.T) {
 	env := harness.NewEnv(t)
 	f := env.SVID("/agent/sync-target-1")
 	// The SVID itself given as the bundle: a leaf, no CA.
-	out := refusedAtStart(t, "syncer-agent", "--broker", "127.0.0.1:1", "--name", "a", "--metrics-listen", "",
+	// --services is never read: the identity fails first.
+	out := refusedAtStart(t, "syncer-agent", "--broker", "127.0.0.1:1", "--name", "a", "--metrics-listen", "", "--services", "services.yaml",
 		"--svid-cert", f.Cert, "--svid-key", f.Key, "--trust-bundle", f.Cert)
 	wantIn(t, out, "--trust-bundle "+f.Cert+": holds no CA certificate, only spiffe://tunnel.test/agent/sync-target-1")
 }
@@ -91,7 +92,7 @@ func TestWorkloadAPIThatIsNotThere(t *testing.T) {
 	}
 	waiting.WaitLogged(t, 1, "Workload API: ", "no such file or directory")
 
-	out := refusedAtStart(t, "syncer-agent", "--broker", "127.0.0.1:1", "--name", "a", "--metrics-listen", "",
+	out := refusedAtStart(t, "syncer-agent", "--broker", "127.0.0.1:1", "--name", "a", "--metrics-listen", "", "--services", "services.yaml",
 		"--spiffe-socket", socket, "--workload-api-timeout", "2s")
 	wantIn(t, out, "no X.509-SVID from the Workload API at "+socket+" within 2s (--workload-api-timeout)", "no such file or directory")
 }
@@ -177,6 +178,10 @@ func TestAgentRefusedByPolicyPointsAtThePolicy(t *testing.T) {
 	line := agent.WaitLogged(t, 1, "ERROR", "the broker's policy refuses this agent", "--policy", "PermissionDenied", "retry_in=")[0]
 	if !strings.Contains(line, "retry_in=") || strings.Contains(line, "retry_in=0s") {
 		t.Errorf("no slow retry in %q", line)
+	}
+	// When, to the millisecond and to the second: no nanoseconds.
+	if !regexp.MustCompile(`retry_in=(\d+h)?(\d+m)?\d+(\.\d{1,3})?m?s retry_at=\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(Z|[+-]\d\d:\d\d)( |$)`).MatchString(line) {
+		t.Errorf("retry_in or retry_at more precise than a person reads: %q", line)
 	}
 }
 

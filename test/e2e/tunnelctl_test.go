@@ -124,7 +124,7 @@ func TestPortForwardTunnelctlDialAndAgents(t *testing.T) {
 		listing, err = tunnelctl(t, env, b.Addr, "/operator", "agents").CombinedOutput()
 		return err == nil
 	})
-	for _, w := range []string{"broker replica broker-0: 1 agents", "sync-target-1", harness.ID("/agent/sync-target-1").String(), "root", "serving"} {
+	for _, w := range []string{"broker replica broker-0: 1 agent\n", "sync-target-1", harness.ID("/agent/sync-target-1").String(), "root", "serving"} {
 		if !bytes.Contains(listing, []byte(w)) {
 			t.Errorf("agents listing lacks %q:\n%s", w, listing)
 		}

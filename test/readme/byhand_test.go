@@ -69,6 +69,15 @@ func TestReadmeByHand(t *testing.T) {
 	dir := t.TempDir()
 	linkTools(t, filepath.Join(dir, "bin"))
 
+	// Before the last block ends everything: the target must not serve
+	// the folder the commands run in, whose dev/ holds the private keys.
+	last := blocks[len(blocks)-1]
+	if !strings.Contains(last, "kill $(jobs -p)") {
+		t.Fatalf("the section's last block does not end the background jobs:\n%s", last)
+	}
+	probe := "echo \"dev/ from the target: $(curl -s -o /dev/null -w '%{http_code}' localhost:8080/dev/ca.crt)\"\n"
+	blocks = append(blocks[:len(blocks)-1:len(blocks)-1], probe, last)
+
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, "bash", "-c", script(blocks))
@@ -84,8 +93,10 @@ func TestReadmeByHand(t *testing.T) {
 		"throwaway trust domain spiffe://example.org", // dev-ca
 		"broker serving",            // the broker's log
 		"registered with broker",    // the agent's log
-		"1 agents",                  // tunnelctl agents
+		": 1 agent\n",               // tunnelctl agents
 		"HTTP/1.0 200 OK",           // tunnelctl dial and port-forward, through the tunnel
+		"hello from the target",     // curl's CONNECT through the egress front end
+		"dev/ from the target: 404", // the target serves its own folder only
 		"kcp.tunnel.v1.DialService", // grpcurl list
 		`"status": "SERVING"`,       // grpcurl health
 		`"name": "dev"`,             // grpcurl ListAgents
@@ -97,6 +108,55 @@ func TestReadmeByHand(t *testing.T) {
 	}
 	if n := strings.Count(string(out), "HTTP/1.0 200 OK"); n < 2 {
 		t.Errorf("%d answers from the target, want one through tunnelctl dial and one through port-forward:\n%s", n, out)
+	}
+}
+
+// The section's waits end: each readiness wait is up, which gives up
+// after 10 seconds saying what did not answer, and no loop waits forever.
+func TestReadmeByHandWaitsAreBounded(t *testing.T) {
+	t.Parallel()
+	raw, err := os.ReadFile(filepath.Join(harness.RepoRoot(), "README.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var up string
+	for _, block := range shellBlocks(t, string(raw), section) {
+		for _, line := range strings.Split(block, "\n") {
+			if regexp.MustCompile(`^\s*(until|while)\b|;\s*(until|while)\b`).MatchString(line) {
+				t.Errorf("a loop with no bound: %s", line)
+			}
+			if strings.HasPrefix(line, "up() ") {
+				up = line
+			}
+		}
+	}
+	if up == "" {
+		t.Fatal("the section defines no up()")
+	}
+	// Nothing answers on port 1: up must fail, within its bound, saying so.
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	start := time.Now()
+	out, err := exec.CommandContext(ctx, "bash", "-c", "set -e\n"+up+"\nup 127.0.0.1:1/readyz\necho past the wait\n").CombinedOutput()
+	if err == nil || strings.Contains(string(out), "past the wait") || ctx.Err() != nil {
+		t.Errorf("up for an address that never answers: %v after %v: %s", err, time.Since(start), out)
+	}
+	if !strings.Contains(string(out), "no answer from 127.0.0.1:1/readyz within 10s") {
+		t.Errorf("up did not say what did not answer: %q", out)
+	}
+}
+
+// dev-ca's private keys, written into dev/ by the section, are never
+// committed.
+func TestReadmeByHandKeysAreIgnoredByGit(t *testing.T) {
+	root := harness.RepoRoot()
+	if err := exec.Command("git", "-C", root, "rev-parse", "--git-dir").Run(); err != nil {
+		t.Skipf("%s is not a git checkout: %v", root, err)
+	}
+	for _, path := range []string{"dev/ca.crt", "dev/broker/tls.key", "dev/operator/tls.key"} {
+		if out, err := exec.Command("git", "-C", root, "check-ignore", "--no-index", "-q", path).CombinedOutput(); err != nil {
+			t.Errorf("git does not ignore %s: %v %s", path, err, out)
+		}
 	}
 }
 

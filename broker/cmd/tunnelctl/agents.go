@@ -4,6 +4,7 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"io"
 	"os"
 	"strings"
 	"text/tabwriter"
@@ -11,22 +12,31 @@ import (
 
 	"google.golang.org/grpc"
 
+	"github.com/kcp-dev/tunnel-broker/internal/flagcheck"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
-// agents prints the agents the replica knows, as a table.
-func agents(ctx context.Context, conn *grpc.ClientConn, args []string) error {
-	fs := flag.NewFlagSet("agents", flag.ContinueOnError)
-	cluster := fs.String("cluster", "", "only agents that serve this logical cluster")
-	if err := fs.Parse(args); err != nil {
-		return err
+// agents is the agents command: it prints the agents the replica knows, as
+// a table.
+func agents(fs *flag.FlagSet) func([]string) (runner, error) {
+	cluster := fs.String("cluster", "", "only agents that serve this logical cluster (its name, not a path)")
+	return func([]string) (runner, error) {
+		if err := flagcheck.Check(fs); err != nil {
+			return nil, err
+		}
+		return func(ctx context.Context, conn *grpc.ClientConn) error {
+			return listAgents(ctx, conn, *cluster, os.Stdout)
+		}, nil
 	}
-	resp, err := tunnelv1.NewAdminServiceClient(conn).ListAgents(ctx, &tunnelv1.ListAgentsRequest{Cluster: *cluster})
+}
+
+func listAgents(ctx context.Context, conn *grpc.ClientConn, cluster string, out io.Writer) error {
+	resp, err := tunnelv1.NewAdminServiceClient(conn).ListAgents(ctx, &tunnelv1.ListAgentsRequest{Cluster: cluster})
 	if err != nil {
 		return err
 	}
-	fmt.Printf("broker replica %s: %d agents\n", resp.GetBrokerId(), len(resp.GetAgents()))
-	w := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintf(out, "broker replica %s: %s\n", resp.GetBrokerId(), plural(len(resp.GetAgents()), "agent"))
+	w := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(w, "NAME\tSPIFFE ID\tCLUSTERS\tTUNNELS\tCONNECTED\tLAST PROBE\tRTT\tSTATE")
 	for _, a := range resp.GetAgents() {
 		probe, rtt := "never", "-"

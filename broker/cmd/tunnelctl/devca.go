@@ -13,6 +13,7 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 
 	"github.com/kcp-dev/tunnel-broker/internal/devca"
+	"github.com/kcp-dev/tunnel-broker/internal/flagcheck"
 )
 
 // devIdentity is one workload of the throwaway trust domain dev-ca writes:
@@ -28,7 +29,7 @@ var devIdentities = []devIdentity{
 	{"broker", "/broker", "the broker (DNS SAN localhost, IP SAN 127.0.0.1, for grpcurl)"},
 	{"agent", "/agent/dev", "a syncer-agent, sync target dev, serving logical cluster root"},
 	{"kcp", "/kcp", "kcp: may call Dial"},
-	{"operator", "/operator", "an operator: may call Dial and the admin RPCs (tunnelctl)"},
+	{"operator", "/operator", "an operator: may call Dial and the admin RPCs (tunnelctl), and CONNECT to root"},
 }
 
 // devPolicy is the broker's policy for the dev identities.
@@ -42,6 +43,9 @@ callers:
 - id: spiffe://%[1]s/operator
 operators:
 - id: spiffe://%[1]s/operator
+egress:                 # the CONNECT front end (broker --egress-listen), as curl -p
+- id: spiffe://%[1]s/operator
+  cluster: root
 `
 
 // devServices is the agent's static Service table: one Service in logical
@@ -66,15 +70,21 @@ func devCA(args []string, out io.Writer) error {
 		fmt.Fprintln(out, "Usage: tunnelctl dev-ca [--trust-domain NAME] DIR\n\nWrites a throwaway trust domain (valid 24 hours) into DIR, which must not exist yet or be empty:")
 		fs.PrintDefaults()
 	}
-	if err := fs.Parse(args); err != nil {
+	err := flagcheck.Parse(fs, args, out)
+	switch {
+	case err != nil:
+	case fs.NArg() != 1:
+		err = flagcheck.Errorf("dev-ca takes one argument, the folder to write, not %d", fs.NArg())
+	default:
+		if _, tdErr := spiffeid.TrustDomainFromString(*td); tdErr != nil {
+			err = flagcheck.Errorf("--trust-domain: %w", tdErr)
+		}
+	}
+	if fe := (*flagcheck.FlagError)(nil); errors.As(err, &fe) {
+		fe.Help = "tunnelctl dev-ca --help"
+	}
+	if err != nil {
 		return err
-	}
-	if fs.NArg() != 1 {
-		fs.Usage()
-		return fmt.Errorf("dev-ca takes one argument, the folder to write, not %d", fs.NArg())
-	}
-	if _, err := spiffeid.TrustDomainFromString(*td); err != nil {
-		return fmt.Errorf("--trust-domain: %w", err)
 	}
 	dir := fs.Arg(0)
 	if err := newFolder(dir); err != nil {

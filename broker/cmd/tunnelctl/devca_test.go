@@ -53,6 +53,9 @@ func TestDevCAWritesWhatTheBinariesLoad(t *testing.T) {
 			t.Error(err)
 		}
 	}
+	if c, err := pol.EgressCluster(ids["operator"]); c != "root" || err != nil {
+		t.Errorf("the operator's CONNECTs go to %q, %v; want root, as the README's curl example needs", c, err)
+	}
 	if !pol.IsOperator(ids["operator"]) || pol.IsOperator(ids["kcp"]) || pol.IsAgent(ids["broker"]) {
 		t.Error("the policy gives the dev identities other roles than dev-ca says")
 	}

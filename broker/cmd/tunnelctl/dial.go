@@ -2,8 +2,7 @@ package main
 
 import (
 	"context"
-	"errors"
-	"fmt"
+	"flag"
 	"io"
 	"net"
 	"os"
@@ -11,25 +10,31 @@ import (
 
 	"google.golang.org/grpc"
 
+	"github.com/kcp-dev/tunnel-broker/internal/flagcheck"
 	"github.com/kcp-dev/tunnel-broker/kcpplugin"
 )
 
-// dial pipes stdin and stdout through a tunnel, like nc: stdin's end
-// half-closes the tunnel, and the command ends when the target closes.
-func dial(ctx context.Context, conn *grpc.ClientConn, args []string) error {
-	if len(args) != 4 {
-		return errors.New("usage: dial CLUSTER NAMESPACE SERVICE PORT")
+// dial is the dial command: it pipes stdin and stdout through a tunnel,
+// like nc: stdin's end half-closes the tunnel, and the command ends when
+// the target closes.
+func dial(*flag.FlagSet) func([]string) (runner, error) {
+	return func(args []string) (runner, error) {
+		if len(args) != 4 {
+			return nil, flagcheck.Errorf("dial takes CLUSTER NAMESPACE SERVICE PORT, not %s", plural(len(args), "argument"))
+		}
+		port, err := strconv.ParseInt(args[3], 10, 32)
+		if err != nil {
+			return nil, flagcheck.Errorf("port %q is not a number", args[3])
+		}
+		return func(ctx context.Context, conn *grpc.ClientConn) error {
+			c, err := kcpplugin.NewDialer(conn).DialService(ctx, args[0], args[1], args[2], int32(port))
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			return pipe(c, stdio{})
+		}, nil
 	}
-	port, err := strconv.ParseInt(args[3], 10, 32)
-	if err != nil {
-		return fmt.Errorf("port %q is not a number", args[3])
-	}
-	c, err := kcpplugin.NewDialer(conn).DialService(ctx, args[0], args[1], args[2], int32(port))
-	if err != nil {
-		return err
-	}
-	defer c.Close()
-	return pipe(c, stdio{})
 }
 
 type stdio struct{}

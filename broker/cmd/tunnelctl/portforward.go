@@ -2,7 +2,7 @@ package main
 
 import (
 	"context"
-	"errors"
+	"flag"
 	"fmt"
 	"net"
 	"os"
@@ -11,23 +11,34 @@ import (
 
 	"google.golang.org/grpc"
 
+	"github.com/kcp-dev/tunnel-broker/internal/flagcheck"
 	"github.com/kcp-dev/tunnel-broker/kcpplugin"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
-// portForward listens on a local port and tunnels every connection to a
-// Service port in a logical cluster, until interrupted.
-func portForward(ctx context.Context, conn *grpc.ClientConn, args []string) error {
-	if len(args) != 2 {
-		return errors.New("usage: port-forward LOCALPORT CLUSTER/NAMESPACE/SERVICE:PORT")
+// portForward is the port-forward command: it listens on a local port and
+// tunnels every connection to a Service port in a logical cluster, until
+// interrupted.
+func portForward(*flag.FlagSet) func([]string) (runner, error) {
+	return func(args []string) (runner, error) {
+		if len(args) != 2 {
+			return nil, flagcheck.Errorf("port-forward takes LOCALPORT CLUSTER/NAMESPACE/SERVICE:PORT, not %s", plural(len(args), "argument"))
+		}
+		cluster, namespace, service, port, err := parseTarget(args[1])
+		if err != nil {
+			return nil, &flagcheck.FlagError{Err: err}
+		}
+		return func(ctx context.Context, conn *grpc.ClientConn) error {
+			return forward(ctx, conn, args[0], cluster, namespace, service, port)
+		}, nil
 	}
-	cluster, namespace, service, port, err := parseTarget(args[1])
+}
+
+// forward serves port-forward on 127.0.0.1:localPort.
+func forward(ctx context.Context, conn *grpc.ClientConn, localPort, cluster, namespace, service string, port int32) error {
+	l, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", localPort))
 	if err != nil {
-		return err
-	}
-	l, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", args[0]))
-	if err != nil {
-		return err
+		return fmt.Errorf("LOCALPORT %s: %w", localPort, err)
 	}
 	defer l.Close()
 	context.AfterFunc(ctx, func() { l.Close() })

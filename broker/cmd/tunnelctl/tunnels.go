@@ -4,43 +4,64 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"io"
 	"os"
 	"text/tabwriter"
 	"time"
 
 	"google.golang.org/grpc"
 
+	"github.com/kcp-dev/tunnel-broker/internal/flagcheck"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
-// tunnels prints the tunnels open through the replica, as a table, reading
-// the listing a page at a time.
-func tunnels(ctx context.Context, conn *grpc.ClientConn, args []string) error {
-	fs := flag.NewFlagSet("tunnels", flag.ContinueOnError)
-	cluster := fs.String("cluster", "", "only tunnels to this logical cluster")
+// tunnels is the tunnels command: it prints the tunnels open through the
+// replica, as a table.
+func tunnels(fs *flag.FlagSet) func([]string) (runner, error) {
+	cluster := fs.String("cluster", "", "only tunnels to this logical cluster (its name, not a path)")
 	caller := fs.String("caller", "", "only tunnels of this caller SPIFFE ID")
-	limit := fs.Int("limit", 10000, "print at most this many tunnels")
-	if err := fs.Parse(args); err != nil {
-		return err
+	limit := fs.Int("limit", 10000, "print at most this many tunnels, the first by tunnel id; the header says when more are open")
+	return func([]string) (runner, error) {
+		if err := flagcheck.Check(fs, "limit"); err != nil {
+			return nil, err
+		}
+		req := &tunnelv1.ListTunnelsRequest{Cluster: *cluster, CallerSpiffeId: *caller}
+		return func(ctx context.Context, conn *grpc.ClientConn) error {
+			return listTunnels(ctx, conn, req, *limit, os.Stdout)
+		}, nil
 	}
+}
+
+// maxPageSize is the most tunnels a page of ListTunnels holds.
+const maxPageSize = 1000
+
+// listTunnels prints the tunnels req selects, at most limit of them,
+// reading the listing a page at a time; its header says when the limit cut
+// the list.
+func listTunnels(ctx context.Context, conn *grpc.ClientConn, req *tunnelv1.ListTunnelsRequest, limit int, out io.Writer) error {
 	client := tunnelv1.NewAdminServiceClient(conn)
-	req := &tunnelv1.ListTunnelsRequest{Cluster: *cluster, CallerSpiffeId: *caller, PageSize: 1000}
 	var listed []*tunnelv1.TunnelInfo
 	var replica string
-	for len(listed) < *limit {
+	for {
+		req.PageSize = uint32(min(limit-len(listed), maxPageSize))
 		resp, err := client.ListTunnels(ctx, req)
 		if err != nil {
 			return err
 		}
 		replica = resp.GetBrokerId()
 		listed = append(listed, resp.GetTunnels()...)
-		if req.PageToken = resp.GetNextPageToken(); req.PageToken == "" {
+		// A next page, when the limit is reached, is what the limit cut.
+		if req.PageToken = resp.GetNextPageToken(); req.PageToken == "" || len(listed) >= limit {
 			break
 		}
 	}
-	listed = listed[:min(len(listed), *limit)]
-	fmt.Printf("broker replica %s: %d tunnels\n", replica, len(listed))
-	w := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', 0)
+	listed = listed[:min(len(listed), limit)]
+	header := fmt.Sprintf("broker replica %s: %s", replica, plural(len(listed), "tunnel"))
+	if req.PageToken != "" {
+		header += fmt.Sprintf(" (more are open: --limit %d cut the list)", limit)
+	}
+	fmt.Fprintln(out, header)
+	w := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(w, "TUNNEL\tCALLER\tTARGET\tAGENT\tAGE\tUP\tDOWN\tIDLE")
 	for _, t := range listed {
 		tg := t.GetTarget()

@@ -10,6 +10,8 @@ import (
 	"strings"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -42,8 +44,15 @@ func RegisterService(srv grpc.ServiceRegistrar, s *Service) {
 	tunnelv1.RegisterAdminServiceServer(srv, s)
 }
 
-// ListAgents implements AdminService.ListAgents.
+// ListAgents implements AdminService.ListAgents. A cluster filter that is
+// no logical cluster name (a path, say) is refused, as ListTunnels refuses
+// it: no agent could serve it, and an empty list would hide the mistake.
 func (s *Service) ListAgents(_ context.Context, req *tunnelv1.ListAgentsRequest) (*tunnelv1.ListAgentsResponse, error) {
+	if c := req.GetCluster(); c != "" {
+		if err := tunnelv1.ValidateClusterName(c); err != nil {
+			return nil, status.Errorf(codes.InvalidArgument, "cluster: %v", err)
+		}
+	}
 	resp := &tunnelv1.ListAgentsResponse{BrokerId: s.cfg.BrokerID}
 	for _, a := range s.cfg.Registry.Agents() {
 		clusters := s.cfg.Registry.ClustersOf(a)

@@ -10,12 +10,14 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"go.uber.org/goleak"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -202,6 +204,18 @@ func TestListAgentsFiltersByCluster(t *testing.T) {
 		if got := sessions(list(t, s, cluster)); !slices.Equal(got, want) {
 			t.Errorf("ListAgents(%q) lists %v, want %v", cluster, got, want)
 		}
+	}
+}
+
+// A filter that is no logical cluster name is refused, not answered with
+// an empty list.
+func TestListAgentsRefusesAFilterThatIsNoClusterName(t *testing.T) {
+	r := registry.New(registry.Limits{})
+	register(t, r, "s1", "a", "/agent/a", "root")
+	s := New(Config{Registry: r})
+	for _, cluster := range []string{"root:org", "Root", "a/b"} {
+		_, err := s.ListAgents(t.Context(), &tunnelv1.ListAgentsRequest{Cluster: cluster})
+		testutil.CheckStatus(t, "ListAgents("+cluster+")", err, codes.InvalidArgument, "cluster: ")
 	}
 }
 
