@@ -3,6 +3,7 @@ package fragments
 import (
 	"bytes"
 	"fmt"
+	"io"
 	"net"
 	"sync"
 	"time"
@@ -101,4 +102,22 @@ func (c *conn) goAway(debug string) {
 	_ = c.Conn.SetWriteDeadline(time.Now().Add(goAwayTimeout))
 	n, _ := c.Conn.Write(frame.Bytes())
 	c.out.scan(frame.Bytes()[:n])
+}
+
+// lingerTimeout bounds how long a refused connection reads what its peer
+// still sends before it closes.
+const lingerTimeout = time.Second
+
+// Close closes the connection. A refused one first reads, and drops, what
+// its peer still sends, until the peer closes or lingerTimeout: the peer is
+// likely in the middle of a write, and a socket closed with unread data
+// sends a TCP reset, which makes the peer's kernel throw away the GOAWAY
+// it has not read yet, and with it the reason (net/http lingers the same
+// way before it closes a connection it refused).
+func (c *conn) Close() error {
+	if c.err != nil {
+		_ = c.Conn.SetReadDeadline(time.Now().Add(lingerTimeout))
+		_, _ = io.Copy(io.Discard, c.Conn)
+	}
+	return c.Conn.Close()
 }
