@@ -183,7 +183,63 @@ func (c *spiffeCreds) tlsClient(ctx context.Context, authority string, raw net.C
 		conn.Close()
 		return nil, nil, err
 	}
-	return tlsResult(conn)
+	c2, info, err := tlsResult(conn)
+	if err != nil {
+		return nil, nil, err
+	}
+	if conn.ConnectionState().Version < tls.VersionTLS13 {
+		return c2, info, nil
+	}
+	first, err := awaitServer(ctx, conn)
+	if err != nil {
+		conn.Close()
+		return nil, nil, err
+	}
+	return &primedConn{Conn: conn, first: first}, info, nil
+}
+
+// awaitServer reads the server's first bytes after a TLS 1.3 handshake. In
+// TLS 1.3 the client's handshake ends before the server has checked the
+// client's certificate: a server that refuses it sends its alert after, and
+// closes. Without this wait the refusal would surface as whatever the next
+// write or read hits first, often "broken pipe"; with it, a refused
+// certificate is the handshake's error, "remote error: tls: bad
+// certificate", which the caller can explain (OwnProblem). A gRPC server
+// sends its SETTINGS as soon as its handshake is done, so the wait costs no
+// round trip of its own.
+func awaitServer(ctx context.Context, conn *tls.Conn) ([]byte, error) {
+	if deadline, ok := ctx.Deadline(); ok {
+		_ = conn.SetReadDeadline(deadline)
+	}
+	stop := context.AfterFunc(ctx, func() { _ = conn.SetReadDeadline(time.Unix(1, 0)) })
+	buf := make([]byte, 512)
+	n, err := conn.Read(buf)
+	if !stop() {
+		// ctx ended (and set a deadline past) while the read waited.
+		return nil, ctx.Err()
+	}
+	if err != nil {
+		return nil, err
+	}
+	_ = conn.SetReadDeadline(time.Time{})
+	return buf[:n], nil
+}
+
+// primedConn is a client's TLS connection whose first bytes awaitServer has
+// read already: Read returns them first. Everything else is the
+// *tls.Conn's, CloseWrite included.
+type primedConn struct {
+	*tls.Conn
+	first []byte
+}
+
+func (c *primedConn) Read(b []byte) (int, error) {
+	if len(c.first) > 0 {
+		n := copy(b, c.first)
+		c.first = c.first[n:]
+		return n, nil
+	}
+	return c.Conn.Read(b)
 }
 
 // tlsResult is a finished handshake's connection and AuthInfo. As gRPC

@@ -108,7 +108,9 @@ func TestAClientRefusesServersWithMalformedIDs(t *testing.T) {
 }
 
 // maliciousServer is a TLS server presenting cert to every client, with
-// gRPC's ALPN, until the test ends.
+// gRPC's ALPN, until the test ends. Like a gRPC server, it speaks first
+// once the handshake is done (its SETTINGS): the client's handshake waits
+// for that.
 func maliciousServer(t *testing.T, cert tls.Certificate) string {
 	t.Helper()
 	lis, err := tls.Listen("tcp", "127.0.0.1:0", &tls.Config{Certificates: []tls.Certificate{cert}, NextProtos: []string{"h2"}, ClientAuth: tls.RequireAnyClientCert})
@@ -123,7 +125,9 @@ func maliciousServer(t *testing.T, cert tls.Certificate) string {
 			if err != nil {
 				return
 			}
-			conn.(*tls.Conn).Handshake()
+			if conn.(*tls.Conn).Handshake() == nil {
+				conn.Write([]byte{0})
+			}
 			conn.Close()
 		}
 	}()

@@ -113,8 +113,8 @@ func (p *connPairs) next(t *testing.T) (ours, theirs net.Conn) {
 	return ours, theirs
 }
 
-// runPeer runs the other side's handshake, then reads until the
-// connection closes.
+// runPeer runs the other side's handshake, says something first as a gRPC
+// server does (its SETTINGS), then reads until the connection closes.
 func runPeer(c *tls.Conn) *sync.WaitGroup {
 	var wg sync.WaitGroup
 	wg.Add(1)
@@ -122,6 +122,7 @@ func runPeer(c *tls.Conn) *sync.WaitGroup {
 		defer wg.Done()
 		defer c.Close()
 		if c.Handshake() == nil {
+			c.Write([]byte{0})
 			io.Copy(io.Discard, c)
 		}
 	}()
