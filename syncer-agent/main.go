@@ -205,6 +205,7 @@ func (o *options) fleet(svids identity.Source, creds credentials.TransportCreden
 			return &agent.Agent{
 				Broker:            addr,
 				Credentials:       creds,
+				SVID:              svids,
 				Name:              o.name,
 				Resolver:          resolver.forAgent(),
 				ReconnectMaxDelay: o.reconnectMaxDelay,

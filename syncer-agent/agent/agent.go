@@ -7,11 +7,13 @@ import (
 	"cmp"
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
 	"google.golang.org/grpc"
 	grpcbackoff "google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
@@ -21,6 +23,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/kcp-dev/tunnel-broker/internal/coalesce"
+	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
@@ -35,6 +38,10 @@ type Agent struct {
 	Broker string
 	// Credentials are the agent's SPIFFE mTLS credentials.
 	Credentials credentials.TransportCredentials
+	// SVID, if set, is the SVID the credentials present: when the broker
+	// cannot be reached, the agent checks it before blaming the network
+	// (ownProblem).
+	SVID x509svid.Source
 	// StalledWriteTimeout ends a tunnel whose target takes no byte of a
 	// write for so long (zero: DefaultStalledWriteTimeout). The copier
 	// blocked in that write does not see the broker end the tunnel, so
@@ -73,6 +80,28 @@ func (a *Agent) notRegistered() string {
 		return a.Broker + ": " + *why
 	}
 	return a.Broker + ": connecting"
+}
+
+// ownProblem says, in the agent's words, what is wrong with its own SVID
+// when reaching or registering with the broker failed with err: it has
+// expired, or the broker refused it. Empty if neither.
+func (a *Agent) ownProblem(err error) string {
+	p, ok := identity.DiagnoseOwn(a.SVID, err, a.clock().Now())
+	switch {
+	case !ok:
+		return ""
+	case p.Expired:
+		return fmt.Sprintf("my SVID expired at %s and no new one has come: is the SPIRE agent (--spiffe-socket) running, or whatever renews --svid-cert?",
+			p.NotAfter.UTC().Format(time.RFC3339))
+	case p.PeerAlert == "expired certificate":
+		return fmt.Sprintf("the broker refused my certificate as expired, but my SVID is valid until %s: is the broker's clock or this host's wrong?",
+			p.NotAfter.UTC().Format(time.RFC3339))
+	}
+	shown := "TLS alert: " + p.PeerAlert
+	if !p.ID.IsZero() {
+		shown = p.ID.String() + ", " + shown
+	}
+	return fmt.Sprintf("the broker refused my certificate (%s): is my trust domain's CA in the broker's bundle (or --federated-bundle)? The broker's log says why", shown)
 }
 
 func (a *Agent) clock() clock.Clock {
@@ -214,10 +243,14 @@ func (r *agentRun) reconnect() {
 			retry.reset()
 			refusedRetry.reset()
 		}
+		problem := r.ownProblem(err)
 		why := err.Error()
+		if problem != "" {
+			why = problem + " (" + why + ")"
+		}
 		r.lastFailure.Store(&why)
 		reconnects.Inc()
-		wait := r.logFailure(err, registered, retry, refusedRetry)
+		wait := r.logFailure(err, problem, registered, retry, refusedRetry)
 		if !r.sleep(wait) {
 			return
 		}
@@ -225,10 +258,23 @@ func (r *agentRun) reconnect() {
 }
 
 // logFailure logs why a session failed or ended, and returns how long to
-// wait before the next attempt.
-func (r *agentRun) logFailure(err error, registered bool, retry, refusedRetry *backoff) time.Duration {
+// wait before the next attempt. problem, if not empty, is what is wrong
+// with the agent's own SVID (ownProblem): it is said first, at ERROR, as
+// only the agent's operator can fix it.
+func (r *agentRun) logFailure(err error, problem string, registered bool, retry, refusedRetry *backoff) time.Duration {
 	var unreachable *unreachableError
-	if errors.As(err, &unreachable) {
+	isUnreachable := errors.As(err, &unreachable)
+	if problem != "" {
+		if isUnreachable {
+			// gRPC waits between the attempts to connect: no wait of ours.
+			r.Log.Error(problem, "broker", r.Broker, "error", unreachable.err, "waited", unreachable.waited.String())
+			return 0
+		}
+		wait := retry.next()
+		r.Log.Error(problem, "broker", r.Broker, "error", err, "retry_in", wait.Round(time.Millisecond).String(), "retry_at", r.clock().Now().Add(wait).Format(time.RFC3339))
+		return wait
+	}
+	if isUnreachable {
 		// gRPC waits between the attempts to connect: no wait of ours.
 		r.Log.Warn("cannot reach the broker, still trying", "broker", r.Broker, "error", unreachable.err, "waited", unreachable.waited.String())
 		return 0

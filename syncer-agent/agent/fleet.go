@@ -77,6 +77,9 @@ func (f *Fleet) Run(ctx context.Context) error {
 		case <-checkSVID:
 			if svid.rotated() {
 				f.renew(ctx)
+			} else if left, notAfter, warn := svid.expiring(f.clock().Now()); warn {
+				f.Log.Warn(fmt.Sprintf("my SVID expires in %s and no new one has come: is the SPIRE agent (--spiffe-socket) running, or whatever renews --svid-cert?",
+					left.Round(time.Second)), "expires_at", notAfter.UTC().Format(time.RFC3339))
 			}
 		case <-ctx.Done():
 			f.stopAll()
@@ -94,12 +97,15 @@ func (f *Fleet) ticker(on bool, d, byDefault time.Duration) (ticks <-chan time.T
 	if d <= 0 {
 		d = byDefault
 	}
-	clk := f.Clock
-	if clk == nil {
-		clk = clock.RealClock{}
-	}
-	t := clk.NewTicker(d)
+	t := f.clock().NewTicker(d)
 	return t.C(), t.Stop
+}
+
+func (f *Fleet) clock() clock.WithTicker {
+	if f.Clock == nil {
+		return clock.RealClock{}
+	}
+	return f.Clock
 }
 
 // stopAll stops every agent and waits for them to return.

@@ -79,6 +79,51 @@ func TestAnSVIDHasRotatedOnlyWhenItsLeafCertificateChanged(t *testing.T) {
 	}
 }
 
+// An SVID that is not renewed is warned of in the last quarter of its
+// lifetime, once a minute at most, and again for a new one only when it
+// too runs out.
+func TestAnSVIDNotRenewedIsWarnedOfInTheLastQuarterOfItsLifetime(t *testing.T) {
+	p := newPKI(t)
+	start := time.Now().Truncate(time.Second)
+	issue := func(from time.Time) *x509svid.SVID {
+		src, err := p.ca.Source(devca.Leaf{SPIFFEID: p.agentID.Path(), NotBefore: from, NotAfter: from.Add(time.Hour)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		svid, err := src.GetX509SVID()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return svid
+	}
+	source := &rotatingSVID{svid: issue(start)}
+	w := watchSVID(source)
+	for _, tc := range []struct {
+		at   time.Duration
+		warn bool
+	}{
+		{30 * time.Minute, false}, // renewed at half its lifetime, by SPIRE
+		{44 * time.Minute, false},
+		{46 * time.Minute, true},
+		{46*time.Minute + 30*time.Second, false}, // once a minute
+		{47*time.Minute + 30*time.Second, true},
+		{61 * time.Minute, false}, // expired: the failure to connect says so
+	} {
+		left, notAfter, warn := w.expiring(start.Add(tc.at))
+		if warn != tc.warn || left != time.Hour-tc.at || !notAfter.Equal(start.Add(time.Hour)) {
+			t.Errorf("at %v: warn %v, %v left, expiry %v; want warn %v, %v left", tc.at, warn, left, notAfter, tc.warn, time.Hour-tc.at)
+		}
+	}
+	// A new SVID: the count starts again.
+	source.set(issue(start.Add(time.Hour)), nil)
+	if !w.rotated() {
+		t.Fatal("not rotated")
+	}
+	if _, _, warn := w.expiring(start.Add(time.Hour + 50*time.Minute)); !warn {
+		t.Error("the new SVID, not renewed either, is not warned of")
+	}
+}
+
 func TestFleetMovesToNewConnectionsWhenItsSVIDRotatesAndDrainsTheOldOnes(t *testing.T) {
 	h := newFleet(t, []string{"a.test:8443"}, false, "a.test:8443")
 	source := &rotatingSVID{svid: h.pki.agentSVID(t)}
