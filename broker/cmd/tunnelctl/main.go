@@ -11,13 +11,10 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
-	"strings"
 	"syscall"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 
 	"github.com/kcp-dev/tunnel-broker/internal/flagcheck"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
@@ -202,6 +199,7 @@ func connect(ctx context.Context, addr, brokerID string, o *identity.Options) (*
 	if err != nil {
 		return nil, err
 	}
+	presented = src
 	authorize := identity.AuthorizeMemberOf(self.TrustDomain(), "tunnelctl (the trust domain of its own SVID, without --broker-spiffe-id)")
 	if brokerID != "" {
 		id, err := spiffeid.FromString(brokerID)
@@ -211,38 +209,4 @@ func connect(ctx context.Context, addr, brokerID string, o *identity.Options) (*
 		authorize = identity.AuthorizeID(id, "--broker-spiffe-id")
 	}
 	return grpc.NewClient(addr, grpc.WithTransportCredentials(identity.ClientCredentials(src, authorize)))
-}
-
-// explain adds what a person can do about a broker's status.
-func explain(err error) string {
-	st, ok := status.FromError(err)
-	if !ok {
-		return err.Error()
-	}
-	hint := map[codes.Code]string{
-		codes.InvalidArgument:   "check the cluster name (not a path), namespace, service and port",
-		codes.Unavailable:       unavailableHint(st.Message()),
-		codes.NotFound:          "the agent knows no such Service or port in that namespace",
-		codes.DeadlineExceeded:  "the agent did not connect in time: is the Service's endpoint up?",
-		codes.PermissionDenied:  "your SPIFFE ID is not allowed this by the broker's policy",
-		codes.ResourceExhausted: "a limit was hit; try again later",
-		codes.Unauthenticated:   "the broker did not see a SPIFFE identity",
-	}[st.Code()]
-	if hint == "" {
-		return fmt.Sprintf("%s: %s", st.Code(), st.Message())
-	}
-	return fmt.Sprintf("%s: %s\n  (%s)", st.Code(), st.Message(), hint)
-}
-
-// unavailableHint tells apart the three reasons for Unavailable: the
-// broker cannot be reached, the TLS handshake with it failed, or the broker
-// answered that no agent can reach the Service.
-func unavailableHint(msg string) string {
-	switch {
-	case strings.Contains(msg, "authentication handshake failed"):
-		return "the TLS handshake with the broker failed: check --broker-spiffe-id, that your --trust-bundle holds the broker's CA, and the broker's log for why it refused you"
-	case strings.Contains(msg, "connection error"), strings.Contains(msg, "while dialing"):
-		return "the broker is not reachable at --broker: is it running and listening there?"
-	}
-	return "no agent can reach it now: is the syncer agent of that cluster running and registered (tunnelctl agents)?"
 }
