@@ -113,8 +113,10 @@ func (d *Dialer) open(ctx context.Context, target *tunnelv1.Target, timeout time
 		return newConn(stream, cancel, target, timeout, timeout-time.Since(start)), nil
 	case timedOut.Load() || errors.Is(ctx.Err(), context.DeadlineExceeded):
 		// No broker was ready before the dial's timeout or deadline: say
-		// why, with gRPC's last connection error, which its message names.
-		err = status.Errorf(codes.Unavailable, "no tunnel broker reachable within %v: %s", time.Since(start).Round(time.Millisecond), status.Convert(err).Message())
+		// why, in words, from gRPC's last connection error, which its
+		// message names with the broker's address (kcp shows this
+		// message to its end users; gRPC's own log keeps the address).
+		err = status.Errorf(codes.Unavailable, "no tunnel broker reachable within %v: %s", time.Since(start).Round(time.Millisecond), connectionFailure(status.Convert(err).Message()))
 	case ctx.Err() != nil:
 		err = status.FromContextError(ctx.Err()).Err()
 	}

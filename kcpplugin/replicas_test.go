@@ -146,12 +146,17 @@ func TestADialWaitsForABrokerThatStartsWithinItsTimeout(t *testing.T) {
 
 func TestADialThatFindsNoBrokerInItsTimeoutSaysWhy(t *testing.T) {
 	certs := selfSignedMTLS(t)
-	dialer := newTestClient(t, "replicas:///broker", certs, grpc.WithResolvers(replicas(freeAddr(t))))
+	gone := freeAddr(t)
+	dialer := newTestClient(t, "replicas:///broker", certs, grpc.WithResolvers(replicas(gone)))
 	dialer.Timeout = 500 * time.Millisecond
 	_, err := dialer.DialService(context.Background(), testCluster, testNamespace, testService, testPort)
 	if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "no tunnel broker reachable within 50") ||
 		!strings.Contains(err.Error(), "connection refused") {
 		t.Fatalf("dial: %v, want Unavailable: no tunnel broker reachable within 500ms or so, with the last connection error", err)
+	}
+	// kcp shows it to its end users: words, not the broker's address.
+	if _, port, _ := net.SplitHostPort(gone); strings.Contains(err.Error(), "127.0.0.1") || strings.Contains(err.Error(), ":"+port) {
+		t.Errorf("dial: %v names the broker's address %s", err, gone)
 	}
 }
 

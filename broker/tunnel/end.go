@@ -2,9 +2,16 @@ package tunnel
 
 import (
 	"context"
+	"errors"
+	"io"
+	"net"
+	"strings"
+	"syscall"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"github.com/kcp-dev/tunnel-broker/internal/redact"
 )
 
 // side is whom a failure is laid to.
@@ -40,7 +47,11 @@ func byBroker(callerStatus, agentStatus error) *failure {
 //	the agent's leg, or it sent something
 //	but data                                  Unavailable       Aborted
 //	the broker's stop, the idle limit         the broker's, for each
-func (f *failure) statuses() (callerStatus, agentStatus error) {
+//
+// The caller's status names the tunnel by its id and says why in words,
+// never with an address: kcp shows it to its end users. The agent's status,
+// and the broker's log, keep the error as it was.
+func (f *failure) statuses(id string) (callerStatus, agentStatus error) {
 	switch {
 	case f == nil:
 		return nil, nil
@@ -52,7 +63,7 @@ func (f *failure) statuses() (callerStatus, agentStatus error) {
 		return status.Error(codes.Canceled, "caller went away"),
 			status.Errorf(codes.Canceled, "caller went away: %v", f.err)
 	default:
-		return status.Errorf(codes.Unavailable, "tunnel lost on the agent's side: %v", f.err),
+		return status.Errorf(codes.Unavailable, "tunnel lost on the agent's side: %s (tunnel %s)", agentLoss(f.err), id),
 			status.Errorf(codes.Aborted, "tunnel aborted: %v", f.err)
 	}
 }
@@ -94,4 +105,39 @@ func (t *Tunnel) watch(stopping context.Context) (unwatch func()) {
 		stopStopping()
 		t.stopIdleTimer()
 	}
+}
+
+// maxLossText bounds what agentLoss passes on of an error it has no words
+// for.
+const maxLossText = 256
+
+// agentLoss says in words why the agent's leg failed: its connection to
+// the broker broke or closed, its stream was cancelled (the agent stopped,
+// or lost its connection), or, redacted, what else the leg's error says.
+// Go's network errors name both ends of the agent's connection
+// ("read tcp 10.0.0.1:8443->10.0.0.7:42610: ..."), which a caller must not
+// see.
+func agentLoss(err error) string {
+	var op *net.OpError
+	var errno syscall.Errno
+	switch {
+	case errors.As(err, &errno):
+		return "the agent's connection to the broker broke (" + errno.Error() + ")"
+	case errors.As(err, &op), errors.Is(err, net.ErrClosed):
+		return "the agent's connection to the broker broke"
+	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
+		return "the agent's connection to the broker closed"
+	case errors.Is(err, context.Canceled), status.Code(err) == codes.Canceled:
+		return "the agent stopped, or lost its connection to the broker"
+	}
+	msg := status.Convert(err).Message()
+	for _, cause := range []string{"connection reset by peer", "broken pipe", "connection timed out", "no route to host"} {
+		if strings.Contains(msg, cause) {
+			return "the agent's connection to the broker broke (" + cause + ")"
+		}
+	}
+	if strings.Contains(msg, "transport is closing") || strings.Contains(msg, "EOF") {
+		return "the agent's connection to the broker closed"
+	}
+	return redact.Text(msg, maxLossText)
 }

@@ -67,7 +67,7 @@ func (t *Tunnel) Splice(caller Leg, cfg Config, released func()) (callerStatus, 
 	go t.copy(t.down())
 	<-t.decided
 	unwatch()
-	callerStatus, agentStatus = t.failure.statuses()
+	callerStatus, agentStatus = t.failure.statuses(t.ID)
 	caller.End(callerStatus)
 	t.agent.End(agentStatus)
 	return callerStatus, agentStatus
