@@ -243,27 +243,33 @@ func refusedOrNot(t *testing.T, name string, args ...string) string {
 	return p.Output()
 }
 
-// tunnelctl's hint fits the cause of Unavailable: a broker that is not
-// there, a handshake refused, or no agent.
+// tunnelctl's hint fits the cause of Unavailable: a broker name that does
+// not resolve, nothing listening at the broker's address, a handshake
+// refused, no agent for the cluster, a target whose port refuses.
 func TestTunnelctlHintsFitTheCause(t *testing.T) {
 	env := harness.NewEnv(t)
 	_, addr := env.StartBrokerProcess()
 	gone := closedPort(t)
+	env.StartAgentProcess(addr, "/agent/sync-target-1", echoServices(closedPort(t)))
 	for _, tc := range []struct {
 		identity  string
 		args      []string
 		want, not string
 	}{
-		{"/operator", []string{"--broker", gone, "agents"}, "the broker is not reachable at --broker", "no agent can reach it"},
+		{"/operator", []string{"--broker", "broker.invalid:8443", "agents"}, "the broker's name in --broker does not resolve", "agent"},
+		{"/operator", []string{"--broker", gone, "agents"}, "nothing listens at --broker: is the broker running, and is that its port (its --listen)?", "agent"},
 		{"/operator", []string{"--broker", addr, "--broker-spiffe-id", "spiffe://tunnel.test/other", "agents"},
-			"the peer presented spiffe://tunnel.test/broker, but --broker-spiffe-id expects spiffe://tunnel.test/other", "no agent can reach it"},
-		{"/kcp", []string{"--broker", addr, "dial", "nowhere", "default", "web", "80"}, "no agent can reach it", "not reachable"},
+			"the peer presented spiffe://tunnel.test/broker, but --broker-spiffe-id expects spiffe://tunnel.test/other", "agent"},
+		{"/kcp", []string{"--broker", addr, "dial", "nowhere", "default", "web", "80"},
+			"no agent serves that cluster on this broker replica: is its syncer agent running and registered (tunnelctl agents)?", "not reachable"},
+		{"/kcp", []string{"--broker", addr, "dial", "root", "default", "echo", "80"},
+			"the agent reached the Service, but its port refused the connection", "is its syncer agent running"},
 	} {
 		f := env.SVID(tc.identity)
 		ids := []string{"--svid-cert", f.Cert, "--svid-key", f.Key, "--trust-bundle", f.Bundle}
 		out := refusedAtStart(t, "tunnelctl", append(ids, tc.args...)...)
 		wantIn(t, out, tc.want)
-		if strings.Contains(out, tc.not) {
+		if hint := out[strings.LastIndex(out, "\n  ("):]; strings.Contains(hint, tc.not) {
 			t.Errorf("tunnelctl %v hints %q, which is not the cause:\n%s", tc.args, tc.not, out)
 		}
 	}
