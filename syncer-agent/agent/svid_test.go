@@ -34,7 +34,14 @@ func (s *rotatingSVID) set(svid *x509svid.SVID, err error) {
 // agentSVID issues a new SVID for the agent's SPIFFE ID.
 func (p *pki) agentSVID(t *testing.T) *x509svid.SVID {
 	t.Helper()
-	src, err := p.ca.Source(devca.Leaf{SPIFFEID: p.agentID.Path()})
+	return p.agentSVIDFor(t, time.Time{}, time.Time{})
+}
+
+// agentSVIDFor issues a new SVID for the agent's SPIFFE ID, valid from
+// notBefore to notAfter (zero: devca's defaults).
+func (p *pki) agentSVIDFor(t *testing.T, notBefore, notAfter time.Time) *x509svid.SVID {
+	t.Helper()
+	src, err := p.ca.Source(devca.Leaf{SPIFFEID: p.agentID.Path(), NotBefore: notBefore, NotAfter: notAfter})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -85,17 +92,7 @@ func TestAnSVIDHasRotatedOnlyWhenItsLeafCertificateChanged(t *testing.T) {
 func TestAnSVIDNotRenewedIsWarnedOfInTheLastQuarterOfItsLifetime(t *testing.T) {
 	p := newPKI(t)
 	start := time.Now().Truncate(time.Second)
-	issue := func(from time.Time) *x509svid.SVID {
-		src, err := p.ca.Source(devca.Leaf{SPIFFEID: p.agentID.Path(), NotBefore: from, NotAfter: from.Add(time.Hour)})
-		if err != nil {
-			t.Fatal(err)
-		}
-		svid, err := src.GetX509SVID()
-		if err != nil {
-			t.Fatal(err)
-		}
-		return svid
-	}
+	issue := func(from time.Time) *x509svid.SVID { return p.agentSVIDFor(t, from, from.Add(time.Hour)) }
 	source := &rotatingSVID{svid: issue(start)}
 	w := watchSVID(source)
 	for _, tc := range []struct {
