@@ -4,6 +4,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 
@@ -61,6 +62,26 @@ func TestReleaseConsumerGetsKcppluginAndCallsAWebhookThroughTheTunnel(t *testing
 	tunnelEnv := []string{"TUNNEL_BROKER=" + broker, "TUNNEL_SVID_CERT=" + kcp.Cert, "TUNNEL_SVID_KEY=" + kcp.Key,
 		"TUNNEL_TRUST_BUNDLE=" + kcp.Bundle, "TUNNEL_WEBHOOK_CA=" + webhookCA}
 
+	// Before a release, as kcpplugin/README.md says: the README's block, as
+	// it is, in a module beside a checkout of this repository, with no
+	// module proxy serving this repository's modules.
+	t.Run("before a release", func(t *testing.T) {
+		dir := consumer(t, "oldest")
+		if err := os.Symlink(harness.RepoRoot(), filepath.Join(filepath.Dir(dir), "tunnel-broker")); err != nil {
+			t.Fatal(err)
+		}
+		goEnv := goEnv(t, t.TempDir())
+		before := requirements(t, dir)
+		run(t, dir, goEnv, "bash", "-euc", readmeBlock(t, "## Before a release is tagged"))
+		after := requirements(t, dir)
+		for _, p := range pinned {
+			if after[p] != before[p] {
+				t.Errorf("the pre-release block moved %s from %s to %s", p, before[p], after[p])
+			}
+		}
+		callsThroughTheTunnel(t, dir, append(goEnv, tunnelEnv...), brokerProcess)
+	})
+
 	for _, line := range []string{"oldest", "newest"} {
 		t.Run(line, func(t *testing.T) {
 			dir := consumer(t, line)
@@ -77,18 +98,48 @@ func TestReleaseConsumerGetsKcppluginAndCallsAWebhookThroughTheTunnel(t *testing
 					t.Errorf("go get kcpplugin@%s moved %s from %s to %s: kcpplugin's floor is above what it claims", ver, p, before[p], after[p])
 				}
 			}
-			const dialed = `kcp_tunnel_broker_dials_total{code="OK"}`
-			tunnels, _ := harness.Scrape(t, brokerProcess, dialed)
-			run(t, dir, append(goEnv, tunnelEnv...), "go", "test", "-count=1", "-v", "./...")
-			if now, _ := harness.Scrape(t, brokerProcess, dialed); now <= tunnels {
-				t.Errorf("the consumer's webhook calls opened %v tunnels through the broker, want at least one", now-tunnels)
-			}
+			callsThroughTheTunnel(t, dir, append(goEnv, tunnelEnv...), brokerProcess)
 			if testing.Verbose() {
 				goMod, _ := os.ReadFile(filepath.Join(dir, "go.mod"))
 				t.Logf("the consumer's go.mod:\n%s", goMod)
 			}
 		})
 	}
+}
+
+// callsThroughTheTunnel runs the consumer's test, which calls a webhook
+// through the tunnel, and checks that its calls opened tunnels.
+func callsThroughTheTunnel(t *testing.T, dir string, env []string, broker *harness.Process) {
+	t.Helper()
+	const dialed = `kcp_tunnel_broker_dials_total{code="OK"}`
+	tunnels, _ := harness.Scrape(t, broker, dialed)
+	run(t, dir, env, "go", "test", "-count=1", "-v", "./...")
+	if now, _ := harness.Scrape(t, broker, dialed); now <= tunnels {
+		t.Errorf("the consumer's webhook calls opened %v tunnels through the broker, want at least one", now-tunnels)
+	}
+}
+
+// readmeBlock is the shell block of kcpplugin/README.md's section heading.
+func readmeBlock(t *testing.T, heading string) string {
+	t.Helper()
+	data, err := os.ReadFile(filepath.Join(harness.RepoRoot(), "kcpplugin", "README.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	readme := string(data)
+	start := strings.Index(readme, "\n"+heading+"\n")
+	if start < 0 {
+		t.Fatalf("kcpplugin/README.md has no %q section", heading)
+	}
+	body := readme[start+len(heading)+2:]
+	if end := strings.Index(body, "\n## "); end >= 0 {
+		body = body[:end]
+	}
+	block := regexp.MustCompile("(?s)```sh\n(.*?)```").FindStringSubmatch(body)
+	if block == nil {
+		t.Fatalf("kcpplugin/README.md's %q section has no sh block", heading)
+	}
+	return block[1]
 }
 
 // consumer copies the consumer module (testdata/consumer, with the go.mod
