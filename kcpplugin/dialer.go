@@ -111,12 +111,14 @@ func (d *Dialer) open(ctx context.Context, target *tunnelv1.Target, timeout time
 	switch {
 	case err == nil:
 		return newConn(stream, cancel, target, timeout, timeout-time.Since(start)), nil
-	case timedOut.Load() || errors.Is(ctx.Err(), context.DeadlineExceeded):
+	case (timedOut.Load() || errors.Is(ctx.Err(), context.DeadlineExceeded)) && waitedForABroker(err):
 		// No broker was ready before the dial's timeout or deadline: say
 		// why, in words, from gRPC's last connection error, which its
 		// message names with the broker's address (kcp shows this
 		// message to its end users; gRPC's own log keeps the address).
 		err = status.Errorf(codes.Unavailable, "no tunnel broker reachable within %v: %s", time.Since(start).Round(time.Millisecond), connectionFailure(status.Convert(err).Message()))
+	case timedOut.Load():
+		err = status.Errorf(codes.DeadlineExceeded, "the dial's stream did not open within %v", timeout)
 	case ctx.Err() != nil:
 		err = status.FromContextError(ctx.Err()).Err()
 	}

@@ -1,6 +1,10 @@
 package kcpplugin
 
-import "strings"
+import (
+	"strings"
+
+	"google.golang.org/grpc/status"
+)
 
 // connectionFailure says in words why gRPC could not connect to a broker,
 // from the text of its last connection error, which names the broker's
@@ -33,6 +37,15 @@ func connectionFailure(msg string) string {
 		return "the broker closed the connection"
 	}
 	return "cannot connect"
+}
+
+// waitedForABroker tells whether err ended a wait for a ready connection to
+// a broker (gRPC's picker says so in its message), rather than a stream
+// that a ready broker was slow to open: only the first is "no tunnel broker
+// reachable".
+func waitedForABroker(err error) bool {
+	msg := status.Convert(err).Message()
+	return strings.Contains(msg, "latest balancer error") || strings.Contains(msg, "waiting for connections to become ready")
 }
 
 // handshakeFailure says which side refused a TLS handshake, if the

@@ -98,7 +98,7 @@ func TestPortForwardTunnelctlDialAndAgents(t *testing.T) {
 		args []string
 		want []string
 	}{
-		{[]string{"dial", "nowhere", "default", "echo", "80"}, []string{"Unavailable", `no agent serves logical cluster "nowhere"`, "is the syncer agent"}},
+		{[]string{"dial", "nowhere", "default", "echo", "80"}, []string{"Unavailable", `no agent serves logical cluster "nowhere"`, "is its syncer agent running and registered (tunnelctl agents)?"}},
 		{[]string{"dial", "root", "default", "nope", "80"}, []string{"NotFound", "no service default/nope"}},
 		{[]string{"dial", "Root", "default", "echo", "80"}, []string{"InvalidArgument", "not a valid logical cluster name"}},
 		{[]string{"port-forward", "0", "root/default"}, []string{"want CLUSTER/NAMESPACE/SERVICE:PORT"}},
