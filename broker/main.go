@@ -113,41 +113,7 @@ type options struct {
 func parseFlags(fs *flag.FlagSet, args []string, stdout io.Writer) (*options, error) {
 	o := &options{}
 	c := &o.cfg
-	flagcheck.Usage(fs, "broker: the kcp tunnel broker; terminates syncer-agents' control and tunnel streams and serves kcp's Dial, over SPIFFE mTLS.",
-		"broker --policy FILE (--spiffe-socket ADDR | --svid-cert FILE --svid-key FILE --trust-bundle FILE) [flags]")
-	fs.StringVar(&o.listen, "listen", ":8443", "address to serve gRPC on")
-	fs.StringVar(&c.ID, "id", hostname(), "name of this replica, sent to agents")
-	fs.StringVar(&o.policyFile, "policy", "", "required: authorization policy file (YAML): which SPIFFE IDs may register, dial and administer")
-	fs.DurationVar(&c.DialTimeout, "dial-timeout", admission.DefaultTimeout, "how long a dial may wait for its agent")
-	fs.DurationVar(&c.StartupGrace, "startup-grace", server.DefaultStartupGrace, "a new replica is ready once its agents have registered (none for 3s), or this long after it starts at the latest (negative: ready at once)")
-	fs.DurationVar(&c.Grace, "grace", server.DefaultGrace, "on SIGTERM, how long tunnels in flight may still run")
-	fs.DurationVar(&c.IdleTimeout, "idle-timeout", tunnel.DefaultIdleTimeout, "end tunnels that carry nothing for this long; must be positive (negative: never)")
-	fs.Int64Var(&c.Limits.MaxPendingPerCluster, "max-pending-dials-per-cluster", registry.DefaultMaxPendingPerCluster, "dials one agent may have waiting for one logical cluster; other clusters' dials never count against it (0: no limit)")
-	fs.Int64Var(&c.Limits.MaxTunnelsPerAgent, "max-tunnels-per-agent", registry.DefaultMaxTunnelsPerAgent, "tunnels one agent may carry, counting the pending dials of the cluster being dialed (0: no limit)")
-	fs.Int64Var(&c.MaxTunnelsPerCaller, "max-tunnels-per-caller", admission.DefaultMaxTunnelsPerCaller, "tunnels one caller SPIFFE ID may hold, through Dial and CONNECT together (0: no limit)")
-	fs.Int64Var(&c.MaxEarlyDataPerCaller, "max-early-data-per-caller", admission.DefaultMaxEarlyDataPerCaller, "bytes of early data one caller SPIFFE ID's pending dials may hold (0: no limit)")
-	fs.Int64Var(&c.MaxEarlyData, "max-early-data", admission.DefaultMaxEarlyData, "bytes of early data all callers' pending dials may hold (0: no limit)")
-	fs.IntVar(&c.MaxMessageSize, "max-message-size", server.DefaultMaxMessageSize, "largest gRPC message accepted, in bytes")
-	fs.Int64Var(&c.MaxOpeningStreamsPerPeer, "max-opening-streams-per-peer", opening.DefaultMaxPerPeer, "streams one peer SPIFFE ID may have open that have not sent their first message (0: no limit)")
-	fs.Int64Var(&c.MaxOpeningStreams, "max-opening-streams", opening.DefaultMaxTotal, "streams all peers together may have open that have not sent their first message (0: no limit)")
-	maxStreams := fs.Uint("max-concurrent-streams", server.DefaultMaxConcurrentStreams, "streams one connection may have open (HTTP/2 MAX_CONCURRENT_STREAMS)")
-	fs.Int64Var(&c.MaxRegistrationsPerAgent, "max-registrations-per-agent", agentv1.DefaultMaxRegistrations, "control streams (registrations) one agent SPIFFE ID may hold (0: no limit)")
-	fs.Float64Var(&c.MaxReregistrationsPerSecond, "max-reregistrations-per-second", agentv1.DefaultMaxReregistrationsPerSecond, "changed cluster lists one control stream may put in force a second; a later list replaces one that waits (negative: no pace)")
-	fs.IntVar(&c.MaxClustersPerRegistration, "max-clusters-per-registration", agentv1.DefaultMaxClusters, "logical clusters one registration may serve (0: no limit)")
-	window := fs.Int("window-size", server.DefaultWindowSize, "HTTP/2 flow-control window per stream, in bytes, 65535 to 134217727; a connection's is 16 times it (negative: gRPC's dynamic windows)")
-	fs.DurationVar(&c.ProbeEvery, "probe-interval", agentv1.DefaultProbeEvery, "how often each agent is probed over its control stream")
-	fs.DurationVar(&c.HandshakeTimeout, "handshake-timeout", server.DefaultHandshakeTimeout, "how long a new connection may take to finish its TLS and HTTP/2 handshakes (on --egress-listen, its TLS handshake, within --dial-timeout)")
-	fs.IntVar(&c.MaxHandshakes, "max-concurrent-handshakes", server.DefaultMaxHandshakes, "TLS handshakes in progress at once, on the gRPC port and on --egress-listen each; past it a stalled one (over 1s) is dropped, else the new connection is closed (0: no limit)")
-	fs.DurationVar(&c.ExpiredPeerGrace, "expired-peer-grace", server.DefaultExpiredPeerGrace, "how long tunnels in flight may still run on a connection whose peer's SVID expired (new RPCs are refused at the expiry)")
-	fs.DurationVar(&c.MaxConnectionAge, "max-connection-age", server.DefaultMaxConnectionAge, "how long a client may start RPCs on one connection before it is asked to reconnect (with its current SVID); keep it under half the SVID lifetime (negative: never)")
-	fs.StringVar(&o.opsListen, "metrics-listen", ":9090", "address for /metrics, /healthz and /readyz (empty: off)")
-	fs.BoolVar(&o.metricsPerCluster, "metrics-per-cluster", false, "export kcp_tunnel_broker_agents{cluster}, one series per logical cluster served (a scrape then copies the routing table under its lock)")
-	fs.StringVar(&o.pprof, "pprof-listen", "", "address for /debug/pprof (empty: off; keep it on loopback)")
-	fs.BoolVar(&o.jsonLogs, "log-json", false, "log JSON lines instead of text")
-	fs.BoolVar(&o.verbose, "v", false, "log every tunnel, not only failures")
-	o.identity = identity.AddFlags(fs)
-	o.egress.add(fs)
-	fs.BoolVar(&o.showVersion, "version", false, "print the version and exit")
+	maxStreams, window := o.addFlags(fs)
 	if err := flagcheck.Parse(fs, args, stdout); err != nil {
 		return nil, err
 	}
@@ -178,6 +144,48 @@ func parseFlags(fs *flag.FlagSet, args []string, stdout io.Writer) (*options, er
 		&c.MaxEarlyDataPerCaller, &c.MaxEarlyData)
 	noLimitIfZero(&c.MaxClustersPerRegistration, &c.MaxHandshakes)
 	return o, nil
+}
+
+// addFlags defines the broker's flags on fs, into o; the two that need a
+// conversion after parsing are returned.
+func (o *options) addFlags(fs *flag.FlagSet) (maxStreams *uint, window *int) {
+	c := &o.cfg
+	flagcheck.Usage(fs, "broker: the kcp tunnel broker; terminates syncer-agents' control and tunnel streams and serves kcp's Dial, over SPIFFE mTLS.",
+		"broker --policy FILE (--spiffe-socket ADDR | --svid-cert FILE --svid-key FILE --trust-bundle FILE) [flags]")
+	fs.StringVar(&o.listen, "listen", ":8443", "address to serve gRPC on")
+	fs.StringVar(&c.ID, "id", hostname(), "name of this replica, sent to agents")
+	fs.StringVar(&o.policyFile, "policy", "", "required: authorization policy file (YAML): which SPIFFE IDs may register, dial and administer")
+	fs.DurationVar(&c.DialTimeout, "dial-timeout", admission.DefaultTimeout, "how long a dial may wait for its agent")
+	fs.DurationVar(&c.StartupGrace, "startup-grace", server.DefaultStartupGrace, "a new replica is ready once its agents have registered (none for 3s), or this long after it starts at the latest (negative: ready at once)")
+	fs.DurationVar(&c.Grace, "grace", server.DefaultGrace, "on SIGTERM, how long tunnels in flight may still run")
+	fs.DurationVar(&c.IdleTimeout, "idle-timeout", tunnel.DefaultIdleTimeout, "end tunnels that carry nothing for this long; must be positive (negative: never)")
+	fs.Int64Var(&c.Limits.MaxPendingPerCluster, "max-pending-dials-per-cluster", registry.DefaultMaxPendingPerCluster, "dials one agent may have waiting for one logical cluster; other clusters' dials never count against it (0: no limit)")
+	fs.Int64Var(&c.Limits.MaxTunnelsPerAgent, "max-tunnels-per-agent", registry.DefaultMaxTunnelsPerAgent, "tunnels one agent may carry, counting the pending dials of the cluster being dialed (0: no limit)")
+	fs.Int64Var(&c.MaxTunnelsPerCaller, "max-tunnels-per-caller", admission.DefaultMaxTunnelsPerCaller, "tunnels one caller SPIFFE ID may hold, through Dial and CONNECT together (0: no limit)")
+	fs.Int64Var(&c.MaxEarlyDataPerCaller, "max-early-data-per-caller", admission.DefaultMaxEarlyDataPerCaller, "bytes of early data one caller SPIFFE ID's pending dials may hold (0: no limit)")
+	fs.Int64Var(&c.MaxEarlyData, "max-early-data", admission.DefaultMaxEarlyData, "bytes of early data all callers' pending dials may hold (0: no limit)")
+	fs.IntVar(&c.MaxMessageSize, "max-message-size", server.DefaultMaxMessageSize, "largest gRPC message accepted, in bytes")
+	fs.Int64Var(&c.MaxOpeningStreamsPerPeer, "max-opening-streams-per-peer", opening.DefaultMaxPerPeer, "streams one peer SPIFFE ID may have open that have not sent their first message (0: no limit)")
+	fs.Int64Var(&c.MaxOpeningStreams, "max-opening-streams", opening.DefaultMaxTotal, "streams all peers together may have open that have not sent their first message (0: no limit)")
+	maxStreams = fs.Uint("max-concurrent-streams", server.DefaultMaxConcurrentStreams, "streams one connection may have open (HTTP/2 MAX_CONCURRENT_STREAMS)")
+	fs.Int64Var(&c.MaxRegistrationsPerAgent, "max-registrations-per-agent", agentv1.DefaultMaxRegistrations, "control streams (registrations) one agent SPIFFE ID may hold (0: no limit)")
+	fs.Float64Var(&c.MaxReregistrationsPerSecond, "max-reregistrations-per-second", agentv1.DefaultMaxReregistrationsPerSecond, "changed cluster lists one control stream may put in force a second; a later list replaces one that waits (negative: no pace)")
+	fs.IntVar(&c.MaxClustersPerRegistration, "max-clusters-per-registration", agentv1.DefaultMaxClusters, "logical clusters one registration may serve (0: no limit)")
+	window = fs.Int("window-size", server.DefaultWindowSize, "HTTP/2 flow-control window per stream, in bytes, 65535 to 134217727; a connection's is 16 times it (negative: gRPC's dynamic windows)")
+	fs.DurationVar(&c.ProbeEvery, "probe-interval", agentv1.DefaultProbeEvery, "how often each agent is probed over its control stream")
+	fs.DurationVar(&c.HandshakeTimeout, "handshake-timeout", server.DefaultHandshakeTimeout, "how long a new connection may take to finish its TLS and HTTP/2 handshakes (on --egress-listen, its TLS handshake, within --dial-timeout)")
+	fs.IntVar(&c.MaxHandshakes, "max-concurrent-handshakes", server.DefaultMaxHandshakes, "TLS handshakes in progress at once, on the gRPC port and on --egress-listen each; past it a stalled one (over 1s) is dropped, else the new connection is closed (0: no limit)")
+	fs.DurationVar(&c.ExpiredPeerGrace, "expired-peer-grace", server.DefaultExpiredPeerGrace, "how long tunnels in flight may still run on a connection whose peer's SVID expired (new RPCs are refused at the expiry)")
+	fs.DurationVar(&c.MaxConnectionAge, "max-connection-age", server.DefaultMaxConnectionAge, "how long a client may start RPCs on one connection before it is asked to reconnect (with its current SVID); keep it under half the SVID lifetime (negative: never)")
+	fs.StringVar(&o.opsListen, "metrics-listen", ":9090", "address for /metrics, /healthz and /readyz (empty: off)")
+	fs.BoolVar(&o.metricsPerCluster, "metrics-per-cluster", false, "export kcp_tunnel_broker_agents{cluster}, one series per logical cluster served (a scrape then copies the routing table under its lock)")
+	fs.StringVar(&o.pprof, "pprof-listen", "", "address for /debug/pprof (empty: off; keep it on loopback)")
+	fs.BoolVar(&o.jsonLogs, "log-json", false, "log JSON lines instead of text")
+	fs.BoolVar(&o.verbose, "v", false, "log every tunnel, not only failures")
+	o.identity = identity.AddFlags(fs)
+	o.egress.add(fs)
+	fs.BoolVar(&o.showVersion, "version", false, "print the version and exit")
+	return maxStreams, window
 }
 
 // noLimitIfZero turns each flag's 0 (no limit) into Config's (negative).
