@@ -15,29 +15,20 @@ import (
 // the worst case of a real partition, where TCP may yet deliver what it
 // retransmits after the path is back.
 type Partition struct {
-	Addr string
+	*loopbackProxy // Addr is the path's
 
 	to     string
-	lis    net.Listener
 	mu     sync.Mutex
 	healed chan struct{} // closed while the path is whole
-	wg     sync.WaitGroup
-	closed chan struct{}
 }
 
 // StartPartition serves a path to the address to on a loopback port until
 // the test ends; it starts whole.
 func StartPartition(t T, to string) *Partition {
 	t.Helper()
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := &Partition{Addr: lis.Addr().String(), to: to, lis: lis, healed: make(chan struct{}), closed: make(chan struct{})}
+	p := &Partition{to: to, healed: make(chan struct{})}
 	close(p.healed)
-	p.wg.Add(1)
-	go p.serve()
-	t.Cleanup(p.close)
+	p.loopbackProxy = startLoopbackProxy(t, p.forward)
 	return p
 }
 
@@ -72,21 +63,6 @@ func (p *Partition) isCut() bool {
 		return false
 	default:
 		return true
-	}
-}
-
-func (p *Partition) serve() {
-	defer p.wg.Done()
-	for {
-		c, err := p.lis.Accept()
-		if err != nil {
-			return
-		}
-		p.wg.Add(1)
-		go func() {
-			defer p.wg.Done()
-			p.forward(c)
-		}()
 	}
 }
 
@@ -159,15 +135,4 @@ func (p *Partition) copyLossy(dst, src net.Conn) {
 			return
 		}
 	}
-}
-
-func (p *Partition) close() {
-	select {
-	case <-p.closed:
-		return
-	default:
-	}
-	close(p.closed)
-	_ = p.lis.Close()
-	p.wg.Wait()
 }

@@ -15,28 +15,19 @@ import (
 // kube-proxy does, it leaves open connections alone when their replica
 // turns unready: only a GOAWAY or the replica's end moves them.
 type ServiceVIP struct {
-	Addr string
+	*loopbackProxy // Addr is the VIP's
 
-	lis       net.Listener
 	mu        sync.Mutex
 	endpoints []string
 	next      int
 	open      map[string]int // connections open, by endpoint
-	wg        sync.WaitGroup
-	closed    chan struct{}
 }
 
 // StartServiceVIP serves a VIP on a loopback port until the test ends.
 func StartServiceVIP(t T) *ServiceVIP {
 	t.Helper()
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	v := &ServiceVIP{Addr: lis.Addr().String(), lis: lis, open: map[string]int{}, closed: make(chan struct{})}
-	v.wg.Add(1)
-	go v.serve()
-	t.Cleanup(v.close)
+	v := &ServiceVIP{open: map[string]int{}}
+	v.loopbackProxy = startLoopbackProxy(t, v.forward)
 	return v
 }
 
@@ -113,21 +104,6 @@ func (v *ServiceVIP) pick() string {
 	return v.endpoints[v.next%len(v.endpoints)]
 }
 
-func (v *ServiceVIP) serve() {
-	defer v.wg.Done()
-	for {
-		c, err := v.lis.Accept()
-		if err != nil {
-			return
-		}
-		v.wg.Add(1)
-		go func() {
-			defer v.wg.Done()
-			v.forward(c)
-		}()
-	}
-}
-
 // forward connects c to a ready replica and copies both ways until both
 // directions are done, or the VIP closes.
 func (v *ServiceVIP) forward(c net.Conn) {
@@ -180,15 +156,4 @@ func pipe(a, b net.Conn) {
 	go copyHalf(a, b)
 	go copyHalf(b, a)
 	wg.Wait()
-}
-
-func (v *ServiceVIP) close() {
-	select {
-	case <-v.closed:
-		return
-	default:
-	}
-	close(v.closed)
-	_ = v.lis.Close()
-	v.wg.Wait()
 }
