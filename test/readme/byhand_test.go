@@ -17,26 +17,6 @@ import (
 // section is the README section these tests run.
 const section = "## Run it by hand"
 
-// shellBlocks returns the ```sh blocks of the README's section named
-// heading, in order.
-func shellBlocks(t *testing.T, readme, heading string) []string {
-	t.Helper()
-	start := strings.Index(readme, "\n"+heading+"\n")
-	if start < 0 {
-		t.Fatalf("README.md has no %q section", heading)
-	}
-	body := readme[start+len(heading)+2:]
-	if end := strings.Index(body, "\n## "); end >= 0 {
-		body = body[:end]
-	}
-	blocks := regexp.MustCompile("(?s)```sh\n(.*?)```").FindAllStringSubmatch(body, -1)
-	var out []string
-	for _, b := range blocks {
-		out = append(out, b[1])
-	}
-	return out
-}
-
 // script is the blocks as one bash script. Lines that run make are left
 // out: the test brings the binaries (bin/ links to them).
 func script(blocks []string) string {
@@ -62,7 +42,7 @@ func TestReadmeByHand(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	blocks := shellBlocks(t, string(raw), section)
+	blocks := harness.ShellBlocks(t, string(raw), section)
 	if len(blocks) < 4 {
 		t.Fatalf("%q has %d shell blocks; want the setup, the parts, tunnelctl and grpcurl", section, len(blocks))
 	}
@@ -120,7 +100,7 @@ func TestReadmeByHandWaitsAreBounded(t *testing.T) {
 		t.Fatal(err)
 	}
 	var up string
-	for _, block := range shellBlocks(t, string(raw), section) {
+	for _, block := range harness.ShellBlocks(t, string(raw), section) {
 		for _, line := range strings.Split(block, "\n") {
 			if regexp.MustCompile(`^\s*(until|while)\b|;\s*(until|while)\b`).MatchString(line) {
 				t.Errorf("a loop with no bound: %s", line)

@@ -4,7 +4,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"regexp"
 	"strings"
 	"testing"
 
@@ -126,20 +125,11 @@ func readmeBlock(t *testing.T, heading string) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	readme := string(data)
-	start := strings.Index(readme, "\n"+heading+"\n")
-	if start < 0 {
-		t.Fatalf("kcpplugin/README.md has no %q section", heading)
+	blocks := harness.ShellBlocks(t, string(data), heading)
+	if len(blocks) != 1 {
+		t.Fatalf("kcpplugin/README.md's %q section has %d sh blocks, want 1", heading, len(blocks))
 	}
-	body := readme[start+len(heading)+2:]
-	if end := strings.Index(body, "\n## "); end >= 0 {
-		body = body[:end]
-	}
-	block := regexp.MustCompile("(?s)```sh\n(.*?)```").FindStringSubmatch(body)
-	if block == nil {
-		t.Fatalf("kcpplugin/README.md's %q section has no sh block", heading)
-	}
-	return block[1]
+	return blocks[0]
 }
 
 // consumer copies the consumer module (testdata/consumer, with the go.mod
