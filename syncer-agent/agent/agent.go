@@ -259,38 +259,35 @@ func (r *agentRun) reconnect() {
 
 // logFailure logs why a session failed or ended, and returns how long to
 // wait before the next attempt. problem, if not empty, is what is wrong
-// with the agent's own SVID (ownProblem): it is said first, at ERROR, as
-// only the agent's operator can fix it.
+// with the agent's own SVID (ownProblem): it is what the line says, at
+// ERROR, as only the agent's operator can fix it.
 func (r *agentRun) logFailure(err error, problem string, registered bool, retry, refusedRetry *backoff) time.Duration {
-	var unreachable *unreachableError
-	isUnreachable := errors.As(err, &unreachable)
-	if problem != "" {
-		if isUnreachable {
-			// gRPC waits between the attempts to connect: no wait of ours.
-			r.Log.Error(problem, "broker", r.Broker, "error", unreachable.err, "waited", unreachable.waited.String())
-			return 0
-		}
-		wait := retry.next()
-		r.Log.Error(problem, "broker", r.Broker, "error", err, "retry_in", wait.Round(time.Millisecond).String(), "retry_at", r.clock().Now().Add(wait).Format(time.RFC3339))
-		return wait
-	}
-	if isUnreachable {
-		// gRPC waits between the attempts to connect: no wait of ours.
-		r.Log.Warn("cannot reach the broker, still trying", "broker", r.Broker, "error", unreachable.err, "waited", unreachable.waited.String())
-		return 0
-	}
-	if status.Code(err) == codes.PermissionDenied {
-		wait := refusedRetry.next()
-		r.Log.Error("the broker's policy refuses this agent: its SPIFFE ID must be listed under agents in the broker's --policy, bound to every cluster it serves",
-			"broker", r.Broker, "error", err, "retry_in", wait.Round(time.Millisecond).String(), "retry_at", r.clock().Now().Add(wait).Format(time.RFC3339))
-		return wait
-	}
-	wait := retry.next()
-	msg := "cannot register with the broker"
+	level, msg := slog.LevelWarn, "cannot register with the broker"
 	if registered {
 		msg = "registration with the broker lost"
 	}
-	r.Log.Warn(msg, "broker", r.Broker, "error", err, "retry_in", wait.Round(time.Millisecond).String(), "retry_at", r.clock().Now().Add(wait).Format(time.RFC3339))
+	var unreachable *unreachableError
+	var wait time.Duration
+	switch {
+	case errors.As(err, &unreachable):
+		// gRPC waits between the attempts to connect: no wait of ours.
+		msg = "cannot reach the broker, still trying"
+	case status.Code(err) == codes.PermissionDenied && problem == "":
+		level, msg = slog.LevelError, "the broker's policy refuses this agent: its SPIFFE ID must be listed under agents in the broker's --policy, bound to every cluster it serves"
+		wait = refusedRetry.next()
+	default:
+		wait = retry.next()
+	}
+	if problem != "" {
+		level, msg = slog.LevelError, problem
+	}
+	attrs := []any{"broker", r.Broker}
+	if unreachable != nil {
+		attrs = append(attrs, "error", unreachable.err, "waited", unreachable.waited.String())
+	} else {
+		attrs = append(attrs, "error", err, "retry_in", wait.Round(time.Millisecond).String(), "retry_at", r.clock().Now().Add(wait).Format(time.RFC3339))
+	}
+	r.Log.Log(context.Background(), level, msg, attrs...)
 	return wait
 }
 
