@@ -17,19 +17,24 @@ type loopbackProxy struct {
 	closed chan struct{}
 }
 
-// startLoopbackProxy listens on a loopback port and hands every connection
-// to handle, which owns it, until the test ends.
-func startLoopbackProxy(t T, handle func(net.Conn)) *loopbackProxy {
+// listenLoopback listens on a loopback port until the test ends; serve
+// starts handing it connections.
+func listenLoopback(t T) *loopbackProxy {
 	t.Helper()
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	p := &loopbackProxy{Addr: lis.Addr().String(), lis: lis, closed: make(chan struct{})}
-	p.wg.Add(1)
-	go p.serve(handle)
 	t.Cleanup(p.close)
 	return p
+}
+
+// start hands every connection to handle, which owns it, until the test
+// ends. Call it once the value that embeds p is complete: handle reads it.
+func (p *loopbackProxy) start(handle func(net.Conn)) {
+	p.wg.Add(1)
+	go p.serve(handle)
 }
 
 func (p *loopbackProxy) serve(handle func(net.Conn)) {

@@ -26,9 +26,9 @@ type Partition struct {
 // the test ends; it starts whole.
 func StartPartition(t T, to string) *Partition {
 	t.Helper()
-	p := &Partition{to: to, healed: make(chan struct{})}
+	p := &Partition{loopbackProxy: listenLoopback(t), to: to, healed: make(chan struct{})}
 	close(p.healed)
-	p.loopbackProxy = startLoopbackProxy(t, p.forward)
+	p.start(p.forward)
 	return p
 }
 

@@ -26,8 +26,8 @@ type ServiceVIP struct {
 // StartServiceVIP serves a VIP on a loopback port until the test ends.
 func StartServiceVIP(t T) *ServiceVIP {
 	t.Helper()
-	v := &ServiceVIP{open: map[string]int{}}
-	v.loopbackProxy = startLoopbackProxy(t, v.forward)
+	v := &ServiceVIP{loopbackProxy: listenLoopback(t), open: map[string]int{}}
+	v.start(v.forward)
 	return v
 }
 
