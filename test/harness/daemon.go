@@ -87,6 +87,12 @@ func (d *Daemon) Stop() error {
 	return nil
 }
 
+// Log is everything the daemon wrote so far.
+func (d *Daemon) Log() string {
+	b, _ := os.ReadFile(d.logPath)
+	return string(b)
+}
+
 // LogTail is the end of the log, for errors.
 func (d *Daemon) LogTail() string {
 	b, _ := os.ReadFile(d.logPath)

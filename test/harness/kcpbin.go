@@ -1,10 +1,29 @@
 package harness
 
-var kcpTool = cachedTool{name: "kcp"}
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+)
 
-// KCPBinary returns the path of a kcp binary built by test/tools/kcp/build.sh:
-// kcp at the version pinned there, with docs/kcp/webhook-tunnel.patch
-// applied and kcpplugin linked in. The build is cached in the repo's
-// .cache/kcp/, so only the first call on a machine (or after the patch or
+var kcpTool = cachedTool{name: "kcp", script: "deploy/kcp/build.sh"}
+
+// KCPBinary returns the path of the kcp an operator runs, built by
+// deploy/kcp/build.sh: kcp at the version pinned in deploy/kcp/go.mod, with
+// docs/kcp/webhook-tunnel.patch applied and the seam filled by kcpplugin
+// from its --tunnel-* flags. The build is cached in the repo's .cache/kcp/,
+// so only the first call on a machine (or after the patch, deploy/kcp or
 // kcpplugin changed) builds, for many minutes; later ones find it at once.
 func KCPBinary() (string, error) { return kcpTool.get() }
+
+// KCPSeamUnitTests runs kcp's own unit tests of the packages
+// docs/kcp/webhook-tunnel.patch touches, in a patched copy of kcp's source
+// (deploy/kcp/build.sh test), and returns what they printed.
+func KCPSeamUnitTests() (string, error) {
+	_, self, _, _ := runtime.Caller(0)
+	cmd := exec.Command(filepath.Join(filepath.Dir(self), "..", "..", "deploy", "kcp", "build.sh"), "test")
+	cmd.Env = os.Environ()
+	out, err := cmd.CombinedOutput()
+	return string(out), err
+}

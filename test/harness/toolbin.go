@@ -10,15 +10,16 @@ import (
 	"sync"
 )
 
-// cachedTool is a heavy test tool built by test/tools/<name>/build.sh from
-// the versions pinned there and cached in the repo's .cache/: only the
-// first build on a machine takes minutes. The script prints the path the
-// tests use.
+// cachedTool is a heavy test tool built by test/tools/<name>/build.sh (or
+// script, relative to the repository) from the versions pinned there and
+// cached in the repo's .cache/: only the first build on a machine takes
+// minutes. The script prints the path the tests use.
 type cachedTool struct {
-	name string
-	once sync.Once
-	path string
-	err  error
+	name   string
+	script string
+	once   sync.Once
+	path   string
+	err    error
 }
 
 // get runs the tool's build script once, and returns what it printed.
@@ -26,10 +27,13 @@ func (c *cachedTool) get() (string, error) {
 	c.once.Do(func() {
 		_, self, _, ok := runtime.Caller(0)
 		if !ok {
-			c.err = fmt.Errorf("cannot locate the harness source to find test/tools/%s", c.name)
+			c.err = fmt.Errorf("cannot locate the harness source to find %s's build script", c.name)
 			return
 		}
 		script := filepath.Join(filepath.Dir(self), "..", "tools", c.name, "build.sh")
+		if c.script != "" {
+			script = filepath.Join(filepath.Dir(self), "..", "..", c.script)
+		}
 		cmd := exec.Command(script)
 		cmd.Stderr = os.Stderr // the build says what it does; go test shows it
 		out, err := cmd.Output()

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"sync/atomic"
 
 	admissionv1 "k8s.io/api/admission/v1"
 
@@ -19,6 +20,14 @@ type Webhook struct {
 	Addr string
 	// CABundle is the webhook configuration's caBundle.
 	CABundle []byte
+
+	accepted, open atomic.Int64
+}
+
+// Connections is how many connections the webhook accepted since it
+// started, and how many of them are open now.
+func (w *Webhook) Connections() (accepted, open int64) {
+	return w.accepted.Load(), w.open.Load()
 }
 
 // WebhookOptions describe a webhook server.
@@ -29,6 +38,10 @@ type WebhookOptions struct {
 	ClientCA *devca.CA
 	// Listen is the address to serve on; default 127.0.0.1:0.
 	Listen string
+	// CA issues the server's certificate; default a CA of its own.
+	CA *devca.CA
+	// IPs are more names of the certificate, for a webhook called by URL.
+	IPs []net.IP
 }
 
 // StartWebhook serves review on a loopback port until the test ends. The
@@ -40,16 +53,21 @@ func StartWebhook(t T, opts WebhookOptions, review func(req *admissionv1.Admissi
 }
 
 // StartTLSWebhook serves handler over TLS, with a certificate for the
-// Service name from a CA of its own, on a loopback port until the test ends.
+// Service name from opts.CA or a CA of its own, on a loopback port until the
+// test ends.
 func StartTLSWebhook(t T, opts WebhookOptions, handler http.Handler) *Webhook {
 	t.Helper()
-	ca, err := devca.New("webhook CA", "")
-	if err != nil {
-		t.Fatal(err)
+	ca := opts.CA
+	if ca == nil {
+		var err error
+		if ca, err = devca.New("webhook CA", ""); err != nil {
+			t.Fatal(err)
+		}
 	}
 	leaf, err := ca.Issue(devca.Leaf{
 		CommonName: opts.Name + "." + opts.Namespace + ".svc",
 		DNSNames:   []string{opts.Name + "." + opts.Namespace + ".svc"},
+		IPs:        opts.IPs,
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -72,10 +90,19 @@ func StartTLSWebhook(t T, opts WebhookOptions, handler http.Handler) *Webhook {
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := &http.Server{Handler: handler, TLSConfig: cfg}
+	w := &Webhook{Addr: l.Addr().String(), CABundle: ca.BundlePEM()}
+	srv := &http.Server{Handler: handler, TLSConfig: cfg, ConnState: func(_ net.Conn, state http.ConnState) {
+		switch state {
+		case http.StateNew:
+			w.accepted.Add(1)
+			w.open.Add(1)
+		case http.StateClosed, http.StateHijacked:
+			w.open.Add(-1)
+		}
+	}}
 	go func() { _ = srv.ServeTLS(l, "", "") }()
 	t.Cleanup(func() { srv.Close() })
-	return &Webhook{Addr: l.Addr().String(), CABundle: ca.BundlePEM()}
+	return w
 }
 
 // AdmissionHandler decodes AdmissionReviews and answers with review's

@@ -30,25 +30,9 @@ func TestRealKCPConversionWebhookPerWorkspace(t *testing.T) {
 	for _, name := range names {
 		w := s.workspace(t, name)
 		ws[name] = w
-		wh := harness.StartTLSWebhook(t, harness.WebhookOptions{Namespace: "webhooks", Name: "webhook"}, harness.ConversionHandler(name))
+		wh := harness.StartTLSWebhook(t, harness.WebhookOptions{Namespace: "webhooks", Name: "webhook", CA: s.ca}, harness.ConversionHandler(name))
 		s.agent(t, name, w.cluster, wh.Addr)
-		crds := apiextensionsclient.NewForConfigOrDie(s.config(w.path)).ApiextensionsV1().CustomResourceDefinitions()
-		crd := harness.WidgetCRD(harness.WebhookService{Namespace: "webhooks", Name: "webhook", Path: "/convert", Port: 443, CABundle: wh.CABundle})
-		if _, err := crds.Create(ctx, crd, metav1.CreateOptions{}); err != nil {
-			t.Fatalf("creating the CRD in %s: %v", w.path, err)
-		}
-		harness.Eventually(t, time.Minute, "the CRD to be established in "+w.path, func() bool {
-			got, err := crds.Get(ctx, crd.Name, metav1.GetOptions{})
-			if err != nil {
-				return false
-			}
-			for _, c := range got.Status.Conditions {
-				if c.Type == apiextensionsv1.Established && c.Status == apiextensionsv1.ConditionTrue {
-					return true
-				}
-			}
-			return false
-		})
+		s.createCRD(t, w, harness.WidgetCRD(harness.WebhookService{Namespace: "webhooks", Name: "webhook", Path: "/convert", Port: 443, CABundle: wh.CABundle}))
 		// Stored as v1, with no conversion.
 		eventually(t, "a Widget created in "+w.path, func() (bool, string) {
 			_, err := w.dyn.Resource(v1).Namespace(namespace).Create(ctx, harness.Widget(namespace, "w", "3"), metav1.CreateOptions{})
@@ -71,5 +55,28 @@ func TestRealKCPConversionWebhookPerWorkspace(t *testing.T) {
 		if want := "spec.replicas 3, converted by " + fmt.Sprintf("%q", name); got != want {
 			t.Errorf("%s: the Widget read as v2 has %s, want %s", w.path, got, want)
 		}
+		s.assertKCPTunnels(t, w.cluster, name)
 	}
+}
+
+// createCRD creates crd in w and waits until it is established.
+func (s *server) createCRD(t *testing.T, w *workspace, crd *apiextensionsv1.CustomResourceDefinition) {
+	t.Helper()
+	ctx := context.Background()
+	crds := apiextensionsclient.NewForConfigOrDie(s.config(w.path)).ApiextensionsV1().CustomResourceDefinitions()
+	if _, err := crds.Create(ctx, crd, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("creating the CRD in %s: %v", w.path, err)
+	}
+	harness.Eventually(t, time.Minute, "the CRD to be established in "+w.path, func() bool {
+		got, err := crds.Get(ctx, crd.Name, metav1.GetOptions{})
+		if err != nil {
+			return false
+		}
+		for _, c := range got.Status.Conditions {
+			if c.Type == apiextensionsv1.Established && c.Status == apiextensionsv1.ConditionTrue {
+				return true
+			}
+		}
+		return false
+	})
 }

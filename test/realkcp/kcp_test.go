@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -23,6 +25,8 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
+	"github.com/kcp-dev/tunnel-broker/internal/devca"
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
 	"github.com/kcp-dev/tunnel-broker/test/harness"
 )
@@ -39,20 +43,37 @@ var (
 	schemas       = schema.GroupVersionResource{Group: "apis.kcp.io", Version: "v1alpha1", Resource: "apiresourceschemas"}
 	exports       = schema.GroupVersionResource{Group: "apis.kcp.io", Version: "v1alpha1", Resource: "apiexports"}
 	bindings      = schema.GroupVersionResource{Group: "apis.kcp.io", Version: "v1alpha1", Resource: "apibindings"}
-	agentsPolicy  = []string{"a", "b", "m", "gone", "ca", "provider"}
 	kcpStartLimit = 5 * time.Minute
 	// workspaceRuns numbers the workspaces of this test binary.
 	workspaceRuns atomic.Uint32
 )
 
-// server is a kcp process built with the tunnel patch, and the broker it
-// dials webhooks through.
+// server is the kcp an operator runs (deploy/kcp), the broker it calls
+// webhooks through, and what the tests share.
 type server struct {
-	env    *harness.Env
+	env *harness.Env
+	// vip is the one address at which kcp and the agents reach the broker,
+	// as a ClusterIP Service is: the broker restarts behind it whenever a
+	// test binds an agent to its cluster (bind).
+	vip    *harness.ServiceVIP
 	broker string
 	// base is kcp's admin config without a cluster path.
 	base *rest.Config
 	kcp  *harness.Daemon
+	// ca issues every webhook stand-in's certificate, so that a call that
+	// reached another cluster's webhook is a wrong answer the tests see,
+	// not a TLS failure.
+	ca *devca.CA
+	// svid is kcp's SVID files; firstSVIDExpiry, when the one kcp started
+	// with expired (the files rotated before any test).
+	svid            devca.Files
+	firstSVIDExpiry time.Time
+
+	mu          sync.Mutex
+	policy      policy.File
+	brokerProc  *harness.Process
+	brokerAddr  string
+	brokerStops int
 
 	// physical is a real kube-apiserver (and etcd): the service cluster
 	// of the provider test, read by its agent; admin writes into it.
@@ -61,8 +82,14 @@ type server struct {
 	rbacOnce sync.Once
 }
 
-// startServer starts a broker binary, then kcp with kcpplugin dialing it as
-// /kcp. Its failures end the test binary (t is a harness.Main).
+// firstSVIDLifetime is how long the SVID kcp starts with is valid: it has
+// expired before the first test, so every tunnel of the tests proves that kcp
+// followed the rotation of its SVID files.
+const firstSVIDLifetime = 20 * time.Second
+
+// startServer starts a broker binary behind a VIP, then kcp with its
+// --tunnel-* flags, calling webhooks through it as /kcp. Its failures end
+// the test binary (t is a harness.Main).
 func startServer(t *harness.Main) *server {
 	if err := harness.CheckIsolated(); err != nil {
 		t.Fatal(err)
@@ -72,17 +99,15 @@ func startServer(t *harness.Main) *server {
 		t.Fatal(err)
 	}
 	env := harness.NewEnv(t)
-	// The agents of these tests, one per workspace (or provider), each
-	// serving whichever logical cluster its services file names.
-	pol := harness.DefaultPolicy()
-	for _, name := range agentsPolicy {
-		pol.Agents = append(pol.Agents, policy.AgentRule{ID: "spiffe://" + harness.TrustDomain + "/agent/" + name, Clusters: []string{"*"}})
+	ca, err := devca.New("webhook CA", "")
+	if err != nil {
+		t.Fatal(err)
 	}
-	policyFile := harness.WriteShared(t, t.TempDir(), "policy.yaml", pol)
-	_, brokerAddr := env.StartBrokerProcess("--policy", policyFile)
+	s := &server{env: env, vip: harness.StartServiceVIP(t), ca: ca, policy: harness.DefaultPolicy()}
+	s.broker = s.vip.Addr
+	s.restartBroker()
 
 	dir := t.TempDir()
-	s := &server{env: env, broker: brokerAddr}
 	if s.physical, err = harness.StartKubeCluster(t.TempDir()); err != nil {
 		t.Fatal(err)
 	}
@@ -95,14 +120,14 @@ func startServer(t *harness.Main) *server {
 		t.Fatal(err)
 	}
 
-	svid := env.SVID("/kcp")
-	s.kcp, err = harness.StartDaemon(bin, filepath.Join(dir, "kcp.log"), []string{
-		"KCP_TUNNEL_BROKER=" + brokerAddr,
-		"KCP_TUNNEL_SVID_CERT=" + svid.Cert, "KCP_TUNNEL_SVID_KEY=" + svid.Key, "KCP_TUNNEL_TRUST_BUNDLE=" + svid.Bundle,
-		"KCP_TUNNEL_BROKER_SPIFFE_ID=" + harness.ID("/broker").String(),
-	}, "start", "--root-directory", filepath.Join(dir, "kcp"), "--bind-address", kcpIP, "--external-hostname", kcpIP,
+	s.firstSVIDExpiry = time.Now().Add(firstSVIDLifetime)
+	s.svid = s.writeKCPSVID(t, s.firstSVIDExpiry)
+	s.kcp, err = harness.StartDaemon(bin, filepath.Join(dir, "kcp.log"), nil,
+		"start", "--root-directory", filepath.Join(dir, "kcp"), "--bind-address", kcpIP, "--external-hostname", kcpIP,
 		// The physical cluster's etcd has 2379 and 2380.
-		"--embedded-etcd-client-port", "2381", "--embedded-etcd-peer-port", "2382")
+		"--embedded-etcd-client-port", "2381", "--embedded-etcd-peer-port", "2382",
+		"--tunnel-broker", s.broker, "--tunnel-broker-spiffe-id", harness.ID("/broker").String(),
+		"--tunnel-svid-cert", s.svid.Cert, "--tunnel-svid-key", s.svid.Key, "--tunnel-trust-bundle", s.svid.Bundle)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -128,7 +153,89 @@ func startServer(t *harness.Main) *server {
 	}); err != nil {
 		t.Fatal(err)
 	}
+
+	// kcp's SVID rotates, as spiffe-helper or csi-driver-spiffe rotate
+	// files, once the one it started with has expired: the broker refuses
+	// that one, so every tunnel after this is kcp's new SVID at work.
+	time.Sleep(time.Until(s.firstSVIDExpiry))
+	s.writeKCPSVID(t, time.Now().Add(24*time.Hour))
+	deadline := time.Now().Add(time.Minute)
+	for !strings.Contains(s.kcp.Log(), "kcp's SVID reloaded") {
+		if time.Now().After(deadline) {
+			t.Fatalf("kcp did not reload its rotated SVID files within a minute; its log ends:\n%s", s.kcp.LogTail())
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
 	return s
+}
+
+// writeKCPSVID writes kcp's SVID files, valid until notAfter.
+func (s *server) writeKCPSVID(t harness.T, notAfter time.Time) devca.Files {
+	f, err := s.env.CA.WriteSVID(filepath.Join(s.env.Dir, "kcp-svid"), devca.Leaf{SPIFFEID: "/kcp", NotAfter: notAfter})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return f
+}
+
+// bind lets agent /agent/<name> serve cluster, and only it, as an operator
+// binds each syncer or provider agent to its clusters: the broker restarts
+// behind the VIP with the new policy, and kcp and the agents reconnect.
+func (s *server) bind(name, cluster string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	id := harness.ID("/agent/" + name).String()
+	rules := []policy.AgentRule{{ID: id, Clusters: []string{cluster}}}
+	for _, r := range s.policy.Agents {
+		if r.ID != id {
+			rules = append(rules, r)
+		}
+	}
+	s.policy.Agents = rules
+	s.restartBroker()
+}
+
+// restartBroker starts a broker with s.policy, moves the VIP to it and
+// kills the one before, as a rollout's last step would. s.mu is held, or
+// not needed yet.
+func (s *server) restartBroker() {
+	policyFile := harness.WriteShared(s.env.T, s.env.T.TempDir(), "policy.yaml", s.policy)
+	proc, addr := s.env.StartBrokerProcess("--policy", policyFile)
+	old := s.brokerProc
+	s.brokerProc, s.brokerAddr = proc, addr
+	s.vip.SetEndpoints(addr)
+	if old != nil {
+		old.Kill()
+		s.brokerStops++
+	}
+}
+
+// tunnels lists the tunnels the broker holds to cluster, as tunnelctl
+// tunnels --cluster does, with an operator's identity.
+func (s *server) tunnels(t *testing.T, cluster string) []*tunnelv1.TunnelInfo {
+	t.Helper()
+	s.mu.Lock()
+	addr := s.brokerAddr
+	s.mu.Unlock()
+	env := &harness.Env{T: t, Dir: t.TempDir(), CA: s.env.CA}
+	conn := env.BrokerConn(addr, "/operator")
+	defer conn.Close()
+	resp, err := tunnelv1.NewAdminServiceClient(conn).ListTunnels(context.Background(), &tunnelv1.ListTunnelsRequest{Cluster: cluster, PageSize: 1000})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp.Tunnels
+}
+
+// brokerDials is the broker's count of dials, by every caller, since it
+// started (bind restarts it).
+func (s *server) brokerDials(t *testing.T) float64 {
+	t.Helper()
+	s.mu.Lock()
+	proc := s.brokerProc
+	s.mu.Unlock()
+	v, _ := harness.Scrape(t, proc, `kcp_tunnel_broker_dials_total{code="OK"}`)
+	return v
 }
 
 // config is the admin's client config for the workspace at path (root:a).
@@ -191,14 +298,26 @@ func (s *server) workspace(t *testing.T, suffix string) *workspace {
 	return w
 }
 
-// agent runs a syncer-agent binary as /agent/<name>, serving Service
-// webhooks/webhook port 443 of cluster at addr (its services file).
+// agent runs a syncer-agent binary as /agent/<name>, bound to cluster,
+// serving Service webhooks/webhook port 443 of cluster at addr (its
+// services file).
 func (s *server) agent(t *testing.T, name, cluster, addr string) *harness.Process {
 	t.Helper()
+	s.bind(name, cluster)
 	env := &harness.Env{T: t, Dir: t.TempDir(), CA: s.env.CA}
-	return env.StartAgentProcess(s.broker, "/agent/"+name, lookup.StaticFile{Services: []lookup.StaticService{{
-		Cluster: cluster, Namespace: "webhooks", Name: "webhook", Ports: map[string]string{"443": addr},
-	}}})
+	return env.StartAgentProcess(s.broker, "/agent/"+name, lookupFile(cluster, map[string]string{"webhook": addr}))
+}
+
+// lookupFile is an agent's services file: port 443 of each Service of
+// namespace webhooks in cluster, at its address.
+func lookupFile(cluster string, services map[string]string) lookup.StaticFile {
+	var f lookup.StaticFile
+	for _, name := range slices.Sorted(maps.Keys(services)) {
+		f.Services = append(f.Services, lookup.StaticService{
+			Cluster: cluster, Namespace: "webhooks", Name: name, Ports: map[string]string{"443": services[name]},
+		})
+	}
+	return f
 }
 
 // plainAgent runs a syncer-agent binary as /agent/<name> in plain mode:
@@ -206,6 +325,7 @@ func (s *server) agent(t *testing.T, name, cluster, addr string) *harness.Proces
 // api-syncagent does, with the rights of deploy/agent/rbac.yaml.
 func (s *server) plainAgent(t *testing.T, name, cluster string) *harness.Process {
 	t.Helper()
+	s.bind(name, cluster)
 	s.rbacOnce.Do(func() { harness.ApplyAgentRBAC(t, s.admin) })
 	kubeconfig, err := s.physical.Kubeconfig(harness.AgentUser)
 	if err != nil {

@@ -36,7 +36,7 @@ func TestRealKCPProviderWebhookForABoundResource(t *testing.T) {
 	// Service webhooks/webhook, and an agent in plain mode serving the
 	// export's logical cluster from that cluster's API.
 	const podIP, podPort = "192.0.2.30", 8443
-	wh := startStandIn(t, "provider", net.JoinHostPort(podIP, strconv.Itoa(podPort)))
+	wh := s.startStandIn(t, "provider", net.JoinHostPort(podIP, strconv.Itoa(podPort)))
 	if _, err := s.admin.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "webhooks"}},
 		metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		t.Fatal(err)
@@ -121,5 +121,11 @@ func TestRealKCPProviderWebhookForABoundResource(t *testing.T) {
 	// cluster), called for the provider's cluster.
 	if !wh.saw(consumer.cluster, "allowed") {
 		t.Errorf("the provider's webhook did not review Widget allowed of the consumer's cluster %s: it reviewed %v", consumer.cluster, wh.reviewed)
+	}
+	// The broker's side: kcp dialed the provider's cluster, never the
+	// consumer's.
+	s.assertKCPTunnels(t, provider.cluster, "provider")
+	if got := s.tunnels(t, consumer.cluster); len(got) != 0 {
+		t.Errorf("the broker holds %d tunnels to the consumer's cluster %s, which no webhook is of", len(got), consumer.cluster)
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -26,7 +27,7 @@ var probes atomic.Uint32
 const clusterAnnotation = "kcp.io/cluster"
 
 // standIn is a webhook pod's stand-in: a TLS server for Service
-// webhooks/webhook with a CA of its own, that denies objects labelled
+// webhooks/webhook with a certificate of the tests' one webhook CA, that denies objects labelled
 // deny=yes (/validate) or labels them mutated-by=<name> (/mutate), and
 // remembers what it reviewed. It listens on listen, or a loopback port.
 type standIn struct {
@@ -37,16 +38,21 @@ type standIn struct {
 	reviewed []string // cluster/name of each object, as kcp sent it
 }
 
-func startStandIn(t *testing.T, name string, listen ...string) *standIn {
+func (srv *server) startStandIn(t *testing.T, name string, listen ...string) *standIn {
+	t.Helper()
+	opts := harness.WebhookOptions{Namespace: "webhooks", Name: "webhook", CA: srv.ca}
+	if len(listen) > 0 {
+		opts.Listen = listen[0]
+	}
+	return startStandInWith(t, name, opts)
+}
+
+func startStandInWith(t *testing.T, name string, opts harness.WebhookOptions) *standIn {
 	t.Helper()
 	s := &standIn{name: name}
 	mux := http.NewServeMux()
 	mux.Handle("/validate", harness.AdmissionHandler(s.validate))
 	mux.Handle("/mutate", harness.AdmissionHandler(s.mutate))
-	opts := harness.WebhookOptions{Namespace: "webhooks", Name: "webhook"}
-	if len(listen) > 0 {
-		opts.Listen = listen[0]
-	}
 	s.Webhook = harness.StartTLSWebhook(t, opts, mux)
 	return s
 }
@@ -187,7 +193,7 @@ func (w *workspace) eventuallyRefused(t *testing.T, deny bool, want string) stri
 func TestRealKCPValidatingWebhookThroughTheTunnel(t *testing.T) {
 	s := kcp(t)
 	w := s.workspace(t, "a")
-	wh := startStandIn(t, "a")
+	wh := s.startStandIn(t, "a")
 	s.agent(t, "a", w.cluster, wh.Addr)
 	w.validating(t, wh.CABundle, admissionregistrationv1.Fail)
 
@@ -201,6 +207,31 @@ func TestRealKCPValidatingWebhookThroughTheTunnel(t *testing.T) {
 	if !wh.saw(w.cluster, "allowed") {
 		t.Errorf("the webhook did not review ConfigMap allowed of cluster %s: it reviewed %v", w.cluster, wh.reviewed)
 	}
+	s.assertKCPTunnels(t, w.cluster, "a")
+}
+
+// assertKCPTunnels checks the broker's side: kcp keeps its webhook
+// connections, so the broker holds tunnels to cluster, and every one was
+// dialed by kcp (/kcp), for a webhook Service of that cluster (namespace
+// webhooks; webhooks/webhook unless services says which), and carried by
+// agent /agent/<agent>.
+func (s *server) assertKCPTunnels(t *testing.T, cluster, agent string, services ...string) {
+	t.Helper()
+	if len(services) == 0 {
+		services = []string{"webhook"}
+	}
+	tunnels := s.tunnels(t, cluster)
+	if len(tunnels) == 0 {
+		t.Fatalf("the broker holds no tunnel to cluster %s, though kcp keeps its webhook connections", cluster)
+	}
+	for _, tun := range tunnels {
+		if tun.CallerSpiffeId != harness.ID("/kcp").String() || tun.Target.GetCluster() != cluster ||
+			tun.Target.GetNamespace() != "webhooks" || !slices.Contains(services, tun.Target.GetService()) ||
+			tun.AgentSpiffeId != harness.ID("/agent/"+agent).String() {
+			t.Errorf("tunnel %s: caller %s, target %v, agent %s; want /kcp to webhooks/%v of %s through /agent/%s",
+				tun.TunnelId, tun.CallerSpiffeId, tun.Target, tun.AgentSpiffeId, services, cluster, agent)
+		}
+	}
 }
 
 // A MutatingWebhookConfiguration: kcp's mutating plugin applies the patch
@@ -208,7 +239,7 @@ func TestRealKCPValidatingWebhookThroughTheTunnel(t *testing.T) {
 func TestRealKCPMutatingWebhookThroughTheTunnel(t *testing.T) {
 	s := kcp(t)
 	w := s.workspace(t, "m")
-	wh := startStandIn(t, "m")
+	wh := s.startStandIn(t, "m")
 	s.agent(t, "m", w.cluster, wh.Addr)
 	cc, rules, objects := webhook("/mutate", "", "configmaps", wh.CABundle)
 	fail, none, timeout := admissionregistrationv1.Fail, admissionregistrationv1.SideEffectClassNone, int32(15)
@@ -248,7 +279,7 @@ func TestRealKCPMutatingWebhookThroughTheTunnel(t *testing.T) {
 func TestRealKCPSameServiceInTwoWorkspaces(t *testing.T) {
 	s := kcp(t)
 	a, b := s.workspace(t, "a"), s.workspace(t, "b")
-	whA, whB := startStandIn(t, "a"), startStandIn(t, "b")
+	whA, whB := s.startStandIn(t, "a"), s.startStandIn(t, "b")
 	s.agent(t, "a", a.cluster, whA.Addr)
 	s.agent(t, "b", b.cluster, whB.Addr)
 	a.validating(t, whA.CABundle, admissionregistrationv1.Fail)
@@ -270,6 +301,8 @@ func TestRealKCPSameServiceInTwoWorkspaces(t *testing.T) {
 	if got := whB.clusters(); len(got) != 1 || !got[b.cluster] {
 		t.Errorf("webhook b reviewed objects of clusters %v, want only %s", got, b.cluster)
 	}
+	s.assertKCPTunnels(t, a.cluster, "a")
+	s.assertKCPTunnels(t, b.cluster, "b")
 }
 
 // The agent that served the webhook's Service is gone: kcp fails the
@@ -278,7 +311,7 @@ func TestRealKCPSameServiceInTwoWorkspaces(t *testing.T) {
 func TestRealKCPAgentGone(t *testing.T) {
 	s := kcp(t)
 	w := s.workspace(t, "gone")
-	wh := startStandIn(t, "gone")
+	wh := s.startStandIn(t, "gone")
 	agent := s.agent(t, "gone", w.cluster, wh.Addr)
 	w.validating(t, wh.CABundle, admissionregistrationv1.Fail)
 	w.eventuallyRefused(t, true, "denied by webhook gone")
@@ -305,7 +338,8 @@ func TestRealKCPAgentGone(t *testing.T) {
 func TestRealKCPWrongCABundle(t *testing.T) {
 	s := kcp(t)
 	w := s.workspace(t, "ca")
-	wh, other := startStandIn(t, "ca"), startStandIn(t, "other")
+	// other's CA is not the webhooks' CA.
+	wh, other := s.startStandIn(t, "ca"), startStandInWith(t, "other", harness.WebhookOptions{Namespace: "webhooks", Name: "webhook"})
 	s.agent(t, "ca", w.cluster, wh.Addr)
 	w.validating(t, other.CABundle, admissionregistrationv1.Fail)
 

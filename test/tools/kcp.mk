@@ -1,9 +1,10 @@
-# kcp for the RealKCP tests (test/realkcp): kcp at the version pinned in
-# test/tools/kcp/go.mod, with docs/kcp/webhook-tunnel.patch applied and
-# kcpplugin linked in, built by test/tools/kcp/build.sh and cached in
-# .cache/kcp/ (the first build takes 10-20 minutes on 2 cores; later runs
-# reuse it, and a change to the patch or kcpplugin rebuilds from the warm
-# Go build cache in a minute or two).
+# The kcp of the RealKCP tests (test/realkcp) and of make images: deploy/kcp,
+# kcp's server at the version pinned in deploy/kcp/go.mod with
+# docs/kcp/webhook-tunnel.patch applied and the seam filled by kcpplugin,
+# built by deploy/kcp/build.sh and cached in .cache/kcp/ (the first build
+# takes 10-20 minutes on 2 cores; later runs reuse it, and a change to the
+# patch, deploy/kcp or kcpplugin rebuilds from the warm Go build cache in a
+# minute or two).
 # The tests run in a network namespace of their own, as the KubeAPIServer
 # tests do: kube-tools (kube.mk) installs ip and unshare.
 
@@ -13,8 +14,8 @@ ifeq ($(.DEFAULT_GOAL),)
 endif
 
 .PHONY: kcp-tools
-## kcp-tools: build (or find cached) kcp with the webhook tunnel patch, for the RealKCP tests
+## kcp-tools: build (or find cached) kcp with the webhook tunnel (deploy/kcp), for the RealKCP tests and the image
 kcp-tools:
-	test/tools/kcp/build.sh
+	deploy/kcp/build.sh
 
 test: kcp-tools

@@ -1,0 +1,112 @@
+#!/bin/sh
+# Builds the kcp an operator runs (this folder's main.go: kcp's server with
+# the webhook seam filled by kcpplugin) at the kcp version pinned in this
+# folder's go.mod, with docs/kcp/webhook-tunnel.patch applied to kcp's
+# source, unless that build is already cached, and prints the binary's path.
+# One build serves the RealKCP tests and the image (make images): a static
+# linux binary (CGO_ENABLED=0, -trimpath) for this machine's architecture.
+#
+#   build.sh        build (or find) the binary, print its path
+#   build.sh test   run kcp's unit tests of the packages the patch touches,
+#                   in a patched copy of kcp's source (the RealKCP tests do)
+#
+# The cache lives in the repo's git-ignored .cache/kcp/ (or
+# $KCP_TOOLS_CACHE), one folder per key: the kcp version and a hash of the
+# patch, this folder's sources, go.mod and go.sum, and the sources of
+# kcpplugin and proto.
+#
+# How: kcp's module source comes from the module cache (the Go module
+# proxy), is copied, patched, and built in a module made of this folder
+# (kcp's replace directives: k8s.io/* from kcp's fork of Kubernetes) with
+# github.com/kcp-dev/kcp replaced by the patched copy.
+set -eu
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/../.." && pwd)
+cache=${KCP_TOOLS_CACHE:-$repo/.cache/kcp}
+patch=$repo/docs/kcp/webhook-tunnel.patch
+mode=${1:-build}
+cd "$here"
+# This module is deliberately outside the repo's go.work. The sum database
+# does not know some of kcp-dev's modules: go.sum pins what was first seen.
+export GOWORK=off GONOSUMDB=github.com/kcp-dev GOFLAGS=-buildvcs=false
+export CGO_ENABLED=0
+
+kcp=$(go list -m -f '{{.Version}}' github.com/kcp-dev/kcp)
+key=$(
+	cd "$repo"
+	{
+		cat "$patch"
+		find deploy/kcp kcpplugin proto -type f \( -name '*.go' ! -name '*_test.go' -o -name go.mod -o -name go.sum -o -name build.sh \) | LC_ALL=C sort | xargs cat
+	} | sha256sum | cut -c1-12
+)
+dir=$cache/kcp-$kcp-$key
+
+# prepare makes $build: kcp's patched source in $build/kcp and this folder's
+# module beside it, with kcp, kcpplugin and proto replaced by local copies.
+prepare() {
+	src=$(go mod download -json "github.com/kcp-dev/kcp@$kcp" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
+	[ -d "$src" ] || { echo "kcp $kcp: no module source in the module cache" >&2; exit 1; }
+	rm -rf "$build"
+	mkdir -p "$build"
+	cp -R "$src" "$build/kcp"
+	chmod -R u+w "$build/kcp"
+	# git apply, in a repository of the copy's own (patch(1) may be
+	# missing; the copy lies inside this repository's work tree).
+	(cd "$build/kcp" && git init -q && git apply "$patch" && rm -rf .git)
+	tar -C "$here" --exclude build.sh -cf - . | tar -C "$build" -xf -
+	(
+		cd "$build"
+		go mod edit \
+			-replace "github.com/kcp-dev/kcp=./kcp" \
+			-replace "github.com/kcp-dev/tunnel-broker/kcpplugin=$repo/kcpplugin" \
+			-replace "github.com/kcp-dev/tunnel-broker/proto=$repo/proto"
+	)
+}
+
+if [ "$mode" = test ]; then
+	build=$(mktemp -d "${TMPDIR:-/tmp}/kcp-test.XXXXXX")
+	trap 'rm -rf "$build"' EXIT
+	prepare
+	cd "$build"
+	# kcp's tests need modules its binary does not (testify): -mod=mod
+	# records them in the copy's go.sum. The build's flags (CGO_ENABLED=0,
+	# -trimpath), so that the packages the binary's build compiled are
+	# taken from the build cache.
+	echo "kcp $kcp with docs/kcp/webhook-tunnel.patch: unit tests of the packages it touches" >&2
+	GOFLAGS="$GOFLAGS -mod=mod" go test -count=1 -trimpath \
+		github.com/kcp-dev/kcp/pkg/admission/initializers \
+		github.com/kcp-dev/kcp/pkg/admission/validatingwebhook \
+		github.com/kcp-dev/kcp/pkg/admission/mutatingwebhook \
+		github.com/kcp-dev/kcp/pkg/server
+	exit 0
+fi
+
+if [ -x "$dir/kcp" ]; then
+	echo "$dir/kcp"
+	exit 0
+fi
+mkdir -p "$cache"
+# Tests of several packages may ask at once: one builds, the others wait.
+exec 9>"$dir.lock"
+flock 9
+if [ ! -x "$dir/kcp" ]; then
+	build=$repo/.cache/kcp-build/$kcp-$key
+	trap 'rm -rf "$build"' EXIT
+	prepare
+	(
+		cd "$build"
+		# kcp reports its version as kcp's release does (kubectl and
+		# client-go parse it); the Kubernetes version is its fork's base.
+		pkg=k8s.io/component-base/version
+		ldflags="-s -w -X $pkg.gitVersion=v1.32.3+kcp-$kcp -X $pkg.gitMajor=1 -X $pkg.gitMinor=32 -X $pkg.gitTreeState=clean"
+		echo "building kcp $kcp with docs/kcp/webhook-tunnel.patch and deploy/kcp into $dir (the first build takes many minutes)" >&2
+		go build -trimpath -ldflags "$ldflags" -o "$build/kcp.bin" .
+	)
+	mkdir -p "$dir"
+	mv "$build/kcp.bin" "$dir/kcp"
+	# Builds for an older patch or kcpplugin are not wanted again.
+	for old in "$cache"/kcp-*; do
+		case $old in "$dir" | "$dir.lock") ;; *) rm -rf "$old" ;; esac
+	done
+fi
+echo "$dir/kcp"
