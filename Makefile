@@ -54,15 +54,20 @@ test: lint check-generated build tools
 release-check: build
 	cd test && RELEASE_VERSION=$(VERSION) $(GO) test -count=1 -timeout 45m -run Release ./release/
 
-## images: OCI images of the broker and the syncer-agent, kcp-dev/tunnel-broker:$(VERSION)
-## and kcp-dev/tunnel-syncer-agent:$(VERSION), without a container engine: static
-## binaries on an empty base, as user 65532, into $(IMAGES)/oci (an OCI layout)
-## and $(IMAGES)/<binary>.tar (OCI archives, for skopeo, podman load or crane push)
+## images: OCI images of the broker, the syncer-agent and kcp with the tunnel,
+## kcp-dev/tunnel-broker:$(VERSION), kcp-dev/tunnel-syncer-agent:$(VERSION) and
+## kcp-dev/tunnel-kcp:$(VERSION) (deploy/kcp, this machine's architecture only),
+## without a container engine: static binaries on an empty base, as user 65532,
+## into $(IMAGES)/oci (an OCI layout) and $(IMAGES)/<binary>.tar (OCI archives,
+## for skopeo, podman load or crane push)
 IMAGES     ?= $(BIN)/images
 IMAGE_ARCH ?= $(shell $(GO) env GOARCH)
 images:
 	CGO_ENABLED=0 GOOS=linux GOARCH=$(IMAGE_ARCH) $(GO) build -trimpath -ldflags "-s -w $(STAMP)" \
 	  -o $(IMAGES)/linux_$(IMAGE_ARCH)/ ./broker ./syncer-agent
+	@if [ "$(IMAGE_ARCH)" = "$$($(GO) env GOHOSTARCH)" ]; then \
+	  cp "$$(deploy/kcp/build.sh)" $(IMAGES)/linux_$(IMAGE_ARCH)/kcp; \
+	else echo "images: kcp-dev/tunnel-kcp is built for this machine's architecture only"; fi
 	$(GO) run ./internal/release/cmd/images --bin $(IMAGES)/linux_$(IMAGE_ARCH) --out $(IMAGES) \
 	  --version $(VERSION) --revision $(COMMIT) --arch $(IMAGE_ARCH)
 

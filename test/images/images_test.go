@@ -32,7 +32,7 @@ func TestMain(m *testing.M) {
 }
 
 // built are the images make images writes, by binary.
-var built = map[string]string{"broker": "kcp-dev/tunnel-broker", "syncer-agent": "kcp-dev/tunnel-syncer-agent"}
+var built = map[string]string{"broker": "kcp-dev/tunnel-broker", "syncer-agent": "kcp-dev/tunnel-syncer-agent", "kcp": "kcp-dev/tunnel-kcp"}
 
 func TestImagesRunTheirStampedBinaryAsNonRoot(t *testing.T) {
 	out := t.TempDir()
@@ -120,6 +120,11 @@ func checkImageFiles(t *testing.T, img v1.Image, binary, version, revision strin
 		t.Errorf("/etc/passwd has no user 65532: %v", err)
 	}
 	want = regexp.MustCompile(`^` + regexp.QuoteMeta(binary+" "+version+" (commit "+revision+", go") + `\S+\)\n$`)
+	if binary == "kcp" {
+		// kcp says its own version, as kcp's releases do: its fork's
+		// Kubernetes version and kcp's (deploy/kcp/build.sh).
+		want = regexp.MustCompile(`^kcp version v1\.\d+\.\d+\+kcp-v\d+\.\d+\.\d+\n$`)
+	}
 	got, err := exec.Command(filepath.Join(rootfs, binary), "--version").Output()
 	if err != nil || !want.Match(got) {
 		t.Errorf("/%s --version from the image's filesystem: %q, %v; want %s", binary, got, err, want)

@@ -1,5 +1,5 @@
-// Command images packs the broker's and the syncer-agent's static binaries
-// into OCI images (make images): no container engine, no registry, no base
+// Command images packs the broker's, the syncer-agent's and kcp's (deploy/kcp)
+// static binaries into OCI images (make images): no container engine, no registry, no base
 // image pulled. It writes an OCI image layout holding every image, and an
 // OCI archive per image.
 package main
@@ -18,6 +18,7 @@ import (
 var images = []struct{ binary, name, title string }{
 	{"broker", "kcp-dev/tunnel-broker", "kcp tunnel broker"},
 	{"syncer-agent", "kcp-dev/tunnel-syncer-agent", "kcp tunnel syncer-agent"},
+	{"kcp", "kcp-dev/tunnel-kcp", "kcp with the tunnel broker's webhook seam"},
 }
 
 func main() {
@@ -38,6 +39,10 @@ func main() {
 		fail(err)
 	}
 	for _, i := range images {
+		if _, err := os.Stat(filepath.Join(*bin, i.binary)); os.IsNotExist(err) && i.binary == "kcp" {
+			// deploy/kcp builds for this machine's architecture only.
+			continue
+		}
 		name := i.name + ":" + *version
 		img, err := image.Build(image.Spec{
 			Binary: filepath.Join(*bin, i.binary),
