@@ -35,11 +35,13 @@ func TestCloseIsIdempotent(t *testing.T) {
 	c := dial(t, startTunnels(t, func(p *peer) error { return p.echo() }))
 	var wg sync.WaitGroup
 	for range 5 {
-		wg.Go(func() {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
 			if err := c.Close(); err != nil {
 				t.Errorf("Close: %v", err)
 			}
-		})
+		}()
 	}
 	wg.Wait()
 	if err := c.Close(); err != nil {

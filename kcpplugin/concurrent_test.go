@@ -20,9 +20,11 @@ func TestConcurrentConns(t *testing.T) {
 	var wg sync.WaitGroup
 	errs := make(chan error, conns)
 	for i := range conns {
-		wg.Go(func() {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
 			errs <- echoOnce(d, i, 2000+i*37)
-		})
+		}()
 	}
 	wg.Wait()
 	close(errs)
@@ -157,7 +159,9 @@ func TestConcurrentWritesDoNotInterleave(t *testing.T) {
 
 	var wg sync.WaitGroup
 	for w := range writers {
-		wg.Go(func() {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
 			for i := range writes {
 				record := bytes.Repeat([]byte{byte('a' + w)}, size)
 				record[0] = byte(i) // order within one writer
@@ -166,7 +170,7 @@ func TestConcurrentWritesDoNotInterleave(t *testing.T) {
 					return
 				}
 			}
-		})
+		}()
 	}
 	wg.Wait()
 	closeWrite(t, c)

@@ -1,18 +1,24 @@
-// kcpplugin requires the oldest versions its API works with (README.md,
-// "Supported versions"): Go 1.25, k8s.io/apiserver and client-go v0.31.0
-// (the base of kcp v0.26's fork of Kubernetes), grpc v1.72.2. make
-// release-check tests them and the newest, and the RealKCP tests link
-// kcpplugin into kcp v0.26. Do not raise them with go work sync.
+// kcp links kcpplugin, so kcpplugin never asks for more than kcp does
+// (README.md, "Supported versions"): adding it must not make kcp upgrade
+// anything. Go 1.23.0, grpc v1.69.2 and protobuf v1.36.2 are kcp v0.28.1's
+// own; k8s.io/apiserver and client-go v0.31.0 (Kubernetes 1.31, the oldest
+// its API works with) are below kcp v0.28.1's fork of 1.32; everything else
+// is what those require, below kcp v0.28.1's too (x/net v0.30.0 against
+// v0.39.0, OpenTelemetry v1.31.0 against v1.33.0). test/release's
+// TestKcppluginRaisesNothingInKcp checks kcp v0.28.1, v0.30.0 and v0.32.3;
+// make release-check builds and runs a consumer on these floors and one on
+// the newest. Do not raise them with go work sync or go get -u: go.work
+// gives the broker its newer versions.
 module github.com/kcp-dev/tunnel-broker/kcpplugin
 
-go 1.25.0
+go 1.23.0
 
 require (
 	github.com/kcp-dev/tunnel-broker/proto v0.0.0-00010101000000-000000000000
 	go.uber.org/goleak v1.3.0
-	golang.org/x/net v0.47.0
-	google.golang.org/grpc v1.72.2
-	google.golang.org/protobuf v1.36.8
+	golang.org/x/net v0.30.0
+	google.golang.org/grpc v1.69.2
+	google.golang.org/protobuf v1.36.2
 	k8s.io/apiserver v0.31.0
 	k8s.io/client-go v0.31.0
 )
@@ -42,22 +48,21 @@ require (
 	github.com/prometheus/procfs v0.15.1 // indirect
 	github.com/spf13/pflag v1.0.5 // indirect
 	github.com/x448/float16 v0.8.4 // indirect
-	go.opentelemetry.io/auto/sdk v1.1.0 // indirect
 	go.opentelemetry.io/contrib/instrumentation/net/http/otelhttp v0.53.0 // indirect
-	go.opentelemetry.io/otel v1.34.0 // indirect
+	go.opentelemetry.io/otel v1.31.0 // indirect
 	go.opentelemetry.io/otel/exporters/otlp/otlptrace v1.28.0 // indirect
 	go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracegrpc v1.27.0 // indirect
-	go.opentelemetry.io/otel/metric v1.34.0 // indirect
-	go.opentelemetry.io/otel/sdk v1.34.0 // indirect
-	go.opentelemetry.io/otel/trace v1.34.0 // indirect
+	go.opentelemetry.io/otel/metric v1.31.0 // indirect
+	go.opentelemetry.io/otel/sdk v1.31.0 // indirect
+	go.opentelemetry.io/otel/trace v1.31.0 // indirect
 	go.opentelemetry.io/proto/otlp v1.3.1 // indirect
-	golang.org/x/oauth2 v0.26.0 // indirect
-	golang.org/x/sys v0.38.0 // indirect
-	golang.org/x/term v0.37.0 // indirect
-	golang.org/x/text v0.31.0 // indirect
+	golang.org/x/oauth2 v0.23.0 // indirect
+	golang.org/x/sys v0.26.0 // indirect
+	golang.org/x/term v0.25.0 // indirect
+	golang.org/x/text v0.19.0 // indirect
 	golang.org/x/time v0.3.0 // indirect
-	google.golang.org/genproto/googleapis/api v0.0.0-20250218202821-56aae31c358a // indirect
-	google.golang.org/genproto/googleapis/rpc v0.0.0-20250218202821-56aae31c358a // indirect
+	google.golang.org/genproto/googleapis/api v0.0.0-20241015192408-796eee8c2d53 // indirect
+	google.golang.org/genproto/googleapis/rpc v0.0.0-20241015192408-796eee8c2d53 // indirect
 	gopkg.in/inf.v0 v0.9.1 // indirect
 	gopkg.in/yaml.v2 v2.4.0 // indirect
 	k8s.io/api v0.31.0 // indirect
