@@ -26,7 +26,7 @@ import (
 //	syncTargets:
 //	  us-east-1: [root, 2x3y4z5w6v7u8t9s]
 //	callers:
-//	- id: spiffe://example.org/ns/kcp/sa/kcp      # any cluster
+//	- id: spiffe://example.org/ns/kcp/kcp-server  # any cluster
 //	- id: spiffe://example.org/ns/team-a/sa/kcp-shard
 //	  clusters: [2x3y4z5w6v7u8t9s]                # only these
 //	operators:

@@ -7,8 +7,9 @@
 # linux binary (CGO_ENABLED=0, -trimpath) for this machine's architecture.
 #
 #   build.sh        build (or find) the binary, print its path
-#   build.sh test   run kcp's unit tests of the packages the patch touches,
-#                   in a patched copy of kcp's source (the RealKCP tests do)
+#   build.sh test   go vet and go test this folder's module, and run kcp's
+#                   unit tests of the packages the patch touches, against a
+#                   patched copy of kcp's source (the RealKCP tests do)
 #
 # The cache lives in the repo's git-ignored .cache/kcp/ (or
 # $KCP_TOOLS_CACHE), one folder per key: the kcp version and a hash of the
@@ -72,8 +73,9 @@ if [ "$mode" = test ]; then
 	# records them in the copy's go.sum. The build's flags (CGO_ENABLED=0,
 	# -trimpath), so that the packages the binary's build compiled are
 	# taken from the build cache.
-	echo "kcp $kcp with docs/kcp/webhook-tunnel.patch: unit tests of the packages it touches" >&2
-	GOFLAGS="$GOFLAGS -mod=mod" go test -count=1 -trimpath \
+	echo "kcp $kcp with docs/kcp/webhook-tunnel.patch: deploy/kcp's tests, and kcp's of the packages the patch touches" >&2
+	go vet -trimpath ./...
+	GOFLAGS="$GOFLAGS -mod=mod" go test -count=1 -trimpath ./... \
 		github.com/kcp-dev/kcp/pkg/admission/initializers \
 		github.com/kcp-dev/kcp/pkg/admission/validatingwebhook \
 		github.com/kcp-dev/kcp/pkg/admission/mutatingwebhook \

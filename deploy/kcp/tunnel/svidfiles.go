@@ -18,6 +18,10 @@ import (
 // files one after another, so a read can catch a certificate without its
 // key: the files are read together and swapped in only when they parse
 // together; until then the last good SVID stays in force.
+//
+// The broker and the agent have the same behaviour in internal/identity's
+// FileSource. This module cannot import it: that package's module asks for
+// the broker's gRPC and more, which would raise the versions kcp selects.
 type fileSource struct {
 	cert, key, bundle string
 	log               logr.Logger
