@@ -187,18 +187,7 @@ func (w *workspace) validatingURL(t *testing.T, url string, caBundle []byte) {
 	t.Helper()
 	cc, rules, objects := webhook("/validate", "", "configmaps", caBundle)
 	cc.Service, cc.URL = nil, &url
-	fail, none, timeout := admissionregistrationv1.Fail, admissionregistrationv1.SideEffectClassNone, int32(15)
-	_, err := w.kube.AdmissionregistrationV1().ValidatingWebhookConfigurations().Create(context.Background(),
-		&admissionregistrationv1.ValidatingWebhookConfiguration{
-			ObjectMeta: metav1.ObjectMeta{Name: "realkcp"},
-			Webhooks: []admissionregistrationv1.ValidatingWebhook{{
-				Name: "validate.realkcp.test", ClientConfig: cc, Rules: rules, ObjectSelector: objects,
-				FailurePolicy: &fail, SideEffects: &none, TimeoutSeconds: &timeout, AdmissionReviewVersions: []string{"v1"},
-			}},
-		}, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	w.createValidating(t, cc, rules, objects, admissionregistrationv1.Fail)
 }
 
 // percentiles are the 50th and 99th percentiles of d.

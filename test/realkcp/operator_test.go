@@ -10,17 +10,20 @@ import (
 	"github.com/kcp-dev/tunnel-broker/test/harness"
 )
 
-// kcp's own unit tests of what docs/kcp/webhook-tunnel.patch changes
-// (the initializer, getHookSource's cluster for a local and a bound
-// resource, the conversion factory per cluster), in kcp's source with the
-// patch applied, as kcp's CI would run them.
+// deploy/kcp's tests (go vet, and its tunnel package's: flags, SVID files
+// that rotate), and kcp's own unit tests of what
+// docs/kcp/webhook-tunnel.patch changes (the initializer, getHookSource's
+// cluster for a local and a bound resource, the conversion factory per
+// cluster), in kcp's source with the patch applied, as kcp's CI would run
+// them.
 func TestRealKCPSeamUnitTestsPassInKcp(t *testing.T) {
 	out, err := harness.KCPSeamUnitTests()
 	if err != nil {
 		t.Fatalf("kcp's unit tests of the patched packages failed: %v\n%s", err, out)
 	}
-	for _, pkg := range []string{"pkg/admission/initializers", "pkg/admission/validatingwebhook", "pkg/admission/mutatingwebhook", "pkg/server"} {
-		if !strings.Contains(out, "ok  \tgithub.com/kcp-dev/kcp/"+pkg) {
+	for _, pkg := range []string{"tunnel-broker/deploy/kcp/tunnel", "kcp/pkg/admission/initializers", "kcp/pkg/admission/validatingwebhook",
+		"kcp/pkg/admission/mutatingwebhook", "kcp/pkg/server"} {
+		if !strings.Contains(out, "ok  \tgithub.com/kcp-dev/"+pkg) {
 			t.Errorf("no passing tests of %s in:\n%s", pkg, out)
 		}
 	}

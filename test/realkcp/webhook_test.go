@@ -135,6 +135,14 @@ func (w *workspace) validating(t *testing.T, caBundle []byte, policy admissionre
 		group, resource = groupResource[0], groupResource[1]
 	}
 	cc, rules, objects := webhook("/validate", group, resource, caBundle)
+	w.createValidating(t, cc, rules, objects, policy)
+}
+
+// createValidating creates ValidatingWebhookConfiguration "realkcp" in w
+// with one webhook.
+func (w *workspace) createValidating(t *testing.T, cc admissionregistrationv1.WebhookClientConfig, rules []admissionregistrationv1.RuleWithOperations,
+	objects *metav1.LabelSelector, policy admissionregistrationv1.FailurePolicyType) {
+	t.Helper()
 	none, timeout := admissionregistrationv1.SideEffectClassNone, int32(15)
 	_, err := w.kube.AdmissionregistrationV1().ValidatingWebhookConfigurations().Create(context.Background(),
 		&admissionregistrationv1.ValidatingWebhookConfiguration{
