@@ -31,7 +31,7 @@ import (
 )
 
 // stampedFiles are what release.StampTree changes.
-var stampedFiles = []string{"VERSION", "go.mod", "kcpplugin/go.mod", "proto/go.mod", "deploy/overlays", "deploy/charts"}
+var stampedFiles = []string{"VERSION", "go.mod", "kcpplugin/go.mod", "proto/go.mod", "deploy/kcp/go.mod", "deploy/overlays", "deploy/charts"}
 
 func main() {
 	var (
