@@ -66,7 +66,7 @@ images:
 	CGO_ENABLED=0 GOOS=linux GOARCH=$(IMAGE_ARCH) $(GO) build -trimpath -ldflags "-s -w $(STAMP)" \
 	  -o $(IMAGES)/linux_$(IMAGE_ARCH)/ ./broker ./syncer-agent
 	@if [ "$(IMAGE_ARCH)" = "$$($(GO) env GOHOSTARCH)" ]; then \
-	  cp "$$(deploy/kcp/build.sh)" $(IMAGES)/linux_$(IMAGE_ARCH)/kcp; \
+	  kcp=$$(deploy/kcp/build.sh) && cp "$$kcp" $(IMAGES)/linux_$(IMAGE_ARCH)/kcp; \
 	else echo "images: kcp-dev/tunnel-kcp is built for this machine's architecture only"; fi
 	$(GO) run ./internal/release/cmd/images --bin $(IMAGES)/linux_$(IMAGE_ARCH) --out $(IMAGES) \
 	  --version $(VERSION) --revision $(COMMIT) --arch $(IMAGE_ARCH)

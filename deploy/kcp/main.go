@@ -5,7 +5,7 @@
 // end, for the logical cluster that owns them. The --tunnel-* flags
 // configure it; without --tunnel-broker it is kcp as released.
 //
-// It builds only against the patched kcp (test/tools/kcp/build.sh, make
+// It builds only against the patched kcp (deploy/kcp/build.sh, make
 // images): the seam's ExtraOptions field is not in kcp's releases.
 package main
 
@@ -72,8 +72,8 @@ func main() {
 			}
 			ctx := genericapiserver.SetupSignalContext()
 
-			// The tunnel is up (kcp's SVID in hand, the broker's connection
-			// made) before kcp serves a request that could call a webhook.
+			// kcp's SVID is in hand before kcp serves a request that could
+			// call a webhook; the broker is dialed at the first such call.
 			wrapper, closeTunnel, err := tunnelOptions.Start(ctx, klog.FromContext(ctx))
 			if err != nil {
 				return err

@@ -1,10 +1,8 @@
 package harness
 
 import (
-	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 )
 
 var kcpTool = cachedTool{name: "kcp", script: "deploy/kcp/build.sh"}
@@ -21,9 +19,6 @@ func KCPBinary() (string, error) { return kcpTool.get() }
 // docs/kcp/webhook-tunnel.patch touches, in a patched copy of kcp's source
 // (deploy/kcp/build.sh test), and returns what they printed.
 func KCPSeamUnitTests() (string, error) {
-	_, self, _, _ := runtime.Caller(0)
-	cmd := exec.Command(filepath.Join(filepath.Dir(self), "..", "..", "deploy", "kcp", "build.sh"), "test")
-	cmd.Env = os.Environ()
-	out, err := cmd.CombinedOutput()
+	out, err := exec.Command(filepath.Join(RepoRoot(), "deploy", "kcp", "build.sh"), "test").CombinedOutput()
 	return string(out), err
 }
