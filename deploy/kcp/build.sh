@@ -10,6 +10,10 @@
 #   build.sh test   go vet and go test this folder's module, and run kcp's
 #                   unit tests of the packages the patch touches, against a
 #                   patched copy of kcp's source (the RealKCP tests do)
+#   build.sh newest check docs/kcp/webhook-tunnel-$newest.patch against the
+#                   newest kcp release, which cannot be built here (below):
+#                   it applies, and kcp's unit tests of the packages it
+#                   touches pass, where those compile without kcp's servers
 #
 # The cache lives in the repo's git-ignored .cache/kcp/ (or
 # $KCP_TOOLS_CACHE), one folder per key: the kcp version and a hash of the
@@ -26,6 +30,10 @@ repo=$(cd "$here/../.." && pwd)
 cache=${KCP_TOOLS_CACHE:-$repo/.cache/kcp}
 patch=$repo/docs/kcp/webhook-tunnel.patch
 mode=${1:-build}
+# The newest kcp release. Its servers need
+# github.com/kcp-dev/virtual-workspace-framework, a module of kcp's
+# repository the Go module proxy does not serve; its other modules it serves.
+newest=v0.32.3
 cd "$here"
 # This module is deliberately outside the repo's go.work. The sum database
 # does not know some of kcp-dev's modules: go.sum pins what was first seen.
@@ -80,6 +88,68 @@ if [ "$mode" = test ]; then
 		github.com/kcp-dev/kcp/pkg/admission/validatingwebhook \
 		github.com/kcp-dev/kcp/pkg/admission/mutatingwebhook \
 		github.com/kcp-dev/kcp/pkg/server
+	exit 0
+fi
+
+if [ "$mode" = newest ]; then
+	build=$(mktemp -d "${TMPDIR:-/tmp}/kcp-newest.XXXXXX")
+	trap 'rm -rf "$build"' EXIT
+	src=$(go mod download -json "github.com/kcp-dev/kcp@$newest" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
+	[ -d "$src" ] || { echo "kcp $newest: no module source in the module cache" >&2; exit 1; }
+	cp -R "$src" "$build/kcp"
+	chmod -R u+w "$build/kcp"
+	echo "kcp $newest with docs/kcp/webhook-tunnel-$newest.patch: it applies; kcp's tests of the admission plugins and the conversion factory" >&2
+	(cd "$build/kcp" && git init -q && git apply "$repo/docs/kcp/webhook-tunnel-$newest.patch" && rm -rf .git)
+	# A stub of the one package of virtual-workspace-framework that the
+	# admission plugins import (through the built-in schemas of APIExports):
+	# the same types, and no built-in schemas. Everything else kcp's module
+	# replaces with its staging folders is served, at the release's tags.
+	stub=$build/virtual-workspace-framework
+	mkdir -p "$stub/pkg/internalapis"
+	printf 'module github.com/kcp-dev/virtual-workspace-framework\n\ngo 1.26.0\n' >"$stub/go.mod"
+	cat >"$stub/pkg/internalapis/stub.go" <<-'STUB'
+		// Package internalapis stands in for kcp's, which the Go module proxy
+		// does not serve: it knows no built-in API.
+		package internalapis
+
+		import (
+			apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+			"k8s.io/apimachinery/pkg/runtime"
+			"k8s.io/apimachinery/pkg/runtime/schema"
+			"k8s.io/kube-openapi/pkg/common"
+
+			apisv1alpha1 "github.com/kcp-dev/sdk/apis/apis/v1alpha1"
+		)
+
+		type InternalAPI struct {
+			Names         apiextensionsv1.CustomResourceDefinitionNames
+			GroupVersion  schema.GroupVersion
+			Instance      runtime.Object
+			ResourceScope apiextensionsv1.ResourceScope
+			HasStatus     bool
+		}
+
+		func CreateAPIResourceSchemas([]*runtime.Scheme, []common.GetOpenAPIDefinitions, ...InternalAPI) (map[apisv1alpha1.GroupResource]*apisv1alpha1.APIResourceSchema, error) {
+			return nil, nil
+		}
+	STUB
+	# The conversion factory is in kcp's server package, which needs all of
+	# virtual-workspace-framework: its files (the patch's and kcp's
+	# converter factory it wraps) are checked in a package of their own.
+	mkdir -p "$build/kcp/pkg/server/conversioncheck"
+	for f in webhook_conversion.go webhook_conversion_test.go conversion_webhook.go; do
+		mv "$build/kcp/pkg/server/$f" "$build/kcp/pkg/server/conversioncheck/"
+	done
+	cd "$build/kcp"
+	go mod edit \
+		-replace "github.com/kcp-dev/apimachinery/v2=github.com/kcp-dev/apimachinery/v2@v2${newest#v0}" \
+		-replace "github.com/kcp-dev/client-go=github.com/kcp-dev/client-go@$newest" \
+		-replace "github.com/kcp-dev/sdk=github.com/kcp-dev/sdk@$newest" \
+		-replace "github.com/kcp-dev/code-generator/v3=github.com/kcp-dev/code-generator/v3@v3${newest#v0}" \
+		-replace "github.com/kcp-dev/virtual-workspace-framework=$stub"
+	pkgs="./pkg/admission/initializers ./pkg/admission/validatingwebhook ./pkg/admission/mutatingwebhook ./pkg/server/conversioncheck"
+	GOFLAGS="$GOFLAGS -mod=mod" go vet -trimpath $pkgs
+	GOFLAGS="$GOFLAGS -mod=mod" go test -count=1 -trimpath $pkgs
 	exit 0
 fi
 
