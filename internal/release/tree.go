@@ -14,7 +14,8 @@ var BuiltModules = []string{"deploy/kcp"}
 
 // StampTree sets the version of the tree at repo: the VERSION file, the
 // requirements between the published modules, and theirs in BuiltModules
-// (StampGoMod), the image tags of the overlays (StampOverlays) and the
+// (StampGoMod), the image tags of the overlays (StampOverlays) and of
+// deploy/kcp's values for kcp's chart (StampKcpChartValues), and the
 // charts' versions (StampCharts).
 func StampTree(repo, version string) error {
 	if err := os.WriteFile(filepath.Join(repo, "VERSION"), []byte(version+"\n"), 0o644); err != nil {
@@ -41,11 +42,14 @@ func StampTree(repo, version string) error {
 	if err := StampOverlays(repo, version); err != nil {
 		return err
 	}
+	if err := StampKcpChartValues(repo, version); err != nil {
+		return err
+	}
 	return StampCharts(repo, version)
 }
 
-// SetVersion sets the VERSION file, the overlays' image tags and the
-// charts' versions, but not the modules' requirements: for the -dev version
+// SetVersion sets the VERSION file, the image tags and the charts'
+// versions, but not the modules' requirements: for the -dev version
 // that follows a release, whose modules still require each other at the
 // release.
 func SetVersion(repo, version string) error {
@@ -53,6 +57,9 @@ func SetVersion(repo, version string) error {
 		return err
 	}
 	if err := StampOverlays(repo, version); err != nil {
+		return err
+	}
+	if err := StampKcpChartValues(repo, version); err != nil {
 		return err
 	}
 	return StampCharts(repo, version)

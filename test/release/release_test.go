@@ -36,6 +36,9 @@ func TestReleaseTagsOneStampedCommitAndPushesNothing(t *testing.T) {
 	if chart := showAt(t, repo, "HEAD", "deploy/charts/tunnel-agent/Chart.yaml"); !strings.Contains(chart, `appVersion: "`+next+`"`) {
 		t.Errorf("the agent's chart after the release is not at %s:\n%s", next, chart)
 	}
+	if values := showAt(t, repo, "HEAD", "deploy/kcp/values-kcp-chart.yaml"); !strings.Contains(values, "\n  tag: "+next+"\n") {
+		t.Errorf("deploy/kcp's values for kcp's chart after the release do not run %s:\n%s", next, values)
+	}
 	if status := mustRun(t, repo, "git", "status", "--porcelain"); status != "" {
 		t.Errorf("make release left changes behind:\n%s", status)
 	}
@@ -110,6 +113,9 @@ func checkStampedCommit(t *testing.T, repo, version string) {
 	if chart := showAt(t, repo, version, "deploy/charts/tunnel-broker/Chart.yaml"); !strings.Contains(chart, `appVersion: "`+version+`"`) ||
 		!strings.Contains(chart, "version: "+strings.TrimPrefix(version, "v")+"\n") {
 		t.Errorf("the broker's chart at the release does not deploy %s:\n%s", version, chart)
+	}
+	if values := showAt(t, repo, version, "deploy/kcp/values-kcp-chart.yaml"); !strings.Contains(values, "\n  tag: "+version+"\n") {
+		t.Errorf("deploy/kcp's values for kcp's chart at the release do not run kcp-dev/tunnel-kcp:%s:\n%s", version, values)
 	}
 	if changelog := showAt(t, repo, version, "CHANGELOG.md"); !strings.Contains(changelog, "## Unreleased\n\n## "+version+" (") {
 		t.Errorf("CHANGELOG.md at the release has no section for %s under a new Unreleased one", version)

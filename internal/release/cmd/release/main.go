@@ -31,7 +31,7 @@ import (
 )
 
 // stampedFiles are what release.StampTree changes.
-var stampedFiles = []string{"VERSION", "go.mod", "kcpplugin/go.mod", "proto/go.mod", "deploy/kcp/go.mod", "deploy/overlays", "deploy/charts"}
+var stampedFiles = []string{"VERSION", "go.mod", "kcpplugin/go.mod", "proto/go.mod", "deploy/kcp/go.mod", release.KcpChartValues, "deploy/overlays", "deploy/charts"}
 
 func main() {
 	var (
@@ -68,7 +68,7 @@ func run(repo, version string, checks []string) error {
 	if err := release.SetVersion(repo, next); err != nil {
 		return err
 	}
-	if _, err := git(repo, "commit", "-m", "Open "+next, "--", "VERSION", "deploy/overlays", "deploy/charts"); err != nil {
+	if _, err := git(repo, "commit", "-m", "Open "+next, "--", "VERSION", release.KcpChartValues, "deploy/overlays", "deploy/charts"); err != nil {
 		return err
 	}
 
