@@ -293,6 +293,16 @@ func (c *conn) Write(b []byte) (int, error) {
 		return 0, c.writeErr
 	}
 	b = b[written:]
+	// Nothing but the early data goes before the broker answers the dial:
+	// the broker refuses data frames before established (a pending dial
+	// holds no more of ours than the early data), and gRPC can still send
+	// the dial to another replica, since its retry buffer holds all that
+	// was sent.
+	if len(b) > 0 {
+		if err := c.waitAnswered(); err != nil {
+			return written, err
+		}
+	}
 	for len(b) > 0 {
 		chunk := b[:min(len(b), wire.MaxFrame)]
 		c.send(chunk)
@@ -361,6 +371,24 @@ func (c *conn) waitSent() error {
 	c.sending = nil
 	if s.err != nil {
 		c.writeErr = c.sendError(s.err)
+		return c.writeErr
+	}
+	return nil
+}
+
+// waitAnswered waits, under c.writeMu, until the broker has answered the
+// dial; it returns the dial's failure, net.ErrClosed after Close, or
+// os.ErrDeadlineExceeded once the write deadline passes.
+func (c *conn) waitAnswered() error {
+	select {
+	case <-c.dial.answered:
+	case <-c.closed:
+		return net.ErrClosed
+	case <-c.writeDL.wait():
+		return os.ErrDeadlineExceeded
+	}
+	if c.dial.err != nil {
+		c.writeErr = c.dial.err
 		return c.writeErr
 	}
 	return nil

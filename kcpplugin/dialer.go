@@ -38,7 +38,8 @@ type Dialer struct {
 	// EarlyData, on by default, makes DialService return the connection at
 	// once, before the broker has established the tunnel, and send the
 	// connection's first Write (up to wire.MaxEarlyData bytes of it) with
-	// the dial: a TLS ClientHello leaves with the target instead of a round
+	// the dial; the rest of that Write, and any later one, waits for the
+	// broker's answer: a TLS ClientHello leaves with the target instead of a round
 	// trip later, which saves that round trip on every new connection. A
 	// dial that fails then surfaces on the first Read or Write, with the
 	// status DialService would have returned (status.Code works on it), and

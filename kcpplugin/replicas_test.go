@@ -1,6 +1,7 @@
 package kcpplugin
 
 import (
+	"bytes"
 	"context"
 	"io"
 	"net"
@@ -16,6 +17,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // freeAddr is a loopback address with no broker on it (yet).
@@ -82,6 +84,50 @@ func TestADialThatAReplicaCannotServeIsSentToAnotherReplica(t *testing.T) {
 		echoOnceThrough(t, dialer)
 		if served.Load() != int32(n) {
 			t.Fatalf("after %d dials, %d reached a target, want each exactly once", n, served.Load())
+		}
+	}
+}
+
+// gRPC retries a dial on another replica only while all it sent fits its
+// retry buffer (256 KiB): a caller that writes more before the broker
+// answers must still have its dial retried. Nothing but the early data
+// leaves before the answer.
+func TestADialStaysRetryableWhateverTheCallerWritesBeforeTheAnswer(t *testing.T) {
+	certs := selfSignedMTLS(t)
+	var refused, served atomic.Int32
+	// The replica takes its time to refuse, as one whose agents are busy
+	// does, and has the broker's stream window (1 MiB): time and room for
+	// a caller that did not wait to send it all.
+	refuse := notHere(&refused)
+	bare := serveDialService(t, func(stream tunnelv1.DialService_DialServer) error {
+		time.Sleep(200 * time.Millisecond)
+		return refuse(stream)
+	}, grpc.Creds(credentials.NewTLS(certs.server)), grpc.InitialWindowSize(wire.WindowSize), grpc.InitialConnWindowSize(wire.ConnWindowSize))
+	good := serveReplica(t, certs, echoing(&served))
+	dialer := newTestClient(t, "replicas:///broker", certs, grpc.WithResolvers(replicas(bare, good)))
+	payload := bytes.Repeat([]byte("0123456789abcdef"), 512<<10/16)
+
+	deadline := time.Now().Add(waitLong)
+	for n := 1; refused.Load() == 0; n++ {
+		if time.Now().After(deadline) {
+			t.Fatal("no dial reached the replica without an agent")
+		}
+		c, err := dialer.DialService(context.Background(), testCluster, testNamespace, testService, testPort)
+		if err != nil {
+			t.Fatalf("dial %d: %v", n, err)
+		}
+		wrote := make(chan error, 1)
+		go func() {
+			_, err := c.Write(payload)
+			if err == nil {
+				err = c.(closeWriter).CloseWrite()
+			}
+			wrote <- err
+		}()
+		got, err := io.ReadAll(c)
+		c.Close()
+		if werr := <-wrote; werr != nil || err != nil || !bytes.Equal(got, payload) {
+			t.Fatalf("dial %d: write: %v; read %d bytes: %v; want the %d written, echoed", n, werr, len(got), err, len(payload))
 		}
 	}
 }

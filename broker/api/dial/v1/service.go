@@ -55,11 +55,11 @@ func (s *Service) Dial(stream tunnelv1.DialService_DialServer) error {
 		return err
 	}
 	defer ticket.Release()
-	t, err := establish(stream, ticket)
+	t, watch, err := establish(stream, ticket)
 	if err != nil {
 		return refused(stream, err)
 	}
-	return ticket.Splice(t, tunnel.CallerStream(stream), "stream")
+	return ticket.Splice(t, &watchedLeg{StreamLeg: tunnel.CallerStream(stream), watch: watch}, "stream")
 }
 
 // refused returns a dial's failure, and tells a caller whose gRPC retry
@@ -81,20 +81,28 @@ var noRetry = metadata.Pairs("grpc-retry-pushback-ms", "-1")
 // tells the caller that the tunnel is established. It is a call of its
 // own so that the handler's frame, which stays on the stack for the
 // tunnel's life, stays small (docs/perf-history.md, idle tunnels' stacks).
-func establish(stream tunnelv1.DialService_DialServer, ticket *admission.Ticket) (*tunnel.Tunnel, error) {
+// The returned watch has read, or is reading, the caller's first frame
+// after the target: the splice takes it from there (watchedLeg).
+func establish(stream tunnelv1.DialService_DialServer, ticket *admission.Ticket) (*tunnel.Tunnel, *pendingWatch, error) {
 	first, err := receive.First[tunnelv1.DialRequest](stream, "stream closed before naming a target")
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
+	watch, ctx, stopWatching := watchPending(stream.Context(), stream)
+	defer stopWatching()
 	// The front door checks the target, nil included.
-	t, err := ticket.Dial(stream.Context(), first.GetTarget(), first.GetEarlyData())
+	t, err := ticket.Dial(ctx, first.GetTarget(), first.GetEarlyData())
 	if err != nil {
-		return nil, err
+		return nil, nil, watch.refusal(err)
+	}
+	if err := watch.answer(); err != nil {
+		t.End(status.Error(codes.Canceled, "the caller broke the protocol"))
+		return nil, nil, err
 	}
 	established := &tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_Established{Established: &tunnelv1.Established{TunnelId: t.ID}}}
 	if err := stream.Send(established); err != nil {
 		t.End(status.Error(codes.Canceled, "caller went away"))
-		return nil, err
+		return nil, nil, err
 	}
-	return t, nil
+	return t, watch, nil
 }
