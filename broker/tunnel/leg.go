@@ -151,7 +151,8 @@ func (l *ConnLeg) Context() context.Context { return l.ctx }
 
 // End closes the connection: a failure (status not nil) resets a TCP
 // connection, under TLS too, so that its peer reads an error rather than
-// the clean end of a half-close.
+// the clean end of a half-close. A Unix socket has no reset: its peer
+// reads the end (docs/egress-selector.md).
 func (l *ConnLeg) End(status error) {
 	l.endOnce.Do(func() {
 		if status != nil {
