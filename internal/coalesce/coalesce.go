@@ -6,7 +6,6 @@ package coalesce
 
 import (
 	"context"
-	"errors"
 	"net"
 	"sync"
 	"sync/atomic"
@@ -105,23 +104,6 @@ func (c *coalescingConn) Write(p []byte) (int, error) {
 	}
 	return n, err
 }
-
-// CloseWrite is the TLS connection's: a close_notify, which a refusal
-// sends before it reads what followed the open or dial (CloseRefused).
-// gRPC never calls it.
-func (c *coalescingConn) CloseWrite() error {
-	cw, ok := c.Conn.(interface{ CloseWrite() error })
-	if !ok {
-		return errors.ErrUnsupported
-	}
-	c.wmu.Lock()
-	defer c.wmu.Unlock()
-	return cw.CloseWrite()
-}
-
-// NetConn is the socket under the TLS connection, as tls.Conn's NetConn:
-// for a reset (SetLinger) where a close_notify would say "half-closed".
-func (c *coalescingConn) NetConn() net.Conn { return c.hold.Conn }
 
 // Close breaks a Write in progress, as tls.Conn.Close does during one of its
 // own: the socket closes at once, without a close_notify, which would have

@@ -156,10 +156,8 @@ func (c *spiffeCreds) ClientHandshake(ctx context.Context, authority string, raw
 }
 
 // tlsServer is the server's TLS handshake as gRPC's credentials.NewTLS
-// makes it, but it returns the *tls.Conn itself, not gRPC's wrapper of it:
-// a data connection half-closes with the TLS connection's CloseWrite (a
-// close_notify), which the wrapper hides. gRPC reads nothing else from its
-// wrapper than what net.Conn has.
+// makes it. It returns the *tls.Conn itself rather than gRPC's wrapper of
+// it; gRPC reads nothing from its wrapper but what net.Conn has.
 func (c *spiffeCreds) tlsServer(raw net.Conn) (net.Conn, credentials.AuthInfo, error) {
 	conn := tls.Server(raw, c.cfg)
 	if err := conn.Handshake(); err != nil {
@@ -227,7 +225,7 @@ func awaitServer(ctx context.Context, conn *tls.Conn) ([]byte, error) {
 
 // primedConn is a client's TLS connection whose first bytes awaitServer has
 // read already: Read returns them first. Everything else is the
-// *tls.Conn's, CloseWrite included.
+// *tls.Conn's.
 type primedConn struct {
 	*tls.Conn
 	first []byte

@@ -2,7 +2,6 @@ package identity
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net"
 	"sync"
@@ -120,15 +119,6 @@ func (c *expiringConn) Close() error {
 	return c.Conn.Close()
 }
 
-// CloseWrite is the TLS connection's (a close_notify): a data connection's
-// half-close (Dispatch).
-func (c *expiringConn) CloseWrite() error {
-	if cw, ok := c.Conn.(interface{ CloseWrite() error }); ok {
-		return cw.CloseWrite()
-	}
-	return errors.ErrUnsupported
-}
-
 // ExpiryInterceptors refuse every RPC from a peer whose SVID has expired,
 // with Unauthenticated, and count the RPCs of each connection so that
 // CloseExpiredPeers closes it once they are over. Connections secured by
@@ -159,14 +149,12 @@ func beginRPC(ctx context.Context) (end func(), err error) {
 	if !ok {
 		return func() {}, nil
 	}
-	return info.Begin()
+	return info.begin()
 }
 
-// Begin counts a use of the connection in, as an RPC is counted: what is
-// not an RPC but must have the RPCs' grace after the peer's SVID expires,
-// a tunnel on a data connection (Dispatch). It fails as an RPC would if
-// the SVID has expired; end counts the use out.
-func (info AuthInfo) Begin() (end func(), err error) {
+// begin counts an RPC of the connection in; it fails if the peer's SVID
+// has expired. end counts the RPC out.
+func (info AuthInfo) begin() (end func(), err error) {
 	if info.expiry == nil {
 		if !time.Now().Before(info.Expires) {
 			return nil, ExpiredError(info)
