@@ -1,6 +1,7 @@
-// Package kcpplugin lets kcp's webhook client reach Services in the physical
-// clusters behind its sync targets, through the tunnel broker, with TLS
-// running end to end from kcp to the webhook.
+// Package kcpplugin lets kcp's webhook client reach Services in the clusters
+// that run a logical cluster's webhooks (a provider's service cluster),
+// through the tunnel broker, with TLS running end to end from kcp to the
+// webhook.
 package kcpplugin
 
 import (
