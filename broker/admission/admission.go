@@ -27,6 +27,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/kcp-dev/tunnel-broker/broker/authz"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/quota"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
@@ -236,9 +237,7 @@ func (tk *Ticket) check(target *tunnelv1.Target, earlyData int) error {
 	}
 	if !tk.caller.Authorized {
 		if err := tk.a.cfg.Policy.MayDial(tk.caller.ID, target.GetCluster()); err != nil {
-			metrics.Denied.WithLabelValues(tk.caller.Frontend).Inc()
-			tk.a.cfg.Log.Warn("permission denied", "peer", tk.caller.String(), "method", tk.caller.Frontend, "cluster", target.GetCluster())
-			return status.Error(codes.PermissionDenied, err.Error())
+			return authz.Deny(tk.a.cfg.Log, tk.caller.String(), authz.AskedDial, err.Error(), "frontend", tk.caller.Frontend, "cluster", target.GetCluster())
 		}
 	}
 	if tk.a.cfg.Draining.Err() != nil {

@@ -5,6 +5,7 @@ package authz
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"strings"
 
@@ -17,7 +18,6 @@ import (
 	reflectionv1alpha "google.golang.org/grpc/reflection/grpc_reflection_v1alpha"
 	"google.golang.org/grpc/status"
 
-	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
@@ -76,10 +76,7 @@ func (a *Authorizer) authorize(ctx context.Context) (context.Context, error) {
 	if a.allowed(id, method) {
 		return ctx, nil
 	}
-	metrics.Denied.WithLabelValues(method).Inc()
-	a.Log.Warn("permission denied", "peer", id.String(), "method", method)
-	// Say nothing about what exists: only who was refused what.
-	return nil, status.Errorf(codes.PermissionDenied, "%s may not call %s", id, method)
+	return nil, Deny(a.Log, id.String(), AskedCall, fmt.Sprintf("%s may not call %s", id, method), "method", method)
 }
 
 // allowed reports whether id may call method, a full method name

@@ -18,11 +18,11 @@ var (
 	// GRPC counts and times every RPC, by method and code.
 	GRPC = grpcprom.NewServerMetrics(grpcprom.WithServerHandlingTimeHistogram())
 
-	// Denied counts RPCs and registrations refused by policy.
+	// Denied counts requests refused by policy (authz.Deny).
 	Denied = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: ns, Name: "denied_total",
-		Help: "Requests refused by the authorization policy, by what was asked.",
-	}, []string{"method"})
+		Help: "Requests refused by the authorization policy, by what was asked: call (an RPC), serve, dial, egress.",
+	}, []string{"asked"})
 
 	// Dials counts dials by the status the caller got.
 	Dials = prometheus.NewCounterVec(prometheus.CounterOpts{

@@ -9,6 +9,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/kcp-dev/tunnel-broker/broker/authz"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/receive"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
@@ -81,9 +82,7 @@ func (s *Service) addClusters(set *clusterSet, id spiffeid.ID, reg *tunnelv1.Reg
 		}
 	}
 	if err := s.cfg.Policy.MayServe(id, clusters); err != nil {
-		metrics.Denied.WithLabelValues("Register").Inc()
-		s.cfg.Log.Warn("permission denied", "peer", id.String(), "error", err)
-		return status.Error(codes.PermissionDenied, err.Error())
+		return authz.Deny(s.cfg.Log, id.String(), authz.AskedServe, err.Error())
 	}
 	for _, c := range clusters {
 		if _, ok := set.seen[c]; ok {

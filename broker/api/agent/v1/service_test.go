@@ -10,6 +10,7 @@ import (
 	promtestutil "github.com/prometheus/client_golang/prometheus/testutil"
 	"google.golang.org/grpc/codes"
 
+	"github.com/kcp-dev/tunnel-broker/broker/authz"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/internal/testutil"
@@ -33,6 +34,8 @@ func TestRegisterMakesTheAgentRoutableForItsClusters(t *testing.T) {
 
 func TestRegisterRefusesClustersThePolicyDoesNotGive(t *testing.T) {
 	b := startBroker(t, config{})
+	denied := metrics.Denied.WithLabelValues(authz.AskedServe)
+	before := promtestutil.ToFloat64(denied)
 	testutil.CheckStatus(t, "agent-b claiming team-a", b.connectStatus(t, agentB, register("root", "team-a")),
 		codes.PermissionDenied, `spiffe://example.org/agent-b may not serve logical cluster "team-a"`)
 	// An ID without an agent rule may serve nothing.
@@ -40,6 +43,9 @@ func TestRegisterRefusesClustersThePolicyDoesNotGive(t *testing.T) {
 		codes.PermissionDenied, `spiffe://example.org/kcp may not serve logical cluster "root"`)
 	if got := b.Registry.AgentsPerCluster(); len(got) != 0 {
 		t.Errorf("refused agents are routed: %v", got)
+	}
+	if got := promtestutil.ToFloat64(denied) - before; got != 2 {
+		t.Errorf("denied_total{asked=serve} rose by %v, want 2", got)
 	}
 }
 

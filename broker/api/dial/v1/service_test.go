@@ -6,9 +6,12 @@ import (
 	"testing"
 	"time"
 
+	promtestutil "github.com/prometheus/client_golang/prometheus/testutil"
 	"google.golang.org/grpc/codes"
 
+	"github.com/kcp-dev/tunnel-broker/broker/authz"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
+	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
@@ -72,12 +75,17 @@ func TestDialRefusesInvalidTargets(t *testing.T) {
 func TestDialRefusesCallersOutsideTheirClusters(t *testing.T) {
 	b := startBroker(t, config{})
 	a := b.connectAgent(t, "a", "root", "team-a")
+	denied := metrics.Denied.WithLabelValues(authz.AskedDial)
+	before := promtestutil.ToFloat64(denied)
 
 	testutil.CheckStatus(t, "shard dialing root", b.dialStatus(t, shardPath, brokertest.Target("root")),
 		codes.PermissionDenied, `spiffe://example.org/shard may not dial logical cluster "root"`)
 	// An ID with no caller rule at all.
 	testutil.CheckStatus(t, "agent dialing", b.dialStatus(t, agentPath, brokertest.Target("team-a")),
 		codes.PermissionDenied, `spiffe://example.org/agent may not dial logical cluster "team-a"`)
+	if got := promtestutil.ToFloat64(denied) - before; got != 2 {
+		t.Errorf("denied_total{asked=dial} rose by %v, want 2", got)
+	}
 
 	// The same caller reaches the cluster it is allowed.
 	tn := a.Establish(t, shardPath, brokertest.Target("team-a"))

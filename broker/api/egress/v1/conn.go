@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/kcp-dev/tunnel-broker/broker/admission"
+	"github.com/kcp-dev/tunnel-broker/broker/authz"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
 )
@@ -82,9 +83,8 @@ func (s *Server) open(conn net.Conn, who caller, deadline time.Time) (*tunnel.Tu
 	}
 	if who.cluster == "" {
 		if who.cluster, err = s.cfg.Policy.EgressCluster(who.id); err != nil {
-			metrics.Denied.WithLabelValues("Egress").Inc()
-			s.cfg.Log.Warn("permission denied", "peer", who.String())
-			return nil, nil, nil, refuse(http.StatusForbidden, err.Error())
+			denied := authz.Deny(s.cfg.Log, who.String(), authz.AskedEgress, err.Error())
+			return nil, nil, nil, refuse(http.StatusForbidden, status.Convert(denied).Message())
 		}
 	}
 	target, err := parseAuthority(req.RequestURI, who.cluster)

@@ -5,7 +5,6 @@ import (
 	"context"
 	"crypto/tls"
 	"fmt"
-	"github.com/kcp-dev/tunnel-broker/broker/admission"
 	"io"
 	"net"
 	"net/http"
@@ -14,12 +13,16 @@ import (
 	"testing"
 	"time"
 
+	promtestutil "github.com/prometheus/client_golang/prometheus/testutil"
 	"go.uber.org/goleak"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 
+	"github.com/kcp-dev/tunnel-broker/broker/admission"
 	agentv1 "github.com/kcp-dev/tunnel-broker/broker/api/agent/v1"
+	"github.com/kcp-dev/tunnel-broker/broker/authz"
 	"github.com/kcp-dev/tunnel-broker/broker/internal/brokertest"
+	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
 	"github.com/kcp-dev/tunnel-broker/internal/devca"
@@ -247,9 +250,14 @@ func TestConnectOverMTLSGoesToTheCallersCluster(t *testing.T) {
 	roundTrip(t, conn, r, tun)
 
 	// An identity without an egress rule is refused, and no dial is made.
+	denied := metrics.Denied.WithLabelValues(authz.AskedEgress)
+	before := promtestutil.ToFloat64(denied)
 	_, r = f.connect(t, strangerPath, connectTo("10.96.0.10:443"))
 	if code, body := answer(t, r); code != http.StatusForbidden || !strings.Contains(body, "no egress rule") {
 		t.Fatalf("a stranger got %d %q, want 403", code, body)
+	}
+	if got := promtestutil.ToFloat64(denied) - before; got != 1 {
+		t.Errorf("denied_total{asked=egress} rose by %v, want 1", got)
 	}
 }
 
