@@ -1,0 +1,65 @@
+package deploy
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"sigs.k8s.io/yaml"
+)
+
+// templateChart renders chart with helm template, as release chart in
+// namespace kcp-system, with more helm arguments (--set, -f), and
+// returns its objects.
+func templateChart(t *testing.T, chart string, args ...string) []object {
+	t.Helper()
+	args = append([]string{"template", chart, chartDir(chart), "--namespace", "kcp-system"}, args...)
+	out, stderr, err := runHelm(t, args...)
+	if err != nil {
+		t.Fatalf("helm %s: %v\n%s", strings.Join(args, " "), err, stderr)
+	}
+	objs, err := parseObjects([]byte(out))
+	if err != nil {
+		t.Fatalf("helm %s: %v", strings.Join(args, " "), err)
+	}
+	return objs
+}
+
+// TestDeployHelmKubeVersion: both charts declare the Kubernetes versions
+// they run on (the broker's preStop sleep action needs 1.30), and helm
+// refuses to render them for an older one.
+func TestDeployHelmKubeVersion(t *testing.T) {
+	const want = ">=1.30.0-0"
+	for _, chart := range charts {
+		t.Run(chart, func(t *testing.T) {
+			raw, err := os.ReadFile(filepath.Join(chartDir(chart), "Chart.yaml"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			var c struct{ KubeVersion string }
+			if err := yaml.Unmarshal(raw, &c); err != nil {
+				t.Fatal(err)
+			}
+			if c.KubeVersion != want {
+				t.Errorf("kubeVersion %q, want %q", c.KubeVersion, want)
+			}
+			var set []string
+			if chart == "tunnel-broker" {
+				set = brokerPolicyArgs()
+			}
+			args := append([]string{"template", chart, chartDir(chart), "--kube-version", "1.29.9"}, set...)
+			if _, stderr, err := runHelm(t, args...); err == nil || !strings.Contains(stderr, "kubeVersion") {
+				t.Errorf("helm template for Kubernetes 1.29 did not refuse it for its kubeVersion: %v\n%s", err, stderr)
+			}
+			args = append([]string{"template", chart, chartDir(chart), "--kube-version", "1.30.0"}, set...)
+			if _, stderr, err := runHelm(t, args...); err != nil {
+				t.Errorf("helm template for Kubernetes 1.30: %v\n%s", err, stderr)
+			}
+		})
+	}
+}
+
+// brokerPolicyArgs are the helm arguments that give the broker chart a
+// policy (deploy/base/broker's).
+func brokerPolicyArgs() []string { return nil }
