@@ -63,3 +63,33 @@ func TestDeployHelmKubeVersion(t *testing.T) {
 // brokerPolicyArgs are the helm arguments that give the broker chart a
 // policy (deploy/base/broker's).
 func brokerPolicyArgs() []string { return nil }
+
+// TestDeployHelmAgentOneBrokerSource: the agent chart passes one way to
+// find the broker replicas: --broker when broker.addresses is set (even
+// with broker.dns at its default), else --broker-dns; never both.
+func TestDeployHelmAgentOneBrokerSource(t *testing.T) {
+	for _, c := range []struct {
+		set        []string
+		flag, want string
+	}{
+		{nil, "broker-dns", "tunnel-broker-headless.kcp-system.svc:8443"},
+		{[]string{"--set", "broker.addresses={a.example.org:8443,b.example.org:8443}"}, "broker", "a.example.org:8443,b.example.org:8443"},
+	} {
+		t.Run(c.flag, func(t *testing.T) {
+			d := theDeployment(t, templateChart(t, "tunnel-agent", c.set...))
+			ac := container(d.Spec.Template.Spec, "syncer-agent")
+			if ac == nil {
+				t.Fatal("no syncer-agent container")
+			}
+			flags := flagsOf(ac.Args)
+			if got := flags[c.flag]; got != c.want {
+				t.Errorf("--%s=%q, want %q", c.flag, got, c.want)
+			}
+			for _, f := range []string{"broker", "broker-dns"} {
+				if _, ok := flags[f]; ok && f != c.flag {
+					t.Errorf("--%s as well as --%s: %v", f, c.flag, ac.Args)
+				}
+			}
+		})
+	}
+}
