@@ -3,9 +3,11 @@ package deploy
 import (
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 
+	corev1 "k8s.io/api/core/v1"
 	"sigs.k8s.io/yaml"
 )
 
@@ -89,6 +91,67 @@ func TestDeployHelmAgentOneBrokerSource(t *testing.T) {
 				if _, ok := flags[f]; ok && f != c.flag {
 					t.Errorf("--%s as well as --%s: %v", f, c.flag, ac.Args)
 				}
+			}
+		})
+	}
+}
+
+// TestDeployHelmMetricsPortAnnotations: the prometheus.io/port annotation
+// that tells Prometheus where to scrape is the metrics port of the values,
+// on the broker's metrics Service and on the agent's pods, whatever port
+// that is.
+func TestDeployHelmMetricsPortAnnotations(t *testing.T) {
+	for _, port := range []string{"", "9191"} {
+		var set []string
+		if port != "" {
+			set = []string{"--set", "ports.metrics=" + port}
+		}
+		t.Run("tunnel-broker/"+port, func(t *testing.T) {
+			objs := templateChart(t, "tunnel-broker", append(brokerPolicyArgs(), set...)...)
+			d := theDeployment(t, objs)
+			bc := container(d.Spec.Template.Spec, "broker")
+			if bc == nil {
+				t.Fatal("no broker container")
+			}
+			want := strconv.Itoa(int(listenPort(t, "--metrics-listen", flagsOf(bc.Args)["metrics-listen"])))
+			if port != "" && want != port {
+				t.Fatalf("--metrics-listen port %s, want %s (ports.metrics)", want, port)
+			}
+			found := false
+			for _, o := range ofKind(objs, "Service") {
+				var s corev1.Service
+				o.into(t, &s)
+				if len(s.Spec.Ports) == 0 || s.Spec.Ports[0].Name != "metrics" {
+					continue
+				}
+				found = true
+				if got := s.Annotations["prometheus.io/port"]; got != want {
+					t.Errorf("Service %s: prometheus.io/port %q, want %s (ports.metrics)", s.Name, got, want)
+				}
+				if got := strconv.Itoa(int(s.Spec.Ports[0].Port)); got != want {
+					t.Errorf("Service %s: port %s, want %s", s.Name, got, want)
+				}
+			}
+			if !found {
+				t.Error("no metrics Service")
+			}
+		})
+		t.Run("tunnel-agent/"+port, func(t *testing.T) {
+			d := theDeployment(t, templateChart(t, "tunnel-agent", set...))
+			ac := container(d.Spec.Template.Spec, "syncer-agent")
+			if ac == nil {
+				t.Fatal("no syncer-agent container")
+			}
+			want := strconv.Itoa(int(listenPort(t, "--metrics-listen", flagsOf(ac.Args)["metrics-listen"])))
+			if port != "" && want != port {
+				t.Fatalf("--metrics-listen port %s, want %s (ports.metrics)", want, port)
+			}
+			a := d.Spec.Template.Annotations
+			if a["prometheus.io/scrape"] != "true" || a["prometheus.io/path"] != "/metrics" {
+				t.Errorf("the agent's pods have no prometheus.io/scrape and /path annotations: %v", a)
+			}
+			if got := a["prometheus.io/port"]; got != want {
+				t.Errorf("the agent's pods: prometheus.io/port %q, want %s (ports.metrics)", got, want)
 			}
 		})
 	}

@@ -76,6 +76,13 @@ annotations:
 {{- end }}
 {{- end }}
 
+{{/* Where Prometheus scrapes: the metrics port of the values. */}}
+{{- define "tunnel-agent.prometheusAnnotations" -}}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ .Values.ports.metrics | toString | quote }}
+prometheus.io/path: /metrics
+{{- end }}
+
 {{- define "tunnel-agent.imagePullSecrets" -}}
 {{- range .Values.global.imagePullSecrets }}
 {{- if kindIs "map" . }}

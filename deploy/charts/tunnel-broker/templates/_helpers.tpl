@@ -85,6 +85,13 @@ annotations:
 {{- end }}
 {{- end }}
 
+{{/* Where Prometheus scrapes: the metrics port of the values. */}}
+{{- define "tunnel-broker.prometheusAnnotations" -}}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ .Values.ports.metrics | toString | quote }}
+prometheus.io/path: /metrics
+{{- end }}
+
 {{- define "tunnel-broker.imagePullSecrets" -}}
 {{- range .Values.global.imagePullSecrets }}
 {{- if kindIs "map" . }}
