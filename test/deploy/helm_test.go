@@ -20,10 +20,12 @@ import (
 )
 
 // chartCase is one rendering of a chart of deploy/charts: helm template
-// with one of its values files ("" for the defaults), as release Release
-// in Namespace.
+// with one of its values files ("" for the defaults) and, if Policy is
+// set, the broker's policy from that file (relative to deploy/), as
+// release Release in Namespace.
 type chartCase struct {
 	Chart, Values, Release, Namespace string
+	Policy                            string
 }
 
 func (c chartCase) String() string {
@@ -34,16 +36,20 @@ func (c chartCase) String() string {
 }
 
 // The releases are named after their charts, so that the objects get the
-// names the kustomize bases give them.
+// names the kustomize bases give them. The broker chart has no default
+// policy: with its defaults, it gets deploy/base/broker's.
 var chartCases = []chartCase{
-	{"tunnel-broker", "", "tunnel-broker", "kcp-system"},
-	{"tunnel-broker", "ci/production-values.yaml", "tunnel-broker", "kcp-system"},
-	{"tunnel-broker", "ci/egress-values.yaml", "tunnel-broker", "kcp-system"},
-	{"tunnel-broker", "dev-values.yaml", "tunnel-broker", "kcp-system"},
-	{"tunnel-agent", "", "tunnel-agent", "kcp-tunnel"},
-	{"tunnel-agent", "ci/production-values.yaml", "tunnel-agent", "kcp-tunnel"},
-	{"tunnel-agent", "dev-values.yaml", "tunnel-agent", "kcp-system"},
+	{"tunnel-broker", "", "tunnel-broker", "kcp-system", basePolicy},
+	{"tunnel-broker", "ci/production-values.yaml", "tunnel-broker", "kcp-system", ""},
+	{"tunnel-broker", "ci/egress-values.yaml", "tunnel-broker", "kcp-system", ""},
+	{"tunnel-broker", "dev-values.yaml", "tunnel-broker", "kcp-system", ""},
+	{"tunnel-agent", "", "tunnel-agent", "kcp-tunnel", ""},
+	{"tunnel-agent", "ci/production-values.yaml", "tunnel-agent", "kcp-tunnel", ""},
+	{"tunnel-agent", "dev-values.yaml", "tunnel-agent", "kcp-system", ""},
 }
+
+// basePolicy is deploy/base/broker's policy, relative to deploy/.
+const basePolicy = "base/broker/policy.yaml"
 
 var charts = []string{"tunnel-broker", "tunnel-agent"}
 
@@ -95,10 +101,14 @@ func runHelm(t *testing.T, args ...string) (stdout, stderr string, err error) {
 }
 
 func (c chartCase) valuesArgs() []string {
-	if c.Values == "" {
-		return nil
+	var args []string
+	if c.Values != "" {
+		args = append(args, "-f", filepath.Join(chartDir(c.Chart), c.Values))
 	}
-	return []string{"-f", filepath.Join(chartDir(c.Chart), c.Values)}
+	if c.Policy != "" {
+		args = append(args, "--set-file", "policy="+filepath.Join(deployDir(), c.Policy))
+	}
+	return args
 }
 
 var chartRenderings sync.Map // chartCase -> *rendering
@@ -182,15 +192,24 @@ func TestDeployHelmCatches(t *testing.T) {
 		{"tunnel-broker", []string{"antiAffinity=maybe"}, `antiAffinity is "maybe"`},
 		{"tunnel-broker", []string{"networkPolicy.metricsFrom=null"}, "networkPolicy.metricsFrom"},
 		{"tunnel-broker", []string{"policy=null"}, "policy is required"},
+		{"tunnel-broker", nil, "policy is required"},
 		{"tunnel-agent", []string{"plainCluster="}, "plainCluster is required"},
 		{"tunnel-agent", []string{"broker.dns="}, "broker.dns"},
 		{"tunnel-agent", []string{"name=a", "replicas=2"}, "need distinct names"},
 		{"tunnel-agent", []string{"svid.source=secret"}, "set svid.secret.name"},
 	} {
-		t.Run(c.chart+"/"+strings.Join(c.set, ","), func(t *testing.T) {
+		name := strings.Join(c.set, ",")
+		if name == "" {
+			name = "(defaults)"
+		}
+		t.Run(c.chart+"/"+name, func(t *testing.T) {
 			var set []string
 			for _, s := range c.set {
 				set = append(set, "--set", s)
+			}
+			if c.chart == "tunnel-broker" && len(c.set) > 0 && !strings.HasPrefix(c.set[0], "policy=") {
+				// A policy, so that what is refused is the value set.
+				set = append(set, brokerPolicyArgs()...)
 			}
 			// (helm lint renders in lint mode, in which fail and required
 			// only log: helm template, and so helm install, refuse.)

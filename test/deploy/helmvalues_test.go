@@ -64,7 +64,78 @@ func TestDeployHelmKubeVersion(t *testing.T) {
 
 // brokerPolicyArgs are the helm arguments that give the broker chart a
 // policy (deploy/base/broker's).
-func brokerPolicyArgs() []string { return nil }
+func brokerPolicyArgs() []string {
+	return []string{"--set-file", "policy=" + filepath.Join(deployDir(), basePolicy)}
+}
+
+// renderedPolicy is the policy in the broker's ConfigMap, parsed as YAML.
+func renderedPolicy(t *testing.T, objs []object) any {
+	t.Helper()
+	var found any
+	n := 0
+	for _, o := range ofKind(objs, "ConfigMap") {
+		var cm corev1.ConfigMap
+		o.into(t, &cm)
+		if text, ok := cm.Data["policy.yaml"]; ok {
+			n++
+			if err := yaml.Unmarshal([]byte(text), &found); err != nil {
+				t.Fatalf("ConfigMap %s: policy.yaml: %v", cm.Name, err)
+			}
+		}
+	}
+	if n != 1 {
+		t.Fatalf("%d ConfigMaps with a policy.yaml rendered, want 1", n)
+	}
+	return found
+}
+
+// TestDeployHelmBrokerPolicyIsTheUsers: the broker's policy is the one
+// the values give, whole, with nothing of an example merged in (helm
+// merges a map of the values with the chart's default map, so a default
+// policy would leave its sync targets, callers or operators in any
+// policy that does not name them all): a user's policy without sync
+// targets and operators, and the policy of each values file of the
+// chart, render as given.
+func TestDeployHelmBrokerPolicyIsTheUsers(t *testing.T) {
+	const users = `policy:
+  agents:
+  - id: spiffe://corp.example/ns/kcp-tunnel/sa/tunnel-agent
+    clusters: [root]
+  callers:
+  - id: spiffe://corp.example/ns/kcp/kcp-server
+`
+	f := filepath.Join(t.TempDir(), "values.yaml")
+	if err := os.WriteFile(f, []byte(users), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	files := map[string]string{"a user's": f}
+	for _, c := range casesOf("tunnel-broker") {
+		if c.Values != "" {
+			files[c.Values] = filepath.Join(chartDir(c.Chart), c.Values)
+		}
+	}
+	for name, file := range files {
+		t.Run(name, func(t *testing.T) {
+			raw, err := os.ReadFile(file)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var v struct{ Policy any }
+			if err := yaml.Unmarshal(raw, &v); err != nil {
+				t.Fatal(err)
+			}
+			if v.Policy == nil {
+				t.Skip("no policy in it")
+			}
+			got := renderedPolicy(t, templateChart(t, "tunnel-broker", "-f", file))
+			for _, d := range differences("policy", plain(t, v.Policy), plain(t, got)) {
+				// differences names its sides kustomize and chart: here
+				// they are the values and the rendering.
+				t.Error(strings.NewReplacer("kustomize ", "values ", "chart ", "rendered ").Replace(d))
+			}
+		})
+	}
+}
 
 // TestDeployHelmAgentOneBrokerSource: the agent chart passes one way to
 // find the broker replicas: --broker when broker.addresses is set (even

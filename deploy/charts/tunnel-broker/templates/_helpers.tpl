@@ -78,10 +78,12 @@ annotations:
 
 {{/* The policy file's text: policy is a map, or the file's text (--set-file). */}}
 {{- define "tunnel-broker.policy" -}}
-{{- if kindIs "string" .Values.policy }}
+{{- if not .Values.policy }}
+{{- fail "policy is required: the broker does not start without one (values.yaml shows an example)" }}
+{{- else if kindIs "string" .Values.policy }}
 {{- .Values.policy }}
 {{- else }}
-{{- toYaml (required "policy is required: the broker does not start without one" .Values.policy) }}
+{{- toYaml .Values.policy }}
 {{- end }}
 {{- end }}
 
