@@ -3,6 +3,7 @@ package deploy
 import (
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -223,6 +224,66 @@ func TestDeployHelmMetricsPortAnnotations(t *testing.T) {
 			}
 			if got := a["prometheus.io/port"]; got != want {
 				t.Errorf("the agent's pods: prometheus.io/port %q, want %s (ports.metrics)", got, want)
+			}
+		})
+	}
+}
+
+// TestDeployHelmExtraVolumesAndEnv: extraVolumes, extraVolumeMounts and
+// extraEnv of both charts reach the pod (e.g. a policy too large for a
+// ConfigMap, or --federated-bundle's file, from a Secret), beside the
+// chart's own, and the rendering passes the chart's checks.
+func TestDeployHelmExtraVolumesAndEnv(t *testing.T) {
+	const values = `extraVolumes:
+- name: bundles
+  secret:
+    secretName: federated-bundles
+extraVolumeMounts:
+- name: bundles
+  mountPath: /etc/bundles
+  readOnly: true
+extraEnv:
+- name: EXTRA
+  value: "1"
+`
+	f := filepath.Join(t.TempDir(), "values.yaml")
+	if err := os.WriteFile(f, []byte(values), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct{ chart, container string }{
+		{"tunnel-broker", "broker"},
+		{"tunnel-agent", "syncer-agent"},
+	} {
+		t.Run(c.chart, func(t *testing.T) {
+			args := []string{"-f", f}
+			if c.chart == "tunnel-broker" {
+				args = append(args, brokerPolicyArgs()...)
+			}
+			d := theDeployment(t, templateChart(t, c.chart, args...))
+			own := theDeployment(t, templateChart(t, c.chart, args[2:]...)).Spec.Template.Spec
+			pod := d.Spec.Template.Spec
+			ct := container(pod, c.container)
+			if ct == nil {
+				t.Fatalf("no %s container", c.container)
+			}
+			if !slices.ContainsFunc(ct.Env, func(e corev1.EnvVar) bool { return e.Name == "EXTRA" && e.Value == "1" }) {
+				t.Errorf("extraEnv is not in the container's env: %v", ct.Env)
+			}
+			if !slices.ContainsFunc(ct.Env, func(e corev1.EnvVar) bool { return e.Name == "GOMEMLIMIT" }) {
+				t.Errorf("the chart's own env is gone: %v", ct.Env)
+			}
+			if !slices.ContainsFunc(ct.VolumeMounts, func(m corev1.VolumeMount) bool {
+				return m.Name == "bundles" && m.MountPath == "/etc/bundles" && m.ReadOnly
+			}) {
+				t.Errorf("extraVolumeMounts are not the container's: %v", ct.VolumeMounts)
+			}
+			if !slices.ContainsFunc(pod.Volumes, func(v corev1.Volume) bool {
+				return v.Name == "bundles" && v.Secret != nil && v.Secret.SecretName == "federated-bundles"
+			}) {
+				t.Errorf("extraVolumes are not the pod's: %v", pod.Volumes)
+			}
+			if len(pod.Volumes) != len(own.Volumes)+1 || len(ct.VolumeMounts) != len(container(own, c.container).VolumeMounts)+1 {
+				t.Errorf("the chart's own volumes are not all there: %v, %v", pod.Volumes, ct.VolumeMounts)
 			}
 		})
 	}
