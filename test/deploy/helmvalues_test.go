@@ -9,6 +9,9 @@ import (
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
 	"sigs.k8s.io/yaml"
 )
 
@@ -284,6 +287,38 @@ extraEnv:
 			}
 			if len(pod.Volumes) != len(own.Volumes)+1 || len(ct.VolumeMounts) != len(container(own, c.container).VolumeMounts)+1 {
 				t.Errorf("the chart's own volumes are not all there: %v, %v", pod.Volumes, ct.VolumeMounts)
+			}
+		})
+	}
+}
+
+// TestDeployHelmAgentPodDisruptionBudget: the agent chart renders a
+// PodDisruptionBudget only when asked (podDisruptionBudget.enabled, off by
+// default, on in ci/production-values.yaml's two agents), and it selects
+// the agent's pods.
+func TestDeployHelmAgentPodDisruptionBudget(t *testing.T) {
+	if pdbs := ofKind(templateChart(t, "tunnel-agent"), "PodDisruptionBudget"); len(pdbs) != 0 {
+		t.Errorf("the defaults render %d PodDisruptionBudgets, want none", len(pdbs))
+	}
+	for name, args := range map[string][]string{
+		"enabled":                   {"--set", "podDisruptionBudget.enabled=true", "--set", "replicas=2"},
+		"ci/production-values.yaml": {"-f", filepath.Join(chartDir("tunnel-agent"), "ci", "production-values.yaml")},
+	} {
+		t.Run(name, func(t *testing.T) {
+			objs := templateChart(t, "tunnel-agent", args...)
+			d := theDeployment(t, objs)
+			pdbs := ofKind(objs, "PodDisruptionBudget")
+			if len(pdbs) != 1 {
+				t.Fatalf("%d PodDisruptionBudgets rendered, want 1", len(pdbs))
+			}
+			var pdb policyv1.PodDisruptionBudget
+			pdbs[0].into(t, &pdb)
+			if pdb.Spec.MaxUnavailable == nil || pdb.Spec.MaxUnavailable.IntValue() != 1 {
+				t.Errorf("maxUnavailable %v, want 1", pdb.Spec.MaxUnavailable)
+			}
+			sel, err := metav1.LabelSelectorAsSelector(pdb.Spec.Selector)
+			if err != nil || sel.Empty() || !sel.Matches(labels.Set(d.Spec.Template.Labels)) {
+				t.Errorf("the PodDisruptionBudget's selector %v does not select the agent's pods (%v): %v", pdb.Spec.Selector, d.Spec.Template.Labels, err)
 			}
 		})
 	}
