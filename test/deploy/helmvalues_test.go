@@ -2,6 +2,7 @@ package deploy
 
 import (
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -321,5 +322,34 @@ func TestDeployHelmAgentPodDisruptionBudget(t *testing.T) {
 				t.Errorf("the PodDisruptionBudget's selector %v does not select the agent's pods (%v): %v", pdb.Spec.Selector, d.Spec.Template.Labels, err)
 			}
 		})
+	}
+}
+
+// TestDeployHelmBrokerDevPolicyIsDevCAs: the broker chart's
+// dev-values.yaml carries the policy tunnelctl dev-ca writes, as its
+// comment says, and nothing else.
+func TestDeployHelmBrokerDevPolicyIsDevCAs(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "dev")
+	if out, err := exec.Command(filepath.Join(os.Getenv("TUNNEL_BIN_DIR"), "tunnelctl"), "dev-ca", dir).CombinedOutput(); err != nil {
+		t.Fatalf("tunnelctl dev-ca: %v\n%s", err, out)
+	}
+	raw, err := os.ReadFile(filepath.Join(dir, "policy.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var devca any
+	if err := yaml.Unmarshal(raw, &devca); err != nil {
+		t.Fatal(err)
+	}
+	raw, err = os.ReadFile(filepath.Join(chartDir("tunnel-broker"), "dev-values.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var v struct{ Policy any }
+	if err := yaml.Unmarshal(raw, &v); err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range differences("policy", plain(t, devca), plain(t, v.Policy)) {
+		t.Error(strings.NewReplacer("kustomize ", "dev-ca ", "chart ", "dev-values.yaml ").Replace(d))
 	}
 }
