@@ -7,13 +7,16 @@
 # linux binary (CGO_ENABLED=0, -trimpath) for this machine's architecture.
 #
 #   build.sh        build (or find) the binary, print its path
-#   build.sh test   go vet and go test this folder's module, and run kcp's
-#                   unit tests of the packages the patch touches, against a
-#                   patched copy of kcp's source (the RealKCP tests do)
-#   build.sh newest check docs/kcp/webhook-tunnel-$newest.patch against the
-#                   newest kcp release, which cannot be built here (below):
-#                   it applies, and kcp's unit tests of the packages it
-#                   touches pass, where those compile without kcp's servers
+#   build.sh test   go vet and go test this folder's module (the RealKCP
+#                   tests do)
+#   build.sh seam   kcp's unit tests of the packages the seam touches, in
+#                   kcp's source with docs/kcp/webhook-tunnel.patch applied,
+#                   and in the newest kcp release's with its port,
+#                   docs/kcp/webhook-tunnel-$newest.patch (that release
+#                   cannot be built here: below); then record both patches
+#                   and this script in seam.sum. Nothing runs if seam.sum
+#                   says they were checked already (make test runs this
+#                   mode); "seam force" runs them whatever it says
 #
 # The cache lives in the repo's git-ignored .cache/kcp/ (or
 # $KCP_TOOLS_CACHE), one folder per key: the kcp version and a hash of the
@@ -77,23 +80,18 @@ if [ "$mode" = test ]; then
 	trap 'rm -rf "$build"' EXIT
 	prepare
 	cd "$build"
-	# kcp's tests need modules its binary does not (testify): -mod=mod
-	# records them in the copy's go.sum. The build's flags (CGO_ENABLED=0,
-	# -trimpath), so that the packages the binary's build compiled are
-	# taken from the build cache.
-	echo "kcp $kcp with docs/kcp/webhook-tunnel.patch: deploy/kcp's tests, and kcp's of the packages the patch touches" >&2
+	# The build's flags (CGO_ENABLED=0, -trimpath), so that the packages
+	# the binary's build compiled are taken from the build cache.
+	echo "deploy/kcp with kcp $kcp: go vet and its tests" >&2
 	go vet -trimpath ./...
-	GOFLAGS="$GOFLAGS -mod=mod" go test -count=1 -trimpath ./... \
-		github.com/kcp-dev/kcp/pkg/admission/initializers \
-		github.com/kcp-dev/kcp/pkg/admission/validatingwebhook \
-		github.com/kcp-dev/kcp/pkg/admission/mutatingwebhook \
-		github.com/kcp-dev/kcp/pkg/server
+	go test -count=1 -trimpath ./...
 	exit 0
 fi
 
-if [ "$mode" = newest ]; then
-	build=$(mktemp -d "${TMPDIR:-/tmp}/kcp-newest.XXXXXX")
-	trap 'rm -rf "$build"' EXIT
+# newest_seam checks the port of the seam to the newest kcp release, which
+# cannot be built here, in $build: it applies, and kcp's unit tests of the
+# admission plugins and the conversion factory pass.
+newest_seam() {
 	src=$(go mod download -json "github.com/kcp-dev/kcp@$newest" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
 	[ -d "$src" ] || { echo "kcp $newest: no module source in the module cache" >&2; exit 1; }
 	cp -R "$src" "$build/kcp"
@@ -150,6 +148,36 @@ if [ "$mode" = newest ]; then
 	pkgs="./pkg/admission/initializers ./pkg/admission/validatingwebhook ./pkg/admission/mutatingwebhook ./pkg/server/conversioncheck"
 	GOFLAGS="$GOFLAGS -mod=mod" go vet -trimpath $pkgs
 	GOFLAGS="$GOFLAGS -mod=mod" go test -count=1 -trimpath $pkgs
+}
+
+if [ "$mode" = seam ]; then
+	# kcp's own tests of the seam compile test variants of kcp's packages,
+	# and the newest release's fetch and compile its Kubernetes 1.36 fork:
+	# some twenty minutes on a machine that has not. They run when their
+	# inputs changed.
+	sum=$(cat "$patch" "$repo/docs/kcp/webhook-tunnel-$newest.patch" "$here/build.sh" | sha256sum | cut -c1-64)
+	if [ "${2:-}" != force ] && [ "$(cat "$here/seam.sum" 2>/dev/null)" = "$sum" ]; then
+		echo "kcp's tests of the seam passed with these patches and this build.sh (deploy/kcp/seam.sum)" >&2
+		exit 0
+	fi
+	build=$(mktemp -d "${TMPDIR:-/tmp}/kcp-seam.XXXXXX")
+	newest_build=$(mktemp -d "${TMPDIR:-/tmp}/kcp-newest.XXXXXX")
+	trap 'rm -rf "$build" "$newest_build"' EXIT
+	prepare
+	(
+		cd "$build"
+		# kcp's tests need modules its binary does not (testify):
+		# -mod=mod records them in the copy's go.sum.
+		echo "kcp $kcp with docs/kcp/webhook-tunnel.patch: kcp's tests of the packages the patch touches" >&2
+		GOFLAGS="$GOFLAGS -mod=mod" go test -count=1 -trimpath \
+			github.com/kcp-dev/kcp/pkg/admission/initializers \
+			github.com/kcp-dev/kcp/pkg/admission/validatingwebhook \
+			github.com/kcp-dev/kcp/pkg/admission/mutatingwebhook \
+			github.com/kcp-dev/kcp/pkg/server
+	)
+	build=$newest_build newest_seam
+	echo "$sum" >"$here/seam.sum"
+	echo "kcp's tests of the seam passed: commit deploy/kcp/seam.sum" >&2
 	exit 0
 fi
 

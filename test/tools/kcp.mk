@@ -18,4 +18,9 @@ endif
 kcp-tools:
 	deploy/kcp/build.sh
 
-test: kcp-tools
+.PHONY: kcp-seam
+## kcp-seam: kcp's unit tests of the seam, in kcp's source with the patch and in the newest release's with its port (deploy/kcp/build.sh seam), if a patch or build.sh changed since deploy/kcp/seam.sum
+kcp-seam:
+	deploy/kcp/build.sh seam
+
+test: kcp-tools kcp-seam
