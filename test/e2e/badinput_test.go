@@ -123,16 +123,6 @@ var badDialStreams = []struct {
 		_, err := stream.Recv()
 		return err
 	}, "must name a target"},
-	{"data before established", func(t *testing.T, stream tunnelv1.DialService_DialClient) error {
-		// The silent cluster's agent never answers: the dial stays
-		// pending until the data frame ends it.
-		stream.Send(&tunnelv1.DialRequest{Frame: &tunnelv1.DialRequest_Target{Target: &tunnelv1.Target{Cluster: "silent-cluster", Namespace: "default", Service: "echo", Port: 80}}})
-		if err := stream.Send(&tunnelv1.DialRequest{Frame: &tunnelv1.DialRequest_Data{Data: []byte("too soon")}}); err != nil {
-			t.Fatal(err)
-		}
-		_, err := stream.Recv()
-		return err
-	}, "data before established"},
 	{"stream closed before the target", func(t *testing.T, stream tunnelv1.DialService_DialClient) error {
 		stream.CloseSend()
 		_, err := stream.Recv()

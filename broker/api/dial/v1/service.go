@@ -55,11 +55,11 @@ func (s *Service) Dial(stream tunnelv1.DialService_DialServer) error {
 		return err
 	}
 	defer ticket.Release()
-	t, watch, err := establish(stream, ticket)
+	t, err := establish(stream, ticket)
 	if err != nil {
 		return refused(stream, err)
 	}
-	return ticket.Splice(t, &watchedLeg{StreamLeg: tunnel.CallerStream(stream), watch: watch}, "stream")
+	return ticket.Splice(t, tunnel.CallerStream(stream), "stream")
 }
 
 // refused returns a dial's failure, and tells a caller whose gRPC retry
@@ -81,28 +81,20 @@ var noRetry = metadata.Pairs("grpc-retry-pushback-ms", "-1")
 // tells the caller that the tunnel is established. It is a call of its
 // own so that the handler's frame, which stays on the stack for the
 // tunnel's life, stays small (docs/perf-history.md, idle tunnels' stacks).
-// The returned watch has read, or is reading, the caller's first frame
-// after the target: the splice takes it from there (watchedLeg).
-func establish(stream tunnelv1.DialService_DialServer, ticket *admission.Ticket) (*tunnel.Tunnel, *pendingWatch, error) {
+func establish(stream tunnelv1.DialService_DialServer, ticket *admission.Ticket) (*tunnel.Tunnel, error) {
 	first, err := receive.First[tunnelv1.DialRequest](stream, "stream closed before naming a target")
 	if err != nil {
-		return nil, nil, err
+		return nil, err
 	}
-	watch, ctx, stopWatching := watchPending(stream.Context(), stream)
-	defer stopWatching()
 	// The front door checks the target, nil included.
-	t, err := ticket.Dial(ctx, first.GetTarget(), first.GetEarlyData())
+	t, err := ticket.Dial(stream.Context(), first.GetTarget(), first.GetEarlyData())
 	if err != nil {
-		return nil, nil, watch.refusal(err)
-	}
-	if err := watch.answer(); err != nil {
-		t.End(status.Error(codes.Canceled, "the caller broke the protocol"))
-		return nil, nil, err
+		return nil, err
 	}
 	established := &tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_Established{Established: &tunnelv1.Established{TunnelId: t.ID}}}
 	if err := stream.Send(established); err != nil {
 		t.End(status.Error(codes.Canceled, "caller went away"))
-		return nil, nil, err
+		return nil, err
 	}
-	return t, watch, nil
+	return t, nil
 }

@@ -104,6 +104,11 @@ func TestDialOrdersTheAgentAndEstablishes(t *testing.T) {
 	a := b.connectAgent(t, "a", "root")
 
 	stream, _ := b.StartDial(t, kcpPath, brokertest.Target("root"))
+	// The caller may send data before established; the broker keeps it
+	// for the agent.
+	if err := stream.Send(brokertest.DataUp([]byte("early"))); err != nil {
+		t.Fatal(err)
+	}
 	order := a.Order(t, brokertest.Target("root"))
 	if ms := order.GetTimeoutMs(); ms == 0 || ms > uint32(timeout.Milliseconds()) {
 		t.Errorf("order's timeout_ms is %d, want in (0, %d]", ms, timeout.Milliseconds())
@@ -119,12 +124,9 @@ func TestDialOrdersTheAgentAndEstablishes(t *testing.T) {
 	if n := b.Registry.Agents()[0].Tunnels(); n != 1 {
 		t.Errorf("the agent carries %d tunnels, want 1", n)
 	}
-	if err := stream.Send(brokertest.DataUp([]byte("first"))); err != nil {
-		t.Fatal(err)
-	}
 	got, err := tun.Recv()
-	if err != nil || string(got.GetData()) != "first" {
-		t.Fatalf("agent got %v, %v; want the caller's first data frame", got, err)
+	if err != nil || string(got.GetData()) != "early" {
+		t.Fatalf("agent got %v, %v; want the data sent before established", got, err)
 	}
 }
 
