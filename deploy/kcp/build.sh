@@ -53,18 +53,24 @@ key=$(
 )
 dir=$cache/kcp-$kcp-$key
 
-# prepare makes $build: kcp's patched source in $build/kcp and this folder's
-# module beside it, with kcp, kcpplugin and proto replaced by local copies.
-prepare() {
-	src=$(go mod download -json "github.com/kcp-dev/kcp@$kcp" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
-	[ -d "$src" ] || { echo "kcp $kcp: no module source in the module cache" >&2; exit 1; }
-	rm -rf "$build"
-	mkdir -p "$build"
+# patched_kcp copies kcp $1's module source (from the module cache) to
+# $build/kcp and applies patch $2 to it.
+patched_kcp() {
+	src=$(go mod download -json "github.com/kcp-dev/kcp@$1" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
+	[ -d "$src" ] || { echo "kcp $1: no module source in the module cache" >&2; exit 1; }
 	cp -R "$src" "$build/kcp"
 	chmod -R u+w "$build/kcp"
 	# git apply, in a repository of the copy's own (patch(1) may be
 	# missing; the copy lies inside this repository's work tree).
-	(cd "$build/kcp" && git init -q && git apply "$patch" && rm -rf .git)
+	(cd "$build/kcp" && git init -q && git apply "$2" && rm -rf .git)
+}
+
+# prepare makes $build: kcp's patched source in $build/kcp and this folder's
+# module beside it, with kcp, kcpplugin and proto replaced by local copies.
+prepare() {
+	rm -rf "$build"
+	mkdir -p "$build"
+	patched_kcp "$kcp" "$patch"
 	tar -C "$here" --exclude build.sh -cf - . | tar -C "$build" -xf -
 	(
 		cd "$build"
@@ -92,12 +98,8 @@ fi
 # cannot be built here, in $build: it applies, and kcp's unit tests of the
 # admission plugins and the conversion factory pass.
 newest_seam() {
-	src=$(go mod download -json "github.com/kcp-dev/kcp@$newest" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
-	[ -d "$src" ] || { echo "kcp $newest: no module source in the module cache" >&2; exit 1; }
-	cp -R "$src" "$build/kcp"
-	chmod -R u+w "$build/kcp"
 	echo "kcp $newest with docs/kcp/webhook-tunnel-$newest.patch: it applies; kcp's tests of the admission plugins and the conversion factory" >&2
-	(cd "$build/kcp" && git init -q && git apply "$repo/docs/kcp/webhook-tunnel-$newest.patch" && rm -rf .git)
+	patched_kcp "$newest" "$repo/docs/kcp/webhook-tunnel-$newest.patch"
 	# A stub of the one package of virtual-workspace-framework that the
 	# admission plugins import (through the built-in schemas of APIExports):
 	# the same types, and no built-in schemas. Everything else kcp's module

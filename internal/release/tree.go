@@ -18,9 +18,6 @@ var BuiltModules = []string{"deploy/kcp"}
 // deploy/kcp's values for kcp's chart (StampKcpChartValues), and the
 // charts' versions (StampCharts).
 func StampTree(repo, version string) error {
-	if err := os.WriteFile(filepath.Join(repo, "VERSION"), []byte(version+"\n"), 0o644); err != nil {
-		return err
-	}
 	dirs := slices.Clone(BuiltModules)
 	for _, m := range Modules {
 		dirs = append(dirs, m.Dir)
@@ -39,13 +36,7 @@ func StampTree(repo, version string) error {
 			return err
 		}
 	}
-	if err := StampOverlays(repo, version); err != nil {
-		return err
-	}
-	if err := StampKcpChartValues(repo, version); err != nil {
-		return err
-	}
-	return StampCharts(repo, version)
+	return SetVersion(repo, version)
 }
 
 // SetVersion sets the VERSION file, the image tags and the charts'
