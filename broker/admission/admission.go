@@ -182,7 +182,7 @@ func (tk *Ticket) Dial(ctx context.Context, target *tunnelv1.Target, earlyData [
 	}
 	log := tk.a.cfg.Log.With("cluster", target.GetCluster(), "namespace", target.GetNamespace(), "service", target.GetService(),
 		"ip", target.GetIp(), "port", target.GetPort(), "caller", tk.caller.String(), "frontend", tk.caller.Frontend)
-	releaseEarly, err := tk.holdEarlyData(len(earlyData))
+	releaseEarly, err := tk.HoldEarlyData(len(earlyData))
 	if err != nil {
 		return nil, err
 	}
@@ -260,11 +260,12 @@ func ElsewhereMayServe(err error) bool {
 	return noAgent || errors.Is(err, errDraining)
 }
 
-// holdEarlyData counts a dial's n bytes of early data against its caller
-// while the dial is pending, unless that puts the caller or all callers
-// past their bound; release gives them back. Once the dial is answered the
-// early data is the target's.
-func (tk *Ticket) holdEarlyData(n int) (release func(), err error) {
+// HoldEarlyData counts n bytes a dial's caller sent before established
+// against it while the dial is pending: its early data, and what a front
+// end reads of it meanwhile (the Dial stream's data frames). It refuses
+// them if they put the caller or all callers past their bound; release
+// gives them back. Once the dial is answered the bytes are the target's.
+func (tk *Ticket) HoldEarlyData(n int) (release func(), err error) {
 	if n == 0 {
 		return func() {}, nil
 	}

@@ -109,6 +109,12 @@ func contextStatus(ctx context.Context, p *pending) error {
 	}
 	e := dialError(p, codes.Canceled, "")
 	e.status = status.FromContextError(ctx.Err())
+	// A front end that ends a dial for its caller's mistake says why.
+	if cause := context.Cause(ctx); cause != ctx.Err() {
+		if s, ok := status.FromError(cause); ok {
+			e.status = s
+		}
+	}
 	return e
 }
 

@@ -86,7 +86,7 @@ type direction struct {
 
 func (t *Tunnel) up() direction {
 	return direction{from: t.caller, to: t.agent, fromSide: callerSide, toSide: agentSide,
-		notData: callerSentNotData, bytes: metrics.BytesUp, carried: &t.bytesUp}
+		notData: CallerSentNotData, bytes: metrics.BytesUp, carried: &t.bytesUp}
 }
 
 func (t *Tunnel) down() direction {
@@ -94,7 +94,9 @@ func (t *Tunnel) down() direction {
 		notData: agentSentNotData, bytes: metrics.BytesDown, carried: &t.bytesDown}
 }
 
-func callerSentNotData() error {
+// CallerSentNotData is the failure of a caller that sends anything but data
+// after its target.
+func CallerSentNotData() error {
 	return status.Error(codes.InvalidArgument, "protocol error: after the target, a caller may only send non-empty data")
 }
 

@@ -5,6 +5,8 @@
 package dial
 
 import (
+	"context"
+
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
@@ -55,11 +57,11 @@ func (s *Service) Dial(stream tunnelv1.DialService_DialServer) error {
 		return err
 	}
 	defer ticket.Release()
-	t, err := establish(stream, ticket)
+	t, leg, err := establish(stream, ticket)
 	if err != nil {
 		return refused(stream, err)
 	}
-	return ticket.Splice(t, tunnel.CallerStream(stream), "stream")
+	return ticket.Splice(t, leg, "stream")
 }
 
 // refused returns a dial's failure, and tells a caller whose gRPC retry
@@ -77,24 +79,35 @@ func refused(stream grpc.ServerStream, err error) error {
 
 var noRetry = metadata.Pairs("grpc-retry-pushback-ms", "-1")
 
-// establish receives the caller's target, has its agent connect to it, and
-// tells the caller that the tunnel is established. It is a call of its
-// own so that the handler's frame, which stays on the stack for the
-// tunnel's life, stays small (docs/perf-history.md, idle tunnels' stacks).
-func establish(stream tunnelv1.DialService_DialServer, ticket *admission.Ticket) (*tunnel.Tunnel, error) {
+// establish receives the caller's target, has its agent connect to it,
+// holding what the caller sends meanwhile (held), and tells the caller
+// that the tunnel is established. It returns the tunnel and the caller's
+// leg. It is a call of its own so that the handler's frame, which stays on
+// the stack for the tunnel's life, stays small (docs/perf-history.md, idle
+// tunnels' stacks).
+func establish(stream tunnelv1.DialService_DialServer, ticket *admission.Ticket) (*tunnel.Tunnel, tunnel.Leg, error) {
 	first, err := receive.First[tunnelv1.DialRequest](stream, "stream closed before naming a target")
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
+	ctx, refuse := context.WithCancelCause(stream.Context())
+	defer refuse(nil)
+	h := holdUntilAnswered(stream, ticket, len(first.GetEarlyData()), refuse)
 	// The front door checks the target, nil included.
-	t, err := ticket.Dial(stream.Context(), first.GetTarget(), first.GetEarlyData())
+	t, err := ticket.Dial(ctx, first.GetTarget(), first.GetEarlyData())
+	caller := h.answer(err == nil)
+	if err == nil && caller.refused() != nil {
+		// The caller overstepped just as its agent answered.
+		err = caller.refused()
+		t.End(err)
+	}
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	established := &tunnelv1.DialResponse{Frame: &tunnelv1.DialResponse_Established{Established: &tunnelv1.Established{TunnelId: t.ID}}}
 	if err := stream.Send(established); err != nil {
 		t.End(status.Error(codes.Canceled, "caller went away"))
-		return nil, err
+		return nil, nil, err
 	}
-	return t, nil
+	return t, caller, nil
 }
