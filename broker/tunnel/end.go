@@ -12,33 +12,34 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/kcp-dev/tunnel-broker/internal/redact"
+	"github.com/kcp-dev/tunnel-broker/internal/splice"
 )
 
-// side is whom a failure is laid to.
-type side int
+// brokerEnd is the broker's own reason to end a tunnel (its stop, the
+// idle limit), as the cause of the splice's Stop, with the status of each
+// leg.
+type brokerEnd struct{ callerStatus, agentStatus error }
 
-const (
-	callerSide side = iota
-	agentSide
-	// brokerSide: the broker's own reasons, its stop or the idle limit.
-	brokerSide
-)
+func (e *brokerEnd) Error() string { return status.Convert(e.callerStatus).Message() }
 
-// failure is the end of a tunnel that did not end cleanly.
-type failure struct {
-	by  side
-	err error
-	// For the broker's own reasons, the statuses of both legs.
-	callerStatus, agentStatus error
+// errStopping ends the tunnels still open when the broker's grace period
+// is over.
+var errStopping = &brokerEnd{
+	status.Error(codes.Unavailable, "the broker is shutting down and its grace period is over"),
+	status.Error(codes.Unavailable, "the broker is shutting down"),
 }
 
-// byBroker is a failure for the broker's own reasons.
-func byBroker(callerStatus, agentStatus error) *failure {
-	return &failure{by: brokerSide, callerStatus: callerStatus, agentStatus: agentStatus}
+// CallerSentNotData is the failure of a caller that sends anything but data
+// after its target.
+func CallerSentNotData() error {
+	return status.Error(codes.InvalidArgument, "protocol error: after the target, a caller may only send non-empty data")
 }
 
-// statuses are the statuses that end the caller's and the agent's leg
-// (nil: OK), as docs/protocol.md §4 gives them:
+var errAgentSentNotData = errors.New("protocol error: after opening, an agent may only send non-empty data")
+
+// statuses are the statuses that end the caller's leg (A) and the agent's
+// (B) for the splice's failure f (nil: OK), as docs/protocol.md §4 gives
+// them:
 //
 //	first failure                             caller's status   agent's status
 //	none: both directions half-closed         OK                OK
@@ -51,59 +52,29 @@ func byBroker(callerStatus, agentStatus error) *failure {
 // The caller's status names the tunnel by its id and says why in words,
 // never with an address: kcp shows it to its end users. The agent's status,
 // and the broker's log, keep the error as it was.
-func (f *failure) statuses(id string) (callerStatus, agentStatus error) {
-	switch {
-	case f == nil:
+func (t *Tunnel) statuses(f *splice.Failure) (callerStatus, agentStatus error) {
+	if f == nil {
 		return nil, nil
-	case f.by == brokerSide:
-		return f.callerStatus, f.agentStatus
-	case f.by == callerSide && status.Code(f.err) == codes.InvalidArgument:
-		return f.err, status.Errorf(codes.Canceled, "caller broke the protocol: %v", f.err)
-	case f.by == callerSide:
+	}
+	err := f.Err
+	if end, ok := errors.AsType[*brokerEnd](err); ok && f.By == splice.Neither {
+		return end.callerStatus, end.agentStatus
+	}
+	if errors.Is(err, splice.ErrNotData) {
+		err = CallerSentNotData()
+		if f.By == splice.B {
+			err = errAgentSentNotData
+		}
+	}
+	switch {
+	case f.By == splice.A && status.Code(err) == codes.InvalidArgument:
+		return err, status.Errorf(codes.Canceled, "caller broke the protocol: %v", err)
+	case f.By == splice.A:
 		return status.Error(codes.Canceled, "caller went away"),
-			status.Errorf(codes.Canceled, "caller went away: %v", f.err)
+			status.Errorf(codes.Canceled, "caller went away: %v", err)
 	default:
-		return status.Errorf(codes.Unavailable, "tunnel lost on the agent's side: %s (tunnel %s)", agentLoss(f.err), id),
-			status.Errorf(codes.Aborted, "tunnel aborted: %v", f.err)
-	}
-}
-
-// decide ends the tunnel with f (nil: cleanly), unless its end is decided
-// already: Splice, waiting for it, then ends both legs.
-func (t *Tunnel) decide(f *failure) {
-	t.endMu.Lock()
-	defer t.endMu.Unlock()
-	if t.ended {
-		return
-	}
-	t.ended, t.failure = true, f
-	close(t.decided)
-}
-
-// watch fails the tunnel when either leg's peer goes away, when stopping
-// ends, or when the tunnel has carried nothing for its idle limit, until
-// unwatch. A peer may go away while neither direction waits on its leg: a
-// caller that cancels while the up direction is blocked sending to an
-// agent whose target does not read, say.
-func (t *Tunnel) watch(stopping context.Context) (unwatch func()) {
-	callerCtx, agentCtx := t.caller.Context(), t.agent.Context()
-	// On contexts of the standard library, AfterFunc starts no goroutine
-	// until its context ends.
-	stopCaller := context.AfterFunc(callerCtx, func() { t.decide(&failure{by: callerSide, err: context.Cause(callerCtx)}) })
-	stopAgent := context.AfterFunc(agentCtx, func() { t.decide(&failure{by: agentSide, err: context.Cause(agentCtx)}) })
-	stopStopping := func() bool { return false }
-	if stopping != nil {
-		stopStopping = context.AfterFunc(stopping, func() {
-			t.decide(byBroker(status.Error(codes.Unavailable, "the broker is shutting down and its grace period is over"),
-				status.Error(codes.Unavailable, "the broker is shutting down")))
-		})
-	}
-	t.startIdleTimer()
-	return func() {
-		stopCaller()
-		stopAgent()
-		stopStopping()
-		t.stopIdleTimer()
+		return status.Errorf(codes.Unavailable, "tunnel lost on the agent's side: %s (tunnel %s)", agentLoss(err), t.ID),
+			status.Errorf(codes.Aborted, "tunnel aborted: %v", err)
 	}
 }
 

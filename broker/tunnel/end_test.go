@@ -12,6 +12,8 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"github.com/kcp-dev/tunnel-broker/internal/splice"
 )
 
 // The caller's status when the agent's leg fails says why in words: Go's
@@ -36,7 +38,7 @@ func TestTheCallerHearsOfTheAgentsLossInWordsWithoutAddresses(t *testing.T) {
 		{status.Error(codes.Unavailable, "transport is closing"), "the agent's connection to the broker closed"},
 		{status.Error(codes.Internal, "odd: 10.0.0.7:42610 said "+strings.Repeat("x", 400)), "odd: <address> said x"},
 	} {
-		callerStatus, _ := (&failure{by: agentSide, err: tc.err}).statuses("t-1")
+		callerStatus, _ := (&Tunnel{ID: "t-1"}).statuses(&splice.Failure{By: splice.B, Err: tc.err})
 		msg := status.Convert(callerStatus).Message()
 		if status.Code(callerStatus) != codes.Unavailable || !strings.HasPrefix(msg, "tunnel lost on the agent's side: "+tc.want) ||
 			!strings.HasSuffix(msg, "(tunnel t-1)") {

@@ -1,6 +1,7 @@
 package tunnel
 
 import (
+	"context"
 	"fmt"
 	"time"
 
@@ -28,37 +29,38 @@ func (t *Tunnel) quiet() time.Duration {
 	return time.Duration(t.clock.Now().UnixNano() - t.lastFrame.Load())
 }
 
-func (t *Tunnel) startIdleTimer() {
+// startIdleTimer starts the idle limit, which ends the tunnel with stop.
+func (t *Tunnel) startIdleTimer(stop context.CancelCauseFunc) {
 	if t.idleLimit <= 0 {
 		return
 	}
-	t.endMu.Lock()
-	defer t.endMu.Unlock()
-	t.idleTimer = t.clock.AfterFunc(t.idleLimit, t.checkIdle)
+	t.idleMu.Lock()
+	defer t.idleMu.Unlock()
+	t.idleTimer = t.clock.AfterFunc(t.idleLimit, func() { t.checkIdle(stop) })
 }
 
 func (t *Tunnel) stopIdleTimer() {
-	t.endMu.Lock()
-	defer t.endMu.Unlock()
+	t.idleMu.Lock()
+	defer t.idleMu.Unlock()
 	if t.idleTimer != nil {
 		t.idleTimer.Stop()
 		t.idleTimer = nil // so that a checkIdle running now does not reset it
 	}
 }
 
-// checkIdle ends the tunnel if it has carried nothing for its idle limit,
-// and otherwise looks again when it could have.
-func (t *Tunnel) checkIdle() {
+// checkIdle ends the tunnel with stop if it has carried nothing for its
+// idle limit, and otherwise looks again when it could have.
+func (t *Tunnel) checkIdle(stop context.CancelCauseFunc) {
 	quiet := t.quiet()
 	if quiet < t.idleLimit {
-		t.endMu.Lock()
-		if !t.ended && t.idleTimer != nil {
+		t.idleMu.Lock()
+		if t.idleTimer != nil {
 			t.idleTimer.Reset(t.idleLimit - quiet)
 		}
-		t.endMu.Unlock()
+		t.idleMu.Unlock()
 		return
 	}
 	metrics.LimitsHit.WithLabelValues("idle_timeout").Inc()
-	msg := fmt.Sprintf("tunnel carried nothing for %v", t.idleLimit)
-	t.decide(byBroker(status.Error(codes.DeadlineExceeded, msg), status.Error(codes.DeadlineExceeded, msg)))
+	msg := status.Error(codes.DeadlineExceeded, fmt.Sprintf("tunnel carried nothing for %v", t.idleLimit))
+	stop(&brokerEnd{msg, msg})
 }

@@ -3,18 +3,12 @@ package tunnel
 import (
 	"cmp"
 	"context"
-	"errors"
-	"io"
-	"sync/atomic"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 	"k8s.io/utils/clock"
 
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
-	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
+	"github.com/kcp-dev/tunnel-broker/internal/splice"
 )
 
 // Config is what ends a broker's tunnels besides their peers.
@@ -31,119 +25,55 @@ type Config struct {
 	Table *Table
 }
 
-// Splice splices the tunnel with the caller's leg until the tunnel ends,
-// and returns the statuses it ended the caller's and the agent's legs with
-// (nil: OK). Each direction is copied by a goroutine of its own; Splice
-// waits for the end, ends both legs, and returns, so that a front end's
-// RPC handler returns its leg's status itself. released, if set, runs once
-// the copiers are gone, which on a clean end is before either peer can hear
-// of it: a caller told that its tunnel ended may dial again at once. After
-// a failure the copiers return as soon as both legs have ended.
+// Splice splices the tunnel with the caller's leg until the tunnel ends
+// (splice.Splice, the caller's leg as A and the agent's as B), and returns
+// the statuses it ended the caller's and the agent's legs with (nil: OK),
+// so that a front end's RPC handler returns its leg's status itself.
+// released, if set, runs once the copiers are gone, which on a clean end is
+// before either peer can hear of it: a caller told that its tunnel ended
+// may dial again at once. After a failure the copiers return as soon as
+// both legs have ended.
 func (t *Tunnel) Splice(caller Leg, cfg Config, released func()) (callerStatus, agentStatus error) {
 	t.endOnce.Do(func() {}) // End no longer ends it: the splice does.
-	t.caller = caller
-	t.clock = cfg.Clock
-	if t.clock == nil {
-		t.clock = clock.RealClock{}
-	}
+	t.clock = cmp.Or[clock.WithDelayedExecution](cfg.Clock, clock.RealClock{})
 	t.idleLimit = cmp.Or(cfg.IdleTimeout, DefaultIdleTimeout)
-	// The last copier to return runs it, once.
-	t.onEnd = func() {
-		t.claim.Release()
-		if cfg.Table != nil {
-			cfg.Table.Remove(t)
-		}
-		if released != nil {
-			released()
-		}
+	stop, stopNow := context.WithCancelCause(context.Background())
+	defer stopNow(nil)
+	if cfg.Stopping != nil {
+		defer context.AfterFunc(cfg.Stopping, func() { stopNow(errStopping) })()
 	}
 	t.touch()
 	if cfg.Table != nil {
 		cfg.Table.Add(t)
 	}
-	unwatch := t.watch(cfg.Stopping)
-	t.copiers.Store(2)
-	go t.copy(t.up())
-	go t.copy(t.down())
-	<-t.decided
-	unwatch()
-	callerStatus, agentStatus = t.failure.statuses(t.ID)
-	caller.End(callerStatus)
-	t.agent.End(agentStatus)
+	t.startIdleTimer(stopNow)
+	defer t.stopIdleTimer()
+	_, callerStatus, agentStatus = splice.Splice(caller, t.agent, splice.Config{
+		Stop:     stop,
+		Carried:  t.carried,
+		Statuses: t.statuses,
+		Released: func() {
+			t.claim.Release()
+			if cfg.Table != nil {
+				cfg.Table.Remove(t)
+			}
+			if released != nil {
+				released()
+			}
+		},
+	})
 	return callerStatus, agentStatus
 }
 
-// A direction is one way through the tunnel: up, from the caller to the
-// agent, or down, from the agent to the caller.
-type direction struct {
-	from, to         Leg
-	fromSide, toSide side
-	// notData is the failure of a from that sends anything but data.
-	notData func() error
-	bytes   prometheus.Counter
-	carried *atomic.Int64 // this tunnel's bytes this way
-}
-
-func (t *Tunnel) up() direction {
-	return direction{from: t.caller, to: t.agent, fromSide: callerSide, toSide: agentSide,
-		notData: CallerSentNotData, bytes: metrics.BytesUp, carried: &t.bytesUp}
-}
-
-func (t *Tunnel) down() direction {
-	return direction{from: t.agent, to: t.caller, fromSide: agentSide, toSide: callerSide,
-		notData: agentSentNotData, bytes: metrics.BytesDown, carried: &t.bytesDown}
-}
-
-// CallerSentNotData is the failure of a caller that sends anything but data
-// after its target.
-func CallerSentNotData() error {
-	return status.Error(codes.InvalidArgument, "protocol error: after the target, a caller may only send non-empty data")
-}
-
-func agentSentNotData() error {
-	return errors.New("protocol error: after opening, an agent may only send non-empty data")
-}
-
-// copy runs one direction in its own goroutine. The last copier to return
-// decides a clean end, unless a failure came first, and then stops the
-// tunnel's counting: nothing of the tunnel runs any more.
-func (t *Tunnel) copy(d direction) {
-	t.forward(d)
-	if t.copiers.Add(-1) == 0 {
-		t.onEnd()
-		t.decide(nil)
-	}
-}
-
-// forward copies d's data frames as they were received, without decoding
-// them (wire.Frame), until its sender half-closes, and then tells the
-// receiver so. The first failure on either leg ends the tunnel.
-func (t *Tunnel) forward(d direction) {
-	for {
-		var f wire.Frame
-		err := d.from.Recv(&f)
-		if errors.Is(err, io.EOF) {
-			if err := d.to.CloseWrite(); err != nil {
-				t.decide(&failure{by: d.toSide, err: err})
-			}
-			return
-		}
-		if err != nil {
-			t.decide(&failure{by: d.fromSide, err: err})
-			return
-		}
-		t.touch()
-		n, err := f.DataLen()
-		if err != nil {
-			f.Free()
-			t.decide(&failure{by: d.fromSide, err: d.notData()})
-			return
-		}
-		if err := d.to.Send(&f); err != nil {
-			t.decide(&failure{by: d.toSide, err: err})
-			return
-		}
-		d.bytes.Add(float64(n))
-		d.carried.Add(int64(n))
+// carried counts a data frame of n bytes from the leg from, and notes that
+// the tunnel is not idle.
+func (t *Tunnel) carried(from splice.Side, n int) {
+	t.touch()
+	if from == splice.A {
+		metrics.BytesUp.Add(float64(n))
+		t.bytesUp.Add(int64(n))
+	} else {
+		metrics.BytesDown.Add(float64(n))
+		t.bytesDown.Add(int64(n))
 	}
 }

@@ -31,6 +31,7 @@ import (
 
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
+	"github.com/kcp-dev/tunnel-broker/internal/splice"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -52,23 +53,17 @@ type Tunnel struct {
 	Established time.Time
 
 	claim   *registry.Claim
-	agent   *StreamLeg
-	caller  Leg // set by Splice
+	agent   *splice.ServerStreamLeg
 	endOnce sync.Once
 
 	// The splice (splice.go, end.go, idle.go).
 	clock     clock.WithDelayedExecution
 	idleLimit time.Duration // <= 0: none
-	idleTimer clock.Timer   // guarded by endMu
-	lastFrame atomic.Int64  // when a frame last passed, as the clock's UnixNano
-	bytesUp   atomic.Int64  // data bytes carried from the caller to the agent
-	bytesDown atomic.Int64  // and back
-	copiers   atomic.Int32  // copier goroutines still running
-	onEnd     func()        // runs once the copiers are gone
-	endMu     sync.Mutex
-	decided   chan struct{} // closed once the end is known
-	ended     bool          // the end is known: a later failure changes nothing
-	failure   *failure      // the first failure; nil for a clean end
+	idleMu    sync.Mutex
+	idleTimer clock.Timer  // guarded by idleMu
+	lastFrame atomic.Int64 // when a frame last passed, as the clock's UnixNano
+	bytesUp   atomic.Int64 // data bytes carried from the caller to the agent
+	bytesDown atomic.Int64 // and back
 }
 
 // Dial orders an agent that serves target's cluster to connect to it, and
@@ -101,12 +96,11 @@ func Open(r *registry.Registry, dialID uint64, agentID spiffeid.ID, stream tunne
 		return err
 	}
 	t := &Tunnel{
-		ID:      claim.TunnelID,
-		Agent:   claim.Agent,
-		Target:  claim.Target,
-		claim:   claim,
-		agent:   AgentStream(stream),
-		decided: make(chan struct{}),
+		ID:     claim.TunnelID,
+		Agent:  claim.Agent,
+		Target: claim.Target,
+		claim:  claim,
+		agent:  AgentStream(stream),
 	}
 	claim.HandOver(t)
 	return t.agent.Wait()

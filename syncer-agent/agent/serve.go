@@ -10,7 +10,6 @@ import (
 	"os"
 	"slices"
 	"strings"
-	"sync"
 	"syscall"
 	"time"
 
@@ -18,6 +17,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/kcp-dev/tunnel-broker/internal/redact"
+	"github.com/kcp-dev/tunnel-broker/internal/splice"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
@@ -29,10 +29,10 @@ const defaultConnectTimeout = 5 * time.Second
 // shows its callers no more of it (docs/protocol.md §5).
 const maxFailureMessage = 256
 
-// open answers one dial order up to its pipe: connect to the target, then
+// open answers one dial order up to its splice: connect to the target, then
 // open the tunnel's Tunnel stream to the broker; or report why not, and
 // return nil. What it returns is the rest of the tunnel's life: write the
-// order's early data to the target, pipe, and clean up. The early data
+// order's early data to the target, splice, and clean up. The early data
 // goes only after the open, so that a dial whose early data reached a
 // target is one the broker has claimed, or one it is told not to order
 // again (docs/protocol.md §3.4).
@@ -98,7 +98,7 @@ type dialed struct {
 
 // openStream carries a dial on a Tunnel stream of its own: it opens the
 // stream and returns the rest of the tunnel's life, as open does. stall
-// bounds each write to the target (pipe).
+// bounds each write to the target (carry).
 func openStream(ctx context.Context, client tunnelv1.AgentServiceClient, d *dialed, stall time.Duration) (run func()) {
 	ctx, cancel := context.WithCancel(ctx)
 	stream, err := client.Tunnel(ctx, wire.FrameCallOption())
@@ -114,20 +114,56 @@ func openStream(ctx context.Context, client tunnelv1.AgentServiceClient, d *dial
 	}
 	d.log.Debug("tunnel open", "target", d.target.RemoteAddr().String())
 	return func() {
-		defer d.target.Close()
-		defer cancel()
 		tunnelsOpen.Inc()
 		defer tunnelsOpen.Dec()
 		tunnelsOpened.Inc()
-		if err := pipe(d.target, stream, d.early, cancel, stall); err != nil {
-			d.log.Info("tunnel ended", "error", err)
+		if failed := carry(ctx, d, stream, cancel, stall); failed != nil {
+			d.log.Info("tunnel ended", "failed", side(failed.By), "error", failed.Err)
 			// A stream cancelled right after open (a target that resets at
 			// once) may end before the broker read the open, and the dial
 			// would wait there for its timeout. Fail it; the broker ignores
 			// a failure for a dial it already claimed.
-			d.report(codes.Unavailable, "the tunnel failed as it opened: "+reason(err), true)
+			d.report(codes.Unavailable, "the tunnel failed as it opened: "+reason(failed.Err), true)
 		}
 	}
+}
+
+// Sides of an agent's splice.
+const (
+	targetSide = splice.A
+	brokerSide = splice.B
+)
+
+// side names a side of the agent's splice in its log.
+func side(s splice.Side) string {
+	if s == targetSide {
+		return "target"
+	}
+	return "broker"
+}
+
+// carry writes the order's early data to the target, then splices the
+// target's connection (A) with the Tunnel stream (B), opened with ctx and
+// cancelled by cancel, until the tunnel ends: the same legs and splice as
+// the broker's. Each write to the target must make progress within stall:
+// a target that stops reading would otherwise block the copier writing to
+// it, where it reads neither the broker's end of the stream nor anything
+// else, until the target read again. It returns the failure the tunnel
+// ended at, nil for a clean end.
+func carry(ctx context.Context, d *dialed, stream tunnelv1.AgentService_TunnelClient, cancel context.CancelFunc, stall time.Duration) *splice.Failure {
+	target := splice.NewConnLeg(d.target, stall)
+	broker := splice.ClientStream(ctx, stream, cancel)
+	if len(d.early) > 0 {
+		early := wire.NewDataFrame(d.early)
+		if err := target.Send(&early); err != nil {
+			failed := &splice.Failure{By: targetSide, Err: fmt.Errorf("writing early data to target: %w", err)}
+			target.End(failed)
+			broker.End(failed)
+			return failed
+		}
+	}
+	failed, _, _ := splice.Splice(target, broker, splice.Config{})
+	return failed
 }
 
 // dialError is why the agent could not connect: a code and message for the
@@ -221,137 +257,7 @@ func reason(err error) string {
 	return "the connection failed"
 }
 
-// buffers hold what the agent reads from a target: one data frame each, at
-// most wire.MaxFrame bytes.
-var buffers = sync.Pool{New: func() any { b := make([]byte, wire.MaxFrame); return &b }}
-
-// pipe carries bytes between the target connection and the tunnel stream,
-// early data first, until both directions are closed or either fails; cancel
-// aborts the stream. Each write to the target must make progress within
-// stall (targetWriter).
-func pipe(conn *net.TCPConn, stream tunnelv1.AgentService_TunnelClient, early []byte, cancel context.CancelFunc, stall time.Duration) error {
-	// A Write blocked on a target that does not read would not see the
-	// stream end: fail it once the stream's context ends, which it does
-	// when the agent cancels the stream (its target failed, or the
-	// grace period is over). On a clean end nothing is being written.
-	stop := context.AfterFunc(stream.Context(), func() { _ = conn.SetWriteDeadline(time.Now()) })
-	defer stop()
-	upErr := make(chan error, 1)
-	go func() { upErr <- targetToStream(conn, stream, cancel) }()
-	downErr := streamToTarget(stream, targetWriter{conn, stream.Context(), stall}, early)
-	if downErr != nil {
-		// The stream failed: abort the target, which ends the other side.
-		conn.SetLinger(0)
-		conn.Close()
-		cancel()
-		<-upErr
-		return downErr
-	}
-	return <-upErr
-}
-
 // DefaultStalledWriteTimeout is the broker's default --idle-timeout: by
 // then a tunnel whose target takes nothing has carried nothing, and the
 // broker has ended it.
 const DefaultStalledWriteTimeout = 10 * time.Minute
-
-// targetWriter is the target connection as the copier from the broker
-// writes to it: every write must make progress within stall. A target
-// that stops reading blocks the copier in its write, where it reads
-// neither the broker's end of the stream nor anything else: gRPC cancels
-// the stream's context only once the copier's next receive returns the
-// broker's status, so without a bound the tunnel's goroutines and sockets
-// would stay until the target read again. One deadline per write costs a
-// timer update, not a goroutine.
-type targetWriter struct {
-	conn *net.TCPConn
-	// ctx is the stream's: once it has ended, pipe's deadline of now
-	// holds, and a write sets no later one.
-	ctx   context.Context
-	stall time.Duration
-}
-
-// bound sets the deadline of the next write.
-func (w targetWriter) bound() {
-	_ = w.conn.SetWriteDeadline(time.Now().Add(w.stall))
-	// The stream's context ends before pipe's AfterFunc runs: if it has
-	// not ended by now, that deadline comes after this one.
-	if w.ctx.Err() != nil {
-		_ = w.conn.SetWriteDeadline(time.Now())
-	}
-}
-
-func (w targetWriter) Write(p []byte) (int, error) {
-	w.bound()
-	return w.conn.Write(p)
-}
-
-// writeFrame writes f's data to the target in one vectored write.
-func (w targetWriter) writeFrame(f *wire.Frame) error {
-	w.bound()
-	_, err := f.WriteTo(w.conn)
-	return err
-}
-
-// targetToStream forwards the target's bytes, then its half-close.
-func targetToStream(conn *net.TCPConn, stream tunnelv1.AgentService_TunnelClient, cancel context.CancelFunc) error {
-	bp := buffers.Get().(*[]byte)
-	defer buffers.Put(bp)
-	buf := *bp
-	for {
-		n, err := conn.Read(buf)
-		if n > 0 {
-			// Send marshals before it returns, so buf can be reused.
-			if err := stream.Send(&tunnelv1.TunnelRequest{Frame: &tunnelv1.TunnelRequest_Data{Data: buf[:n]}}); err != nil {
-				return err
-			}
-		}
-		if errors.Is(err, io.EOF) {
-			return stream.CloseSend()
-		}
-		if err != nil {
-			cancel()
-			return fmt.Errorf("reading from target: %w", err)
-		}
-	}
-}
-
-// streamToTarget forwards the caller's bytes, early data first, then its
-// half-close, until the broker ends the stream. It returns nil only for a
-// clean end.
-func streamToTarget(stream tunnelv1.AgentService_TunnelClient, target targetWriter, early []byte) error {
-	if len(early) > 0 {
-		if _, err := target.Write(early); err != nil {
-			return fmt.Errorf("writing early data to target: %w", err)
-		}
-	}
-	for {
-		// Data goes from gRPC's buffers to the socket in one vectored
-		// write, without being decoded or copied (wire.Frame).
-		var f wire.Frame
-		err := stream.RecvMsg(&f)
-		if errors.Is(err, io.EOF) {
-			return nil
-		}
-		if err != nil {
-			return err
-		}
-		if _, err := f.DataLen(); err == nil {
-			err := target.writeFrame(&f)
-			f.Free()
-			if err != nil {
-				return fmt.Errorf("writing to target: %w", err)
-			}
-			continue
-		}
-		var msg tunnelv1.TunnelResponse
-		err = f.Decode(&msg)
-		f.Free()
-		if err != nil || msg.GetCloseWrite() == nil {
-			return fmt.Errorf("protocol error: unexpected %T from broker", msg.GetFrame())
-		}
-		if err := target.conn.CloseWrite(); err != nil {
-			return fmt.Errorf("half-closing target: %w", err)
-		}
-	}
-}

@@ -530,7 +530,7 @@ func writeToTargetBlocked() bool {
 	buf := make([]byte, 1<<20)
 	buf = buf[:runtime.Stack(buf, true)]
 	for g := range strings.SplitSeq(string(buf), "\n\n") {
-		if strings.Contains(g, "[IO wait") && strings.Contains(g, ".streamToTarget(") {
+		if strings.Contains(g, "[IO wait") && strings.Contains(g, "splice.(*ConnLeg).Send(") {
 			return true
 		}
 	}

@@ -13,6 +13,7 @@ import (
 
 	"github.com/kcp-dev/tunnel-broker/broker/admission"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
+	"github.com/kcp-dev/tunnel-broker/internal/splice"
 	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
@@ -128,7 +129,7 @@ func (h *held) answer(established bool) *leg {
 		h.frames = nil
 		return nil
 	}
-	l := &leg{StreamLeg: tunnel.CallerStream(h.stream), frames: h.frames, end: h.end}
+	l := &leg{ServerStreamLeg: tunnel.CallerStream(h.stream), frames: h.frames, end: h.end}
 	if h.end == nil {
 		l.last = h.last
 	}
@@ -138,7 +139,7 @@ func (h *held) answer(established bool) *leg {
 // leg is the caller's Dial stream as its tunnel's leg, with what the
 // caller sent while the dial was pending received first.
 type leg struct {
-	*tunnel.StreamLeg
+	*splice.ServerStreamLeg
 	frames []wire.Frame
 	end    error
 	last   chan received
@@ -158,7 +159,7 @@ func (l *leg) Recv(f *wire.Frame) error {
 		*f = r.f
 		return r.err
 	}
-	return l.StreamLeg.Recv(f)
+	return l.ServerStreamLeg.Recv(f)
 }
 
 // refused is the reason the caller's dial was refused while it was

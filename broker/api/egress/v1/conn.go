@@ -16,6 +16,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/authz"
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
+	"github.com/kcp-dev/tunnel-broker/internal/splice"
 )
 
 // refusal is a CONNECT answered without a tunnel.
@@ -67,7 +68,7 @@ func (s *Server) serveConn(raw net.Conn) {
 	gauge := metrics.EgressTunnels.WithLabelValues(s.cfg.Name)
 	gauge.Inc()
 	defer gauge.Dec()
-	ticket.Splice(t, tunnel.NewConnLeg(&bufferedConn{Conn: conn, r: br}), "connect")
+	ticket.Splice(t, splice.NewConnLeg(&bufferedConn{Conn: conn, r: br}, 0), "connect")
 }
 
 // open reads the CONNECT and dials its target through the front door: the
@@ -122,7 +123,7 @@ func (c *bufferedConn) Read(p []byte) (int, error) {
 	return c.Conn.Read(p)
 }
 
-// NetConn is the connection under the reader, for tunnel.Reset.
+// NetConn is the connection under the reader, for splice.Reset.
 func (c *bufferedConn) NetConn() net.Conn { return c.Conn }
 
 // CloseWrite half-closes the connection, where it can.

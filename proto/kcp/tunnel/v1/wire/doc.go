@@ -1,11 +1,11 @@
 // Package wire is how the three parties of a tunnel (kcp through kcpplugin,
 // the broker and the syncer agent) carry the kcp.tunnel.v1 messages on
-// gRPC: the frame codec, which receives data frames into gRPC's buffers and
-// forwards them without decoding (Frame, FrameCodec, and ReadBuffer, which
-// makes frames of a connection's reads), and the transport settings all
-// three use (DialOptions, ServerOptions, MaxFrame, MaxEarlyData). No
-// connection runtime lives here: the broker's and the agent's write
-// coalescing is the root module's (internal/coalesce).
+// gRPC: the frame codec, which receives data frames into gRPC's buffers
+// and forwards them without decoding (Frame, FrameCodec), and the
+// transport settings all three use (DialOptions, ServerOptions, MaxFrame,
+// MaxEarlyData). No connection runtime lives here: the broker's and the
+// agent's legs, splice and read buffers (internal/splice) and write
+// coalescing (internal/coalesce) are the root module's.
 //
 // It imports only the standard library, gRPC and protobuf, so that the
 // broker and the agent use it without linking kcpplugin (the webhook

@@ -60,8 +60,13 @@ func NewDataFrame(payload []byte) Frame {
 	b[0] = dataTag
 	m := binary.PutUvarint(b[1:], uint64(len(payload)))
 	n := 1 + m + copy(b[1+m:], payload)
-	return Frame{buf: mem.BufferSlice{mem.SliceBuffer(b[:n])}}
+	return Frame{buf: mem.BufferSlice{mem.SliceBuffer(b[:n])}, off: 1 + m, end: n}
 }
+
+// NewFrame is the frame of a message's wire encoding in encoded, whose
+// buffers it takes: for a sender that encodes a data frame in place, in a
+// buffer it reads into (the broker's and the agent's connections).
+func NewFrame(encoded mem.BufferSlice) Frame { return Frame{buf: encoded} }
 
 // Empty says that f holds nothing: the zero Frame.
 func (f *Frame) Empty() bool { return f.buf.Len() == 0 }

@@ -1,10 +1,12 @@
-package wire
+package splice
 
 import (
 	"bytes"
 	"io"
 	"strings"
 	"testing"
+
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // chunks hands out its chunks one per Read.
@@ -21,7 +23,7 @@ func (c *chunks) Read(p []byte) (int, error) {
 }
 
 func TestReadBufferHoldsAPooledBufferOnlyWhileReadsAreLarge(t *testing.T) {
-	large := bytes.Repeat([]byte("b"), 3*MaxFrame)
+	large := bytes.Repeat([]byte("b"), 3*wire.MaxFrame)
 	src := chunks{[]byte("ping"), large, []byte("pong")}
 	var b ReadBuffer
 	var got []string
@@ -38,9 +40,9 @@ func TestReadBufferHoldsAPooledBufferOnlyWhileReadsAreLarge(t *testing.T) {
 		t.Fatal("the bytes read are not the bytes sent")
 	}
 	// ping: small. Then 2 KiB fill the small buffer, and the rest comes
-	// in MaxFrame reads into the big one; pong goes back to small.
-	if len(got[1]) != smallRead || len(got[2]) != MaxFrame {
-		t.Fatalf("reads of %d and %d bytes, want %d then %d", len(got[1]), len(got[2]), smallRead, MaxFrame)
+	// in wire.MaxFrame reads into the big one; pong goes back to small.
+	if len(got[1]) != smallRead || len(got[2]) != wire.MaxFrame {
+		t.Fatalf("reads of %d and %d bytes, want %d then %d", len(got[1]), len(got[2]), smallRead, wire.MaxFrame)
 	}
 	if big[0] || !big[1] || !big[len(big)-2] || big[len(big)-1] {
 		t.Fatalf("holding a big buffer after each read: %v; want only after reads that filled theirs", big)
@@ -54,14 +56,14 @@ func TestReadFramesOwnTheirBytes(t *testing.T) {
 	var src chunks
 	var want []string
 	for i := range 6 {
-		chunk := bytes.Repeat([]byte{byte('a' + i)}, MaxFrame)
+		chunk := bytes.Repeat([]byte{byte('a' + i)}, wire.MaxFrame)
 		src = append(src, chunk)
 		want = append(want, string(chunk))
 	}
 	src = append(src, []byte("pong"))
 	want = append(want, "pong")
 	var b ReadBuffer
-	var frames []Frame
+	var frames []wire.Frame
 	var got strings.Builder
 	for len(src) > 0 {
 		f, err := b.ReadFrame(&src)

@@ -1,30 +1,36 @@
-package wire
+package splice
 
 import (
 	"io"
 	"sync"
 
 	"google.golang.org/grpc/mem"
+
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // smallRead is the buffer a ReadBuffer reads into while what arrives is
 // small: a webhook's request or answer, a TLS handshake message.
 const smallRead = 2 << 10
 
+// dataTag begins a data frame: field 2 (data) of every request and
+// response, length-delimited.
+const dataTag = 2<<3 | 2
+
 // maxFrameHead is the room for a data frame's head before its payload: its
-// tag and its length as a 3-byte varint (MaxFrame < 1<<21).
+// tag and its length as a 3-byte varint (wire.MaxFrame < 1<<21).
 const maxFrameHead = 4
 
-// bigReads are the pooled buffers of large reads: MaxFrame bytes, after
+// bigReads are the pooled buffers of large reads: wire.MaxFrame bytes, after
 // the room for a frame's head, so that a frame made of a read is its
 // encoding in one piece, which gRPC sends on without a copy.
-var bigReads = sync.Pool{New: func() any { b := make([]byte, maxFrameHead+MaxFrame); return &b }}
+var bigReads = sync.Pool{New: func() any { b := make([]byte, maxFrameHead+wire.MaxFrame); return &b }}
 
 // ReadBuffer is the buffer of one connection's reads, sized for what the
 // connection carries. A goroutine blocked in Read holds its buffer for as
 // long as the peer is silent, so an idle tunnel should hold a small one: it
 // reads into 2 KiB of its own until a read fills them, and then into a
-// pooled MaxFrame buffer until a read brings what 2 KiB would have held.
+// pooled wire.MaxFrame buffer until a read brings what 2 KiB would have held.
 // The zero value is ready; Release returns the pooled buffer.
 type ReadBuffer struct {
 	small [smallRead]byte
@@ -77,18 +83,18 @@ func (b *ReadBuffer) took(n int) []byte {
 // pool, and the next read takes another; a small read is copied. So a large
 // transfer is forwarded without a copy or an allocation of its bytes. An
 // empty read is an empty Frame.
-func (b *ReadBuffer) ReadFrame(r io.Reader) (Frame, error) {
+func (b *ReadBuffer) ReadFrame(r io.Reader) (wire.Frame, error) {
 	data, err := b.Read(r)
 	return b.frame(data), err
 }
 
 // frame is data, just read, as a data frame that owns its bytes.
-func (b *ReadBuffer) frame(data []byte) Frame {
+func (b *ReadBuffer) frame(data []byte) wire.Frame {
 	if len(data) == 0 {
-		return Frame{}
+		return wire.Frame{}
 	}
 	if b.big == nil || &(*b.big)[maxFrameHead] != &data[0] {
-		return NewDataFrame(data)
+		return wire.NewDataFrame(data)
 	}
 	buf := b.big
 	b.big = nil
@@ -100,7 +106,7 @@ func (b *ReadBuffer) frame(data []byte) Frame {
 	n := len(data)
 	head[0], head[1], head[2], head[3] = dataTag, byte(n)|0x80, byte(n>>7)|0x80, byte(n>>14)
 	*buf = (*buf)[:maxFrameHead+n]
-	return Frame{buf: mem.BufferSlice{mem.NewBuffer(buf, readPool{})}}
+	return wire.NewFrame(mem.BufferSlice{mem.NewBuffer(buf, readPool{})})
 }
 
 // Release returns the pooled buffer, if any.
@@ -127,7 +133,7 @@ func (readPool) Get(length int) *[]byte {
 }
 
 func (readPool) Put(b *[]byte) {
-	if cap(*b) != maxFrameHead+MaxFrame {
+	if cap(*b) != maxFrameHead+wire.MaxFrame {
 		return
 	}
 	*b = (*b)[:cap(*b)]
