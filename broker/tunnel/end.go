@@ -5,7 +5,6 @@ import (
 	"errors"
 	"io"
 	"net"
-	"strings"
 	"syscall"
 
 	"google.golang.org/grpc/codes"
@@ -82,12 +81,14 @@ func (t *Tunnel) statuses(f *splice.Failure) (callerStatus, agentStatus error) {
 // for.
 const maxLossText = 256
 
-// agentLoss says in words why the agent's leg failed: its connection to
-// the broker broke or closed, its stream was cancelled (the agent stopped,
-// or lost its connection), or, redacted, what else the leg's error says.
-// Go's network errors name both ends of the agent's connection
+// agentLoss says in words why the agent's leg failed, by the error's type
+// and status code, never its text: its connection to the broker broke or
+// closed, its stream was cancelled (the agent stopped, or lost its
+// connection), or, redacted, what else the leg's error says. Go's network
+// errors name both ends of the agent's connection
 // ("read tcp 10.0.0.1:8443->10.0.0.7:42610: ..."), which a caller must not
-// see.
+// see; gRPC passes a broken transport on as Unavailable, with the cause
+// only in its text, which the broker's log keeps.
 func agentLoss(err error) string {
 	var op *net.OpError
 	var errno syscall.Errno
@@ -100,15 +101,8 @@ func agentLoss(err error) string {
 		return "the agent's connection to the broker closed"
 	case errors.Is(err, context.Canceled), status.Code(err) == codes.Canceled:
 		return "the agent stopped, or lost its connection to the broker"
+	case status.Code(err) == codes.Unavailable:
+		return "the agent's connection to the broker broke or closed"
 	}
-	msg := status.Convert(err).Message()
-	for _, cause := range []string{"connection reset by peer", "broken pipe", "connection timed out", "no route to host"} {
-		if strings.Contains(msg, cause) {
-			return "the agent's connection to the broker broke (" + cause + ")"
-		}
-	}
-	if strings.Contains(msg, "transport is closing") || strings.Contains(msg, "EOF") {
-		return "the agent's connection to the broker closed"
-	}
-	return redact.Text(msg, maxLossText)
+	return redact.Text(status.Convert(err).Message(), maxLossText)
 }
