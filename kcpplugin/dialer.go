@@ -15,6 +15,7 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/connectivity"
 	"google.golang.org/grpc/status"
 
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
@@ -34,6 +35,9 @@ type ServiceDialer interface {
 // Dialer opens tunnels with the broker's Dial RPC, one Dial stream each.
 type Dialer struct {
 	client tunnelv1.DialServiceClient
+	// state is the connection's state, if it tells it (a *grpc.ClientConn
+	// does).
+	state interface{ GetState() connectivity.State }
 	// Timeout bounds each dial, from the call to a usable connection.
 	Timeout time.Duration
 	// EarlyData, on by default, makes DialService return the connection at
@@ -55,7 +59,8 @@ var _ ServiceDialer = (*Dialer)(nil)
 // credentials (SPIFFE mTLS), NewClient for instance, and closes it when
 // done: that ends every tunnel on it.
 func NewDialer(conn grpc.ClientConnInterface) *Dialer {
-	return &Dialer{client: tunnelv1.NewDialServiceClient(conn), Timeout: DefaultDialTimeout, EarlyData: true}
+	state, _ := conn.(interface{ GetState() connectivity.State })
+	return &Dialer{client: tunnelv1.NewDialServiceClient(conn), state: state, Timeout: DefaultDialTimeout, EarlyData: true}
 }
 
 // DialService opens a tunnel to port of Service namespace/name in cluster.
@@ -113,7 +118,7 @@ func (d *Dialer) open(ctx context.Context, target *tunnelv1.Target, timeout time
 	switch {
 	case err == nil:
 		return newConn(stream, cancel, target, timeout, timeout-time.Since(start)), nil
-	case (timedOut.Load() || errors.Is(ctx.Err(), context.DeadlineExceeded)) && waitedForABroker(err):
+	case (timedOut.Load() || errors.Is(ctx.Err(), context.DeadlineExceeded)) && d.waitedForABroker():
 		// No broker was ready before the dial's timeout or deadline: say
 		// why, in words, from gRPC's last connection error, which its
 		// message names with the broker's address (kcp shows this
@@ -126,6 +131,13 @@ func (d *Dialer) open(ctx context.Context, target *tunnelv1.Target, timeout time
 	}
 	cancel()
 	return nil, err
+}
+
+// waitedForABroker tells whether a dial that ran out of time waited for a
+// ready connection to a broker, rather than for a stream that a ready
+// broker was slow to open: only the first is "no tunnel broker reachable".
+func (d *Dialer) waitedForABroker() bool {
+	return d.state != nil && d.state.GetState() != connectivity.Ready
 }
 
 // A conn's dial goes in two steps. Its target is sent with the conn's first

@@ -1,16 +1,14 @@
 package kcpplugin
 
-import (
-	"strings"
-
-	"google.golang.org/grpc/status"
-)
+import "strings"
 
 // connectionFailure says in words why gRPC could not connect to a broker,
 // from the text of its last connection error, which names the broker's
 // address ("dial tcp 10.96.0.7:8443: connect: connection refused"): kcp
 // shows a dial's error to its end users, who get the words, never the
-// addresses. Whatever it has no words for is "cannot connect".
+// addresses. Whatever it has no words for is "cannot connect". It is the
+// one place kcpplugin reads an error's text: gRPC passes a connection's
+// failure on to a waiting stream only as text, in its picker's status.
 func connectionFailure(msg string) string {
 	switch {
 	case strings.Contains(msg, "authentication handshake failed"), strings.Contains(msg, "remote error: tls: "):
@@ -37,15 +35,6 @@ func connectionFailure(msg string) string {
 		return "the broker closed the connection"
 	}
 	return "cannot connect"
-}
-
-// waitedForABroker tells whether err ended a wait for a ready connection to
-// a broker (gRPC's picker says so in its message), rather than a stream
-// that a ready broker was slow to open: only the first is "no tunnel broker
-// reachable".
-func waitedForABroker(err error) bool {
-	msg := status.Convert(err).Message()
-	return strings.Contains(msg, "latest balancer error") || strings.Contains(msg, "waiting for connections to become ready")
 }
 
 // handshakeFailure says which side refused a TLS handshake, if the
