@@ -179,7 +179,14 @@ func (c *spiffeCreds) tlsClient(ctx context.Context, authority string, raw net.C
 	conn := tls.Client(raw, cfg)
 	if err := conn.HandshakeContext(ctx); err != nil {
 		conn.Close()
+		if _, ok := errors.AsType[tls.RecordHeaderError](err); ok {
+			return nil, nil, notGRPC(authority, "it does not speak TLS")
+		}
 		return nil, nil, err
+	}
+	if conn.ConnectionState().NegotiatedProtocol == "" {
+		conn.Close()
+		return nil, nil, notGRPC(authority, "it speaks TLS, but not HTTP/2")
 	}
 	c2, info, err := tlsResult(conn)
 	if err != nil {
@@ -194,6 +201,15 @@ func (c *spiffeCreds) tlsClient(ctx context.Context, authority string, raw net.C
 		return nil, nil, err
 	}
 	return &primedConn{Conn: conn, first: first}, info, nil
+}
+
+// ErrNotGRPC is a server that answered, but not as a gRPC server over TLS
+// does: a client pointed at another port of the broker (its metrics port
+// serves plain HTTP, its CONNECT port TLS without HTTP/2).
+var ErrNotGRPC = errors.New("not a gRPC server over TLS")
+
+func notGRPC(authority, why string) error {
+	return fmt.Errorf("%s answered, but %s: %w; is that the broker's --listen port, not its metrics or CONNECT port?", authority, why, ErrNotGRPC)
 }
 
 // awaitServer reads the server's first bytes after a TLS 1.3 handshake. In

@@ -5,6 +5,8 @@ import (
 	"crypto/tls"
 	"errors"
 	"net"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
@@ -265,5 +267,38 @@ func TestValidateWorkloadID(t *testing.T) {
 	}
 	if err := ValidateWorkloadID(spiffeid.ID{}); err == nil {
 		t.Error("the zero ID passed")
+	}
+}
+
+// A client pointed at a port of the broker that does not serve gRPC (its
+// metrics port, plain HTTP; its CONNECT port, TLS without HTTP/2) says so
+// rather than "first record does not look like a TLS handshake" or
+// "missing selected ALPN property".
+func TestAClientPointedAtAPortThatIsNotGRPCSaysSo(t *testing.T) {
+	ca := newCA(t, "ca")
+	agent := newSource(t, ca, devca.Leaf{SPIFFEID: "/agent"})
+	creds := ClientCredentials(agent, tlsconfig.AuthorizeMemberOf(spiffeid.RequireTrustDomainFromString(testTD)))
+
+	plain := httptest.NewServer(http.NotFoundHandler())
+	t.Cleanup(plain.Close)
+	lis, err := tls.Listen("tcp", "127.0.0.1:0", &tls.Config{Certificates: []tls.Certificate{rawCert(t, ca, devca.Leaf{SPIFFEID: "/broker"})}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	withoutH2 := &http.Server{Handler: http.NotFoundHandler(), TLSNextProto: map[string]func(*http.Server, *tls.Conn, http.Handler){}}
+	go func() { _ = withoutH2.Serve(lis) }()
+	t.Cleanup(func() { withoutH2.Close() })
+
+	for name, tc := range map[string]struct{ addr, why string }{
+		"plain HTTP":     {strings.TrimPrefix(plain.URL, "http://"), "it does not speak TLS"},
+		"TLS without h2": {lis.Addr().String(), "it speaks TLS, but not HTTP/2"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			_, _, err := clientHandshake(t, creds, tc.addr)
+			if !errors.Is(err, ErrNotGRPC) || !strings.Contains(err.Error(), tc.why) ||
+				!strings.Contains(err.Error(), "is that the broker's --listen port, not its metrics or CONNECT port?") {
+				t.Fatalf("handshake: %v, want ErrNotGRPC saying %q and which port to use", err, tc.why)
+			}
+		})
 	}
 }

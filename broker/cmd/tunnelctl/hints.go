@@ -69,6 +69,8 @@ func ownHint(err error, st *status.Status) string {
 // cluster, the agent reached the Service but its port refused, ...
 func unavailableHint(msg string) string {
 	switch {
+	case strings.Contains(msg, identity.ErrNotGRPC.Error()):
+		return "--broker names a port of the broker that does not serve gRPC: use its --listen port (8443 by default)"
 	case strings.Contains(msg, "authentication handshake failed"):
 		return "the TLS handshake with the broker failed: check --broker-spiffe-id, that your --trust-bundle holds the broker's CA, and the broker's log for why it refused you"
 	case strings.Contains(msg, "name resolver error"), strings.Contains(msg, "produced zero addresses"),
