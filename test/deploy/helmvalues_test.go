@@ -1,6 +1,7 @@
 package deploy
 
 import (
+	"encoding/json"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -351,5 +352,42 @@ func TestDeployHelmBrokerDevPolicyIsDevCAs(t *testing.T) {
 	}
 	for _, d := range differences("policy", plain(t, devca), plain(t, v.Policy)) {
 		t.Error(strings.NewReplacer("kustomize ", "dev-ca ", "chart ", "dev-values.yaml ").Replace(d))
+	}
+}
+
+// TestDeployHelmClusterSPIFFEIDClassName: both charts' ClusterSPIFFEIDs
+// carry the class of the controller manager SPIRE's Helm charts install
+// (a controller manager with a class skips every other ClusterSPIFFEID
+// silently), and none for a className of "".
+func TestDeployHelmClusterSPIFFEIDClassName(t *testing.T) {
+	for _, chart := range []string{"tunnel-broker", "tunnel-agent"} {
+		var base []string
+		if chart == "tunnel-broker" {
+			base = brokerPolicyArgs()
+		}
+		for _, c := range []struct {
+			set  []string
+			want string
+		}{
+			{nil, "spire-server-spire"},
+			{[]string{"--set", "clusterSPIFFEID.className=other-class"}, "other-class"},
+			{[]string{"--set", "clusterSPIFFEID.className="}, ""},
+		} {
+			objs := templateChart(t, chart, append(base, c.set...)...)
+			ids := ofKind(objs, "ClusterSPIFFEID")
+			if len(ids) != 1 {
+				t.Fatalf("%s %v: %d ClusterSPIFFEIDs, want 1", chart, c.set, len(ids))
+			}
+			var id struct {
+				Spec map[string]any `json:"spec"`
+			}
+			if err := json.Unmarshal(ids[0].JSON, &id); err != nil {
+				t.Fatal(err)
+			}
+			got, has := id.Spec["className"]
+			if c.want == "" && has || c.want != "" && got != c.want {
+				t.Errorf("%s %v: className %v (set: %v), want %q", chart, c.set, got, has, c.want)
+			}
+		}
 	}
 }
