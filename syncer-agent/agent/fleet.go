@@ -146,12 +146,19 @@ func (f *Fleet) resolve(ctx context.Context) []string {
 			}
 		}
 		if err != nil {
-			f.Log.Warn("resolving broker replicas failed, keeping the ones known", "dns", f.DNS, "error", err)
 			f.mu.Lock()
 			for addr := range f.members {
 				addrs = append(addrs, addr)
 			}
 			f.mu.Unlock()
+			if len(addrs) == 0 {
+				// Say it each time: until the name resolves, no dial
+				// reaches this agent's clusters.
+				f.Log.Error("resolving broker replicas failed and none is known: registered with no broker until it resolves",
+					"dns", f.DNS, "error", err)
+			} else {
+				f.Log.Warn("resolving broker replicas failed, keeping the ones known", "dns", f.DNS, "known", len(addrs), "error", err)
+			}
 		}
 	}
 	slices.Sort(addrs)

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"log/slog"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -293,4 +294,39 @@ func TestFleetForgetsReplicasOnceTheyHaveLeft(t *testing.T) {
 	if n != 0 {
 		t.Errorf("the fleet still holds %d agents that have left", n)
 	}
+}
+
+// An agent whose --broker-dns has never resolved is registered with no
+// broker: it says so at every attempt, not once as if it kept some.
+func TestFleetThatKnowsNoReplicaSaysSoAtEveryFailedResolution(t *testing.T) {
+	h := newFleet(t, nil, true, "10.0.0.1:8443")
+	var logs lockedLog
+	h.fleet.Log = slog.New(slog.NewTextHandler(&logs, nil))
+	h.run()
+	h.answer(nil, errors.New("no such host"))
+	h.answer(nil, errors.New("no such host"))
+	h.parked()
+	h.known(0)
+	const said = "resolving broker replicas failed and none is known: registered with no broker until it resolves"
+	if n := strings.Count(logs.String(), said); n != 2 {
+		t.Errorf("said %d times %q, want at each of 2 failures; the log:\n%s", n, said, logs.String())
+	}
+}
+
+// lockedLog is a log's output that goroutines may share.
+type lockedLog struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (l *lockedLog) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedLog) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }
