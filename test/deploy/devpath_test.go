@@ -69,6 +69,12 @@ func TestDeployHelmWithoutSPIRE(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	// The folder the README's "Run it by hand" left, whose first step
+	// writes dev/: a reader who tried that first follows this section in
+	// the same folder.
+	if out, err := exec.Command(filepath.Join(bin, "tunnelctl"), "dev-ca", filepath.Join(dir, "dev")).CombinedOutput(); err != nil {
+		t.Fatalf("tunnelctl dev-ca dev, as the README runs it: %v\n%s", err, out)
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, "bash", "-c", "set -euo pipefail\n"+block)
@@ -125,7 +131,7 @@ func TestDeployHelmWithoutSPIRE(t *testing.T) {
 	if !slices.Contains(headless, agentFlags["broker-dns"]) {
 		t.Errorf("the agent's --broker-dns %q is not the broker's headless Service (%v)", agentFlags["broker-dns"], headless)
 	}
-	operator, err := x509svid.Load(filepath.Join(dir, "dev", "operator", "tls.crt"), filepath.Join(dir, "dev", "operator", "tls.key"))
+	operator, err := x509svid.Load(filepath.Join(dir, "dev-cluster", "operator", "tls.crt"), filepath.Join(dir, "dev-cluster", "operator", "tls.key"))
 	if err != nil {
 		t.Fatal(err)
 	}
