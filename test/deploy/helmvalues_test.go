@@ -391,3 +391,34 @@ func TestDeployHelmClusterSPIFFEIDClassName(t *testing.T) {
 		}
 	}
 }
+
+// TestDeployHelmShutdownDurationsAgree: a pod's
+// terminationGracePeriodSeconds must cover the broker's preStop sleep and
+// the tunnels' --grace, or the kubelet kills tunnels --grace lets run:
+// each chart refuses to render values that disagree, and says which.
+func TestDeployHelmShutdownDurationsAgree(t *testing.T) {
+	for _, c := range []struct {
+		chart string
+		set   []string
+		want  string // "": renders
+	}{
+		{"tunnel-broker", nil, ""},
+		{"tunnel-broker", []string{"--set", "grace=2m", "--set", "terminationGracePeriodSeconds=130"}, ""},
+		{"tunnel-broker", []string{"--set", "grace=30s"}, "terminationGracePeriodSeconds is 35: it must be at least 40, the preStop sleep (preStopSleepSeconds, 5 s) plus grace (30 s) plus 5 s"},
+		{"tunnel-broker", []string{"--set", "grace=1h30m"}, `grace is "1h30m": whole seconds or minutes, like 20s or 2m`},
+		{"tunnel-agent", nil, ""},
+		{"tunnel-agent", []string{"--set", "terminationGracePeriodSeconds=20"}, "terminationGracePeriodSeconds is 20: it must be at least 25, grace (20 s) plus 5 s"},
+	} {
+		args := []string{"template", c.chart, chartDir(c.chart), "--namespace", "kcp-system"}
+		if c.chart == "tunnel-broker" {
+			args = append(args, brokerPolicyArgs()...)
+		}
+		_, stderr, err := runHelm(t, append(args, c.set...)...)
+		switch {
+		case c.want == "" && err != nil:
+			t.Errorf("%s %v: %v\n%s", c.chart, c.set, err, stderr)
+		case c.want != "" && (err == nil || !strings.Contains(stderr, c.want)):
+			t.Errorf("%s %v: rendered (%v), want a refusal saying %q; stderr:\n%s", c.chart, c.set, err, c.want, stderr)
+		}
+	}
+}

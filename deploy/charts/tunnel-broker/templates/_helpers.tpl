@@ -114,3 +114,26 @@ prometheus.io/path: /metrics
 {{- end }}
 {{- $s }}
 {{- end }}
+
+{{/*
+tunnel-broker.shutdown checks that the pod's terminationGracePeriodSeconds
+covers the preStop sleep, the tunnels' --grace and a margin of 5 s: the
+kubelet kills the pod at its end, cutting off tunnels that --grace promised
+to let finish. grace is whole seconds or minutes (20s, 2m).
+*/}}
+{{- define "tunnel-broker.shutdown" -}}
+{{- $g := toString .Values.grace }}
+{{- $grace := 0 }}
+{{- if regexMatch "^[0-9]+s$" $g }}
+{{- $grace = trimSuffix "s" $g | int }}
+{{- else if regexMatch "^[0-9]+m$" $g }}
+{{- $grace = mul (trimSuffix "m" $g | int) 60 }}
+{{- else }}
+{{- fail (printf "grace is %q: whole seconds or minutes, like 20s or 2m" $g) }}
+{{- end }}
+{{- $pre := (int .Values.preStopSleepSeconds) }}
+{{- $need := add $pre $grace 5 }}
+{{- if lt (int .Values.terminationGracePeriodSeconds) $need }}
+{{- fail (printf "terminationGracePeriodSeconds is %d: it must be at least %d, the preStop sleep (preStopSleepSeconds, %d s) plus grace (%d s) plus 5 s, or the kubelet kills tunnels that --grace lets run" (int .Values.terminationGracePeriodSeconds) $need $pre $grace) }}
+{{- end }}
+{{- end }}
