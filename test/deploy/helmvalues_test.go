@@ -422,3 +422,46 @@ func TestDeployHelmShutdownDurationsAgree(t *testing.T) {
 		}
 	}
 }
+
+// TestDeployHelmNotesNameWhatTheChartMade: what each chart tells after an
+// install names the Deployment, Services and policy it rendered.
+func TestDeployHelmNotesNameWhatTheChartMade(t *testing.T) {
+	for _, c := range []struct {
+		chart string
+		args  []string
+		want  []string
+	}{
+		{"tunnel-broker", brokerPolicyArgs(), []string{
+			"rollout status deploy/tunnel-broker", "tunnel-broker.kcp-system.svc:8443",
+			"tunnel-broker-headless.kcp-system.svc:8443", "ConfigMap tunnel-broker-policy",
+			"className spire-server-spire"}},
+		{"tunnel-agent", nil, []string{
+			"rollout status deploy/tunnel-agent", "tunnel-broker-headless.kcp-system.svc:8443", "logical cluster root"}},
+	} {
+		args := append([]string{"install", c.chart, chartDir(c.chart), "--dry-run=client", "--namespace", "kcp-system"}, c.args...)
+		out, stderr, err := runHelm(t, args...)
+		if err != nil {
+			t.Fatalf("helm %s: %v\n%s", strings.Join(args, " "), err, stderr)
+		}
+		_, notes, ok := strings.Cut(out, "NOTES:\n")
+		if !ok {
+			t.Fatalf("%s: no NOTES", c.chart)
+		}
+		objs := templateChart(t, c.chart, c.args...)
+		for _, w := range c.want {
+			if !strings.Contains(notes, w) {
+				t.Errorf("%s's notes do not say %q:\n%s", c.chart, w, notes)
+			}
+		}
+		for _, kind := range []string{"Deployment", "Service"} {
+			for _, o := range ofKind(objs, kind) {
+				if kind == "Service" && strings.HasSuffix(o.Name, "-metrics") {
+					continue
+				}
+				if !strings.Contains(notes, o.Name) {
+					t.Errorf("%s's notes do not name its %s %s", c.chart, kind, o.Name)
+				}
+			}
+		}
+	}
+}
