@@ -465,3 +465,57 @@ func TestDeployHelmNotesNameWhatTheChartMade(t *testing.T) {
 		}
 	}
 }
+
+// TestDeployHelmPodMonitorScrapesThePodsMetricsPort: with podMonitor on,
+// each chart's PodMonitor selects its own pods and scrapes the container
+// port that serves /metrics.
+func TestDeployHelmPodMonitorScrapesThePodsMetricsPort(t *testing.T) {
+	for _, chart := range []string{"tunnel-broker", "tunnel-agent"} {
+		var args []string
+		if chart == "tunnel-broker" {
+			args = brokerPolicyArgs()
+		}
+		if n := len(ofKind(templateChart(t, chart, args...), "PodMonitor")); n != 0 {
+			t.Errorf("%s: %d PodMonitors by default, want none", chart, n)
+		}
+		objs := templateChart(t, chart, append(args, "--set", "podMonitor.enabled=true", "--set", "podMonitor.labels.release=prometheus")...)
+		pms := ofKind(objs, "PodMonitor")
+		if len(pms) != 1 {
+			t.Fatalf("%s: %d PodMonitors, want 1", chart, len(pms))
+		}
+		var pm struct {
+			Metadata metav1.ObjectMeta `json:"metadata"`
+			Spec     struct {
+				Selector  metav1.LabelSelector `json:"selector"`
+				Endpoints []struct {
+					Port string `json:"port"`
+					Path string `json:"path"`
+				} `json:"podMetricsEndpoints"`
+			} `json:"spec"`
+		}
+		if err := json.Unmarshal(pms[0].JSON, &pm); err != nil {
+			t.Fatal(err)
+		}
+		if pm.Metadata.Labels["release"] != "prometheus" {
+			t.Errorf("%s: the PodMonitor's labels %v lack podMonitor.labels", chart, pm.Metadata.Labels)
+		}
+		d := theDeployment(t, objs)
+		sel, err := metav1.LabelSelectorAsSelector(&pm.Spec.Selector)
+		if err != nil || !sel.Matches(labels.Set(d.Spec.Template.Labels)) {
+			t.Errorf("%s: the PodMonitor's selector %v does not select the pods (%v)", chart, pm.Spec.Selector, d.Spec.Template.Labels)
+		}
+		// The values' ports.metrics: the broker's 9090, the agent's 9091.
+		want := map[string]int32{"tunnel-broker": 9090, "tunnel-agent": 9091}[chart]
+		var metricsPort string
+		for _, c := range d.Spec.Template.Spec.Containers {
+			for _, p := range c.Ports {
+				if p.ContainerPort == want {
+					metricsPort = p.Name
+				}
+			}
+		}
+		if len(pm.Spec.Endpoints) != 1 || pm.Spec.Endpoints[0].Port != metricsPort || pm.Spec.Endpoints[0].Path != "/metrics" {
+			t.Errorf("%s: the PodMonitor scrapes %+v, want port %q at /metrics", chart, pm.Spec.Endpoints, metricsPort)
+		}
+	}
+}
