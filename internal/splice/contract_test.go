@@ -235,47 +235,84 @@ func TestEveryLegFailsASendAfterItsEnd(t *testing.T) {
 }
 
 // A splice of every kind with every other carries data both ways and ends
-// cleanly once both peers half-closed.
+// cleanly once both peers half-closed, whichever goroutine copies B's
+// direction (Inline: the splice's own, as the agent's does).
 func TestEveryKindSplicesWithEveryKind(t *testing.T) {
-	for _, ka := range kinds {
+	for _, inline := range []bool{false, true} {
+		for _, ka := range kinds {
+			for _, kb := range kinds {
+				t.Run(fmt.Sprintf("%s to %s, inline %v", ka.name, kb.name, inline), func(t *testing.T) {
+					spliceCleanly(t, ka, kb, inline)
+				})
+			}
+		}
+	}
+}
+
+func spliceCleanly(t *testing.T, ka, kb kind, inline bool) {
+	a, pa := ka.pair(t)
+	b, pb := kb.pair(t)
+	done := make(chan *splice.Failure, 1)
+	go func() {
+		f, _, _ := splice.Splice(a, b, splice.Config{Inline: inline})
+		done <- f
+	}()
+	if err := pa.send(data(3 * wire.MaxFrame)); err != nil {
+		t.Fatal(err)
+	}
+	checkPeerGot(t, pb, data(3*wire.MaxFrame))
+	if err := pb.send([]byte("pong")); err != nil {
+		t.Fatal(err)
+	}
+	checkPeerGot(t, pa, []byte("pong"))
+	for _, p := range []peer{pa, pb} {
+		if err := p.closeWrite(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, p := range []peer{pa, pb} {
+		if _, err := p.recv(1); !errors.Is(err, io.EOF) {
+			t.Fatalf("a peer: %v, want the other's half-close", err)
+		}
+	}
+	ended := make(chan error, 2)
+	for _, p := range []peer{pa, pb} {
+		go func() { ended <- p.end() }()
+	}
+	if f := testutil.Wait(t, "the splice's end", done); f != nil {
+		t.Errorf("the splice failed: %v, want a clean end", f)
+	}
+	for range 2 {
+		if err := testutil.Wait(t, "a peer's end", ended); err != nil {
+			t.Errorf("a peer's side ended with %v, want a clean end", err)
+		}
+	}
+}
+
+// A splice ends at the first failure and tells the other peer, even while
+// the goroutine that called it is blocked copying (Inline).
+func TestASpliceEndsAtItsFirstFailureWhicheverGoroutineCopies(t *testing.T) {
+	for _, inline := range []bool{false, true} {
 		for _, kb := range kinds {
-			t.Run(fmt.Sprintf("%s to %s", ka.name, kb.name), func(t *testing.T) {
-				a, pa := ka.pair(t)
+			t.Run(fmt.Sprintf("%s goes away, inline %v", kb.name, inline), func(t *testing.T) {
+				if !kb.resets {
+					t.Skip("a Unix socket that goes away reads as its half-close")
+				}
+				a, pa := connPair(t, "tcp")
 				b, pb := kb.pair(t)
 				done := make(chan *splice.Failure, 1)
 				go func() {
-					f, _, _ := splice.Splice(a, b, splice.Config{})
+					f, _, _ := splice.Splice(a, b, splice.Config{Inline: inline})
 					done <- f
 				}()
-				if err := pa.send(data(3 * wire.MaxFrame)); err != nil {
-					t.Fatal(err)
+				// Both copiers wait in Recv: nothing is sent.
+				pb.goAway()
+				f := testutil.Wait(t, "the splice's end", done)
+				if f == nil || f.By != splice.B {
+					t.Fatalf("the splice ended with %v, want a failure laid to B", f)
 				}
-				checkPeerGot(t, pb, data(3*wire.MaxFrame))
-				if err := pb.send([]byte("pong")); err != nil {
-					t.Fatal(err)
-				}
-				checkPeerGot(t, pa, []byte("pong"))
-				for _, p := range []peer{pa, pb} {
-					if err := p.closeWrite(); err != nil {
-						t.Fatal(err)
-					}
-				}
-				for _, p := range []peer{pa, pb} {
-					if _, err := p.recv(1); !errors.Is(err, io.EOF) {
-						t.Fatalf("a peer: %v, want the other's half-close", err)
-					}
-				}
-				ended := make(chan error, 2)
-				for _, p := range []peer{pa, pb} {
-					go func() { ended <- p.end() }()
-				}
-				if f := testutil.Wait(t, "the splice's end", done); f != nil {
-					t.Errorf("the splice failed: %v, want a clean end", f)
-				}
-				for range 2 {
-					if err := testutil.Wait(t, "a peer's end", ended); err != nil {
-						t.Errorf("a peer's side ended with %v, want a clean end", err)
-					}
+				if err := pa.end(); err == nil {
+					t.Error("the other peer's side ended cleanly, want an error")
 				}
 			})
 		}

@@ -74,6 +74,11 @@ type Config struct {
 	// end before either leg is ended, so that before either peer can hear
 	// of the end; after a failure as soon as both legs have ended.
 	Released func()
+	// Inline: the goroutine that calls Splice copies B's direction itself,
+	// which saves a goroutine, and its stack, per splice. Only where no
+	// leg is a stream served by that goroutine: such a stream's Recv and
+	// Send return only once its handler does (the broker's front ends).
+	Inline bool
 }
 
 // splice is one splice in progress.
@@ -82,28 +87,33 @@ type splice struct {
 	legs    [2]Leg
 	copiers atomic.Int32
 	mu      sync.Mutex
-	decided chan struct{} // closed once the end is known
 	ended   bool          // the end is known: a later failure changes nothing
-	failure *Failure      // the first failure; nil for a clean end
+	decided chan struct{} // closed once the end is known and both legs ended
+	// Set before decided closes: the first failure (nil for a clean end),
+	// and the statuses the legs ended with.
+	failure          *Failure
+	aStatus, bStatus error
 }
 
 // Splice copies each direction between a and b until the splice ends,
 // then ends both legs with their statuses (Config.Statuses) and returns the
 // failure it ended at (nil: a clean end) and the statuses. It returns
-// once the end is decided and both legs are ended; the copiers return
-// soon after, and Released says when.
+// once the end is decided and both legs are ended (with Inline, once B's
+// direction has returned too); the copiers return soon after, and
+// Released says when.
 func Splice(a, b Leg, cfg Config) (f *Failure, aStatus, bStatus error) {
 	s := &splice{cfg: cfg, legs: [2]Leg{a, b}, decided: make(chan struct{})}
 	unwatch := s.watch()
 	s.copiers.Store(2)
 	go s.copy(A)
-	go s.copy(B)
+	if cfg.Inline {
+		s.copy(B)
+	} else {
+		go s.copy(B)
+	}
 	<-s.decided
 	unwatch()
-	aStatus, bStatus = s.statuses()
-	a.End(aStatus)
-	b.End(bStatus)
-	return s.failure, aStatus, bStatus
+	return s.failure, s.aStatus, s.bStatus
 }
 
 func (s *splice) statuses() (a, b error) {
@@ -117,14 +127,20 @@ func (s *splice) statuses() (a, b error) {
 }
 
 // decide ends the splice with f (nil: cleanly), unless its end is decided
-// already.
+// already: it ends both legs with their statuses, in the goroutine that
+// decided, which frees the copiers blocked on them (the Splice's own too,
+// with Inline).
 func (s *splice) decide(f *Failure) {
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	if s.ended {
+		s.mu.Unlock()
 		return
 	}
 	s.ended, s.failure = true, f
+	s.mu.Unlock()
+	s.aStatus, s.bStatus = s.statuses()
+	s.legs[A].End(s.aStatus)
+	s.legs[B].End(s.bStatus)
 	close(s.decided)
 }
 

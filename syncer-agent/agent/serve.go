@@ -162,7 +162,9 @@ func carry(ctx context.Context, d *dialed, stream tunnelv1.AgentService_TunnelCl
 			return failed
 		}
 	}
-	failed, _, _ := splice.Splice(target, broker, splice.Config{})
+	// Inline: this goroutine copies the broker's direction, so that an
+	// idle tunnel holds two goroutines, not three.
+	failed, _, _ := splice.Splice(target, broker, splice.Config{Inline: true})
 	return failed
 }
 
