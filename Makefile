@@ -55,11 +55,13 @@ release-check: build
 	cd test && RELEASE_VERSION=$(VERSION) $(GO) test -count=1 -timeout 45m -run Release ./release/
 
 ## images: OCI images of the broker, the syncer-agent and kcp with the tunnel,
-## kcp-dev/tunnel-broker:$(VERSION), kcp-dev/tunnel-syncer-agent:$(VERSION) and
-## kcp-dev/tunnel-kcp:$(VERSION) (deploy/kcp, this machine's architecture only),
+## localhost/kcp-dev/tunnel-broker:$(VERSION),
+## localhost/kcp-dev/tunnel-syncer-agent:$(VERSION) and
+## localhost/kcp-dev/tunnel-kcp:$(VERSION) (deploy/kcp, this machine's
+## architecture only; internal/release/images.go names them),
 ## without a container engine: static binaries on an empty base, as user 65532,
 ## into $(IMAGES)/oci (an OCI layout) and $(IMAGES)/<binary>.tar (OCI archives,
-## for skopeo, podman load or crane push)
+## for skopeo, podman load, crane push or containerd's import)
 IMAGES     ?= $(BIN)/images
 IMAGE_ARCH ?= $(shell $(GO) env GOARCH)
 images:
@@ -67,7 +69,7 @@ images:
 	  -o $(IMAGES)/linux_$(IMAGE_ARCH)/ ./broker ./syncer-agent
 	@if [ "$(IMAGE_ARCH)" = "$$($(GO) env GOHOSTARCH)" ]; then \
 	  kcp=$$(deploy/kcp/build.sh) && cp "$$kcp" $(IMAGES)/linux_$(IMAGE_ARCH)/kcp; \
-	else echo "images: kcp-dev/tunnel-kcp is built for this machine's architecture only"; fi
+	else echo "images: localhost/kcp-dev/tunnel-kcp is built for this machine's architecture only"; fi
 	$(GO) run ./internal/release/cmd/images --bin $(IMAGES)/linux_$(IMAGE_ARCH) --out $(IMAGES) \
 	  --version $(VERSION) --revision $(COMMIT) --arch $(IMAGE_ARCH)
 

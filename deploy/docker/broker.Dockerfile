@@ -2,7 +2,7 @@
 # The tunnel broker: a static binary in an image with nothing else, run as a
 # non-root user. Build from the repository's top folder (BuildKit):
 #
-#   docker build -f deploy/docker/broker.Dockerfile -t kcp-dev/tunnel-broker:dev .
+#   docker build -f deploy/docker/broker.Dockerfile -t localhost/kcp-dev/tunnel-broker:dev .
 #
 # deploy/README.md has the details.
 

@@ -3,7 +3,7 @@
 # with nothing else, run as a non-root user. Build from the repository's top
 # folder (BuildKit):
 #
-#   docker build -f deploy/docker/syncer-agent.Dockerfile -t kcp-dev/tunnel-syncer-agent:dev .
+#   docker build -f deploy/docker/syncer-agent.Dockerfile -t localhost/kcp-dev/tunnel-syncer-agent:dev .
 #
 # deploy/README.md has the details.
 

@@ -3,7 +3,7 @@
 # else, run as a non-root user. Build from the repository's top folder
 # (BuildKit):
 #
-#   docker build -f deploy/docker/tunnelctl.Dockerfile -t kcp-dev/tunnelctl:dev .
+#   docker build -f deploy/docker/tunnelctl.Dockerfile -t localhost/kcp-dev/tunnelctl:dev .
 #
 # deploy/README.md has the details.
 

@@ -13,8 +13,7 @@ var (
 )
 
 // KcpChartValues are deploy/kcp's values for kcp-dev's kcp chart: their
-// kcp.tag is the tag of the image kcp-dev/tunnel-kcp that make images
-// builds.
+// kcp.tag is the tag of the image Kcp that make images builds.
 const KcpChartValues = "deploy/kcp/values-kcp-chart.yaml"
 
 // StampKcpChartValues sets kcp.tag in KcpChartValues to version, so that a

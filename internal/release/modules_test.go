@@ -63,22 +63,22 @@ func TestEachModuleIsTaggedUnderItsFolder(t *testing.T) {
 func TestStampTagsRewritesOnlyTheTunnelsImages(t *testing.T) {
 	in := `images:
 # Pin by digest in a real installation.
-- name: kcp-dev/tunnel-broker
+- name: localhost/kcp-dev/tunnel-broker
   newName: registry.example.com/kcp-dev/tunnel-broker
   newTag: v0.1.0
 - name: example.com/syncer
   newTag: v0.11.0
-- name: kcp-dev/tunnel-syncer-agent
+- name: localhost/kcp-dev/tunnel-syncer-agent
   newTag: dev
 `
 	want := `images:
 # Pin by digest in a real installation.
-- name: kcp-dev/tunnel-broker
+- name: localhost/kcp-dev/tunnel-broker
   newName: registry.example.com/kcp-dev/tunnel-broker
   newTag: v0.2.0
 - name: example.com/syncer
   newTag: v0.11.0
-- name: kcp-dev/tunnel-syncer-agent
+- name: localhost/kcp-dev/tunnel-syncer-agent
   newTag: v0.2.0
 `
 	if got := stampTags(in, "v0.2.0"); got != want {

@@ -7,10 +7,6 @@ import (
 	"strings"
 )
 
-// Images are the names make images gives the images, as deploy/ refers to
-// them.
-var Images = []string{"kcp-dev/tunnel-broker", "kcp-dev/tunnel-syncer-agent"}
-
 var (
 	imageEntry = regexp.MustCompile(`^(\s*)- name:\s*(\S+)\s*$`)
 	newTag     = regexp.MustCompile(`^(\s*)newTag:\s*\S+\s*$`)

@@ -307,6 +307,18 @@ func imageRepository(image string) string {
 	return image
 }
 
+// imageHost splits a full image name into its registry host and the rest.
+// As container runtimes read a name, its first part is a host only if it
+// is localhost or has a dot or a colon; otherwise ok is false, and the
+// runtime would prefix the name with its default registry's host.
+func imageHost(image string) (host, rest string, ok bool) {
+	host, rest, ok = strings.Cut(image, "/")
+	if !ok || (host != "localhost" && !strings.ContainsAny(host, ".:")) {
+		return "", image, false
+	}
+	return host, rest, true
+}
+
 // plain turns v into plain JSON values (maps, lists, strings, numbers),
 // with the API types' own omissions of empty fields.
 func plain(t *testing.T, v any) any {
@@ -407,11 +419,9 @@ func agentDriftOf(t *testing.T, kobjs, hobjs []object) []string {
 	}
 	essentials := func(c *corev1.Container) corev1.Container {
 		e := *c.DeepCopy()
-		// The example overlay names a registry, the chart's defaults none.
-		e.Image = imageRepository(e.Image)
-		if first, rest, ok := strings.Cut(e.Image, "/"); ok && strings.ContainsAny(first, ".:") {
-			e.Image = rest
-		}
+		// The example overlay names a registry, the chart's defaults
+		// localhost (the images make images builds).
+		_, e.Image, _ = imageHost(imageRepository(e.Image))
 		flags := flagsOf(e.Args)
 		e.Args = nil
 		for _, f := range []string{"metrics-listen", "grace"} {

@@ -24,6 +24,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
+	"github.com/kcp-dev/tunnel-broker/internal/release"
 )
 
 // kcp-dev's kcp Helm chart (chart kcp of kcp-dev/helm-charts), as read at
@@ -251,8 +252,8 @@ func kcpValuesProblems(t *testing.T, w kcpWorld) []string {
 	t.Helper()
 	var out []string
 	v := w.values
-	if !strings.HasSuffix(v.KCP.Image, "/kcp-dev/tunnel-kcp") || strings.HasPrefix(v.KCP.Image, "kcp-dev/") {
-		out = append(out, fmt.Sprintf("kcp.image %q: want <your registry>/kcp-dev/tunnel-kcp, the image make images builds", v.KCP.Image))
+	if _, rest, ok := imageHost(v.KCP.Image); !ok || (rest != "kcp-dev/tunnel-kcp" && !strings.HasSuffix(rest, "/kcp-dev/tunnel-kcp")) {
+		out = append(out, fmt.Sprintf("kcp.image %q: want the image make images builds, %s, or <your registry>/kcp-dev/tunnel-kcp", v.KCP.Image, release.Kcp.Name))
 	}
 	if v.KCP.Tag == "" {
 		out = append(out, "kcp.tag is not set: the chart would take its own kcp's version, v"+kcpChartAppVersion+", which tunnel-kcp does not have")
@@ -618,6 +619,7 @@ func TestDeployKcpChartValuesReachTheBrokerCatches(t *testing.T) {
 			v.KCP.ExtraFlags = append(v.KCP.ExtraFlags, "--tunnel-dial-timeout: 10s")
 		}), kcpValuesProblems, "does not render as itself"},
 		{"the chart's image", values(func(v *kcpChartValues) { v.KCP.Image, v.KCP.Tag = "registry.example.com/kcp-dev/kcp", "" }), kcpValuesProblems, "kcp.image"},
+		{"a name without a host", values(func(v *kcpChartValues) { v.KCP.Image = "kcp-dev/tunnel-kcp" }), kcpValuesProblems, "kcp.image"},
 		{"the old registration", editObjects(w, "ClusterSPIFFEID", kcpSelector(map[string]any{"app": "kcp"})), kcpIdentityProblems,
 			"no ClusterSPIFFEID selects kcp's server pods"},
 		{"a registration of the whole release", editObjects(w, "ClusterSPIFFEID", kcpSelector(map[string]any{"app.kubernetes.io/name": "kcp"})), kcpIdentityProblems,

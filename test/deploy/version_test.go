@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 
+	appsv1 "k8s.io/api/apps/v1"
 	"sigs.k8s.io/yaml"
 
 	"github.com/kcp-dev/tunnel-broker/internal/release"
@@ -15,7 +16,10 @@ import (
 
 // TestDeployOverlaysDeployTheImagesOfThisVersion: every overlay that sets
 // the tunnel's images sets the tag make images gives them, the VERSION
-// file's, so that a release's manifests deploy that release's images.
+// file's, so that a release's manifests deploy that release's images; and
+// the containers it renders run them with that tag, which they do only if
+// the bases name the images as make images does (kustomize changes only
+// the images whose name an images: entry gives).
 func TestDeployOverlaysDeployTheImagesOfThisVersion(t *testing.T) {
 	version := harness.Version(t)
 	files, err := filepath.Glob(filepath.Join(deployDir(), "overlays", "*", "kustomization.yaml"))
@@ -43,6 +47,22 @@ func TestDeployOverlaysDeployTheImagesOfThisVersion(t *testing.T) {
 			seen[i.Name] = true
 			if i.NewTag != version {
 				t.Errorf("%s: image %s has tag %q, want %s (VERSION)", f, i.Name, i.NewTag, version)
+			}
+		}
+		overlay := filepath.Join("overlays", filepath.Base(filepath.Dir(f)))
+		_, objs := render(t, overlay)
+		for _, o := range ofKind(objs, "Deployment") {
+			var d appsv1.Deployment
+			o.into(t, &d)
+			for _, c := range d.Spec.Template.Spec.Containers {
+				_, name, _ := imageHost(imageRepository(c.Image))
+				if !slices.ContainsFunc(release.Images, func(i string) bool { _, n, _ := imageHost(i); return n == name }) {
+					continue
+				}
+				if !strings.HasSuffix(c.Image, ":"+version) {
+					t.Errorf("deploy/%s: %s runs %s, want the tag %s of its images: entry, which applies only to a base naming the image as one of %v",
+						overlay, o, c.Image, version, release.Images)
+				}
 			}
 		}
 	}

@@ -31,8 +31,14 @@ func TestMain(m *testing.M) {
 	goleak.VerifyTestMain(m)
 }
 
-// built are the images make images writes, by binary.
-var built = map[string]string{"broker": "kcp-dev/tunnel-broker", "syncer-agent": "kcp-dev/tunnel-syncer-agent", "kcp": "kcp-dev/tunnel-kcp"}
+// built are the images make images writes, by binary, named in full: a
+// name without a registry host is read as one on the default registry,
+// which a cluster that loaded the archive would then try to pull.
+var built = map[string]string{
+	"broker":       "localhost/kcp-dev/tunnel-broker",
+	"syncer-agent": "localhost/kcp-dev/tunnel-syncer-agent",
+	"kcp":          "localhost/kcp-dev/tunnel-kcp",
+}
 
 func TestImagesRunTheirStampedBinaryAsNonRoot(t *testing.T) {
 	out := t.TempDir()
@@ -61,7 +67,7 @@ func TestImagesRunTheirStampedBinaryAsNonRoot(t *testing.T) {
 }
 
 // ociImages opens the OCI layout at dir and returns its images' digests by
-// reference name.
+// reference name, checking that containerd's import reads the same name.
 func ociImages(t *testing.T, dir string) (layout.Path, map[string]v1.Hash) {
 	t.Helper()
 	oci, err := layout.FromPath(dir)
@@ -78,7 +84,11 @@ func ociImages(t *testing.T, dir string) (layout.Path, map[string]v1.Hash) {
 	}
 	byName := map[string]v1.Hash{}
 	for _, d := range manifest.Manifests {
-		byName[d.Annotations[image.RefNameAnnotation]] = d.Digest
+		name := d.Annotations[image.RefNameAnnotation]
+		if got := d.Annotations[image.ContainerdNameAnnotation]; got != name {
+			t.Errorf("%s in the OCI layout: %s %q, want %q, its %s", d.Digest, image.ContainerdNameAnnotation, got, name, image.RefNameAnnotation)
+		}
+		byName[name] = d.Digest
 	}
 	return oci, byName
 }
@@ -208,7 +218,8 @@ func checkStatic(t *testing.T, path string) {
 	}
 }
 
-// checkArchive: the OCI archive is an OCI layout that names the image.
+// checkArchive: the OCI archive is an OCI layout that names the image, for
+// skopeo and podman (its reference name) and for containerd's import.
 func checkArchive(t *testing.T, archive, name string) {
 	t.Helper()
 	f, err := os.Open(archive)
@@ -229,8 +240,10 @@ func checkArchive(t *testing.T, archive, name string) {
 		if err := json.NewDecoder(tr).Decode(&index); err != nil {
 			t.Fatal(err)
 		}
-		if len(index.Manifests) != 1 || index.Manifests[0].Annotations[image.RefNameAnnotation] != name {
-			t.Errorf("%s's index: %+v, want %s alone", archive, index.Manifests, name)
+		if len(index.Manifests) != 1 || index.Manifests[0].Annotations[image.RefNameAnnotation] != name ||
+			index.Manifests[0].Annotations[image.ContainerdNameAnnotation] != name {
+			t.Errorf("%s's index: %+v, want %s alone, named by %s and %s", archive, index.Manifests, name,
+				image.RefNameAnnotation, image.ContainerdNameAnnotation)
 		}
 		return
 	}

@@ -115,7 +115,7 @@ func checkStampedCommit(t *testing.T, repo, version string) {
 		t.Errorf("the broker's chart at the release does not deploy %s:\n%s", version, chart)
 	}
 	if values := showAt(t, repo, version, "deploy/kcp/values-kcp-chart.yaml"); !strings.Contains(values, "\n  tag: "+version+"\n") {
-		t.Errorf("deploy/kcp's values for kcp's chart at the release do not run kcp-dev/tunnel-kcp:%s:\n%s", version, values)
+		t.Errorf("deploy/kcp's values for kcp's chart at the release do not run tunnel-kcp's tag %s:\n%s", version, values)
 	}
 	if changelog := showAt(t, repo, version, "CHANGELOG.md"); !strings.Contains(changelog, "## Unreleased\n\n## "+version+" (") {
 		t.Errorf("CHANGELOG.md at the release has no section for %s under a new Unreleased one", version)

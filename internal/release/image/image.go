@@ -81,9 +81,16 @@ func Build(s Spec) (v1.Image, error) {
 // RefNameAnnotation names an image in an OCI layout's index.
 const RefNameAnnotation = "org.opencontainers.image.ref.name"
 
+// ContainerdNameAnnotation names an image in an OCI layout's index for
+// containerd: its import (ctr images import, kind load image-archive) takes
+// the image's full name from it, and the kubelet then finds the image under
+// the name the manifests give.
+const ContainerdNameAnnotation = "io.containerd.image.name"
+
 // Write adds img to the OCI image layout at dir (made if missing) under
-// name, and writes the layout of img alone as the OCI archive archive, which
-// skopeo copy oci-archive:, podman load and crane push take.
+// name, its full name with its tag, and writes the layout of img alone as
+// the OCI archive archive, which skopeo copy oci-archive:, podman load,
+// crane push and containerd's import take.
 func Write(dir, archive, name string, img v1.Image) error {
 	if err := os.RemoveAll(archive + ".layout"); err != nil {
 		return err
@@ -95,7 +102,7 @@ func Write(dir, archive, name string, img v1.Image) error {
 				return err
 			}
 		}
-		if err := p.AppendImage(img, layout.WithAnnotations(map[string]string{RefNameAnnotation: name})); err != nil {
+		if err := p.AppendImage(img, layout.WithAnnotations(map[string]string{RefNameAnnotation: name, ContainerdNameAnnotation: name})); err != nil {
 			return err
 		}
 	}

@@ -11,15 +11,9 @@ import (
 	"path/filepath"
 	"runtime"
 
+	"github.com/kcp-dev/tunnel-broker/internal/release"
 	"github.com/kcp-dev/tunnel-broker/internal/release/image"
 )
-
-// images are the binaries packed, and the names deploy/ gives their images.
-var images = []struct{ binary, name, title string }{
-	{"broker", "kcp-dev/tunnel-broker", "kcp tunnel broker"},
-	{"syncer-agent", "kcp-dev/tunnel-syncer-agent", "kcp tunnel syncer-agent"},
-	{"kcp", "kcp-dev/tunnel-kcp", "kcp with the tunnel broker's webhook seam"},
-}
 
 func main() {
 	var (
@@ -38,20 +32,20 @@ func main() {
 	if err := os.RemoveAll(filepath.Join(*out, "oci")); err != nil {
 		fail(err)
 	}
-	for _, i := range images {
-		if _, err := os.Stat(filepath.Join(*bin, i.binary)); os.IsNotExist(err) && i.binary == "kcp" {
+	for _, i := range release.Built {
+		if _, err := os.Stat(filepath.Join(*bin, i.Binary)); os.IsNotExist(err) && i == release.Kcp {
 			// deploy/kcp builds for this machine's architecture only.
 			continue
 		}
-		name := i.name + ":" + *version
+		name := i.Name + ":" + *version
 		img, err := image.Build(image.Spec{
-			Binary: filepath.Join(*bin, i.binary),
-			Title:  i.title, Version: *version, Revision: *revision, OS: *goos, Arch: *goarch,
+			Binary: filepath.Join(*bin, i.Binary),
+			Title:  i.Title, Version: *version, Revision: *revision, OS: *goos, Arch: *goarch,
 		})
 		if err != nil {
 			fail(err)
 		}
-		archive := filepath.Join(*out, i.binary+".tar")
+		archive := filepath.Join(*out, i.Binary+".tar")
 		if err := image.Write(filepath.Join(*out, "oci"), archive, name, img); err != nil {
 			fail(err)
 		}
