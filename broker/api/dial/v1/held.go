@@ -22,9 +22,10 @@ import (
 //
 // Left unread, those frames would wait in the stream's flow-control
 // window, 1 MiB that no quota counts, for as long as the dial is pending.
-// Read, they count against the caller's early data, and a caller may send
-// no more than an early data's worth before established, its early data
-// included: more refuses the dial. grpcurl's -d sends a dial's target and
+// Read, they count against the caller's early data, each frame as at
+// least minHeldFrame, and a caller may send no more than an early data's
+// worth before established, its early data included: more refuses the
+// dial. grpcurl's -d sends a dial's target and
 // its data at once, so the broker cannot refuse data before established
 // altogether.
 //
@@ -88,6 +89,13 @@ func (h *held) read() {
 	}
 }
 
+// minHeldFrame is what a held frame counts as, however small its payload:
+// about what holding it costs (gRPC's smallest pooled buffer, and the
+// frame's bookkeeping). Counted by its payload alone, a caller sending
+// 1-byte frames would make the broker hold 16,384 of them, some 3 MiB, for
+// what counts as 16 KiB.
+const minHeldFrame = 512
+
 // hold keeps f, a data frame within the room left; h.mu is held.
 func (h *held) hold(f wire.Frame) error {
 	n, err := f.DataLen()
@@ -95,17 +103,19 @@ func (h *held) hold(f wire.Frame) error {
 		f.Free()
 		return tunnel.CallerSentNotData()
 	}
-	if n > h.room {
+	cost := max(n, minHeldFrame)
+	if cost > h.room {
 		f.Free()
 		return status.Error(codes.ResourceExhausted, fmt.Sprintf(
-			"a caller may send at most %d bytes before established, early data included: wait for established", wire.MaxEarlyData))
+			"a caller may send at most %d bytes before established, early data included, each message counting as at least %d: wait for established",
+			wire.MaxEarlyData, minHeldFrame))
 	}
-	release, err := h.ticket.HoldEarlyData(n)
+	release, err := h.ticket.HoldEarlyData(cost)
 	if err != nil {
 		f.Free()
 		return err
 	}
-	h.room -= n
+	h.room -= cost
 	h.frames = append(h.frames, f)
 	h.releases = append(h.releases, release)
 	return nil

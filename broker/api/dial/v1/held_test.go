@@ -59,15 +59,34 @@ func TestMoreThanAnEarlyDatasWorthBeforeEstablishedIsResourceExhausted(t *testin
 	}
 	_, err := caller.Recv()
 	testutil.CheckStatus(t, "Dial", err, codes.ResourceExhausted,
-		"a caller may send at most 16384 bytes before established, early data included: wait for established")
+		"a caller may send at most 16384 bytes before established, early data included, each message counting as at least 512: wait for established")
 	// The refused dial is no longer pending: its agent cannot open it.
 	tun, _ := agent.Open(t, order.GetDialId())
 	_, err = tun.Recv()
 	testutil.CheckStatus(t, "Tunnel", err, codes.NotFound, "no pending dial")
 }
 
+// A caller that sends its bytes one per frame holds no more than one that
+// sends them in one: each held frame counts as at least 512 bytes, so 33
+// of them are over 16 KiB, not the 16,385 their payloads would take.
+func TestTinyFramesBeforeEstablishedCountAsWhatHoldingThemCosts(t *testing.T) {
+	b := startBroker(t, config{})
+	agent := b.connectAgent(t, "a", "root")
+	target := brokertest.Target("root")
+	caller, _ := b.StartDial(t, kcpPath, target)
+	agent.Order(t, target)
+	for range wire.MaxEarlyData/512 + 1 {
+		if err := caller.Send(brokertest.DataUp([]byte("x"))); err != nil {
+			break // refused already
+		}
+	}
+	_, err := caller.Recv()
+	testutil.CheckStatus(t, "Dial", err, codes.ResourceExhausted, "each message counting as at least 512")
+}
+
 func TestDataBeforeEstablishedCountsAsItsCallersEarlyData(t *testing.T) {
-	b := startBroker(t, config{maxEarlyDataPerCaller: 20})
+	// A held frame counts as at least 512 bytes: 12 + 512 are over 520.
+	b := startBroker(t, config{maxEarlyDataPerCaller: 520})
 	agent := b.connectAgent(t, "a", "root")
 	target := brokertest.Target("root")
 	b.StartDialWith(t, kcpPath, target, []byte("client hello")) // 12 bytes, pending
@@ -79,7 +98,7 @@ func TestDataBeforeEstablishedCountsAsItsCallersEarlyData(t *testing.T) {
 	}
 	_, err := caller.Recv()
 	testutil.CheckStatus(t, "Dial", err, codes.ResourceExhausted,
-		"the pending dials of spiffe://example.org/kcp hold 12 bytes of early data, and 12 more would pass its 20")
+		"the pending dials of spiffe://example.org/kcp hold 12 bytes of early data, and 512 more would pass its 520")
 }
 
 func TestATargetAgainBeforeEstablishedIsInvalidArgument(t *testing.T) {
