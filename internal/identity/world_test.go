@@ -1,7 +1,6 @@
 package identity
 
 import (
-	"bytes"
 	"crypto/tls"
 	"crypto/x509"
 	"log/slog"
@@ -19,6 +18,7 @@ import (
 	"google.golang.org/grpc/credentials"
 
 	"github.com/kcp-dev/tunnel-broker/internal/devca"
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
 )
 
 // This file holds what the tests of the credentials share: a dev trust
@@ -202,21 +202,10 @@ func dialAndRead(addr string, cfg *tls.Config) (tls.ConnectionState, error) {
 }
 
 // logBuffer is a slog logger whose lines a test reads.
-type logBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *logBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
+type logBuffer struct{ testutil.LogBuffer }
 
 func (b *logBuffer) lines() []string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	s := strings.TrimSpace(b.buf.String())
+	s := strings.TrimSpace(b.String())
 	if s == "" {
 		return nil
 	}

@@ -1,8 +1,8 @@
 // Package testutil is the one home of the waits and checks every test of
 // the repository shares, like go-spiffe's internal/test: tests wait with
 // Wait and Eventually, bounded by WaitLong, and check gRPC statuses with
-// CheckStatus. kcpplugin, a module of its own that must not require this
-// one, keeps its own copies.
+// CheckStatus, and read what a logger wrote with LogBuffer. kcpplugin, a
+// module of its own that must not require this one, keeps its own copies.
 package testutil
 
 import (

@@ -300,7 +300,7 @@ func TestFleetForgetsReplicasOnceTheyHaveLeft(t *testing.T) {
 // broker: it says so at every attempt, not once as if it kept some.
 func TestFleetThatKnowsNoReplicaSaysSoAtEveryFailedResolution(t *testing.T) {
 	h := newFleet(t, nil, true, "10.0.0.1:8443")
-	var logs lockedLog
+	var logs testutil.LogBuffer
 	h.fleet.Log = slog.New(slog.NewTextHandler(&logs, nil))
 	h.run()
 	h.answer(nil, errors.New("no such host"))
@@ -311,22 +311,4 @@ func TestFleetThatKnowsNoReplicaSaysSoAtEveryFailedResolution(t *testing.T) {
 	if n := strings.Count(logs.String(), said); n != 2 {
 		t.Errorf("said %d times %q, want at each of 2 failures; the log:\n%s", n, said, logs.String())
 	}
-}
-
-// lockedLog is a log's output that goroutines may share.
-type lockedLog struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (l *lockedLog) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedLog) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }

@@ -52,7 +52,7 @@ var testPolicy = policy.File{
 type broker struct {
 	*brokertest.Server
 	closed atomic.Int64
-	log    brokertest.LogBuffer
+	log    testutil.LogBuffer
 }
 
 func startBroker(t *testing.T) *broker {

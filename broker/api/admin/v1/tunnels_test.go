@@ -34,14 +34,14 @@ const (
 )
 
 // logLines are the lines of the broker's log so far.
-func logLines(b *brokertest.LogBuffer) []string {
+func logLines(b *testutil.LogBuffer) []string {
 	return strings.Split(strings.TrimSpace(b.String()), "\n")
 }
 
 type tunnelBroker struct {
 	*brokertest.Server
 	admin *Service
-	log   *brokertest.LogBuffer
+	log   *testutil.LogBuffer
 }
 
 func startTunnelBroker(t *testing.T) *tunnelBroker {
@@ -50,7 +50,7 @@ func startTunnelBroker(t *testing.T) *tunnelBroker {
 		Agents:  []policy.AgentRule{{ID: brokertest.ID(agentPath).String(), Clusters: []string{"*"}}},
 		Callers: []policy.CallerRule{{ID: brokertest.ID(kcpPath).String()}, {ID: brokertest.ID(shardPath).String()}},
 	}
-	b := &tunnelBroker{log: &brokertest.LogBuffer{}}
+	b := &tunnelBroker{log: &testutil.LogBuffer{}}
 	table := tunnel.NewTable()
 	b.Server = brokertest.Start(t, pol, func(s *brokertest.Server, srv *grpc.Server) {
 		dialv1.RegisterService(srv, dialv1.New(dialv1.Config{Admission: admission.New(admission.Config{

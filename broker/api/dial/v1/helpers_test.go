@@ -50,7 +50,7 @@ type config struct {
 	// data.
 	maxEarlyDataPerCaller, maxEarlyData int64
 	// log, if set, takes the dial service's log as JSON lines.
-	log *brokertest.LogBuffer
+	log *testutil.LogBuffer
 }
 
 const brokerID = "test-broker"

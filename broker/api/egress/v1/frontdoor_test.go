@@ -22,7 +22,7 @@ import (
 // end the caller's other tunnels came through.
 func TestAConnectTunnelIsListedAuditedAndCountsInItsCallersOneQuota(t *testing.T) {
 	b := startBroker(t)
-	var logs brokertest.LogBuffer
+	var logs testutil.LogBuffer
 	table := tunnel.NewTable()
 	door := admission.New(admission.Config{
 		Registry: b.Registry, Policy: b.Policy, Draining: b.Draining, Timeout: testutil.WaitLong,

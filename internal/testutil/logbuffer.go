@@ -1,11 +1,12 @@
-package brokertest
+package testutil
 
 import (
 	"bytes"
 	"sync"
 )
 
-// LogBuffer is a bytes.Buffer that a logger may write while a test reads.
+// LogBuffer is a bytes.Buffer that a logger may write while a test reads:
+// the output of the logs the tests check, in every package.
 type LogBuffer struct {
 	mu sync.Mutex
 	b  bytes.Buffer
