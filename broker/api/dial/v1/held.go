@@ -25,9 +25,8 @@ import (
 // Read, they count against the caller's early data, each frame as at
 // least minHeldFrame, and a caller may send no more than an early data's
 // worth before established, its early data included: more refuses the
-// dial. grpcurl's -d sends a dial's target and
-// its data at once, so the broker cannot refuse data before established
-// altogether.
+// dial. grpcurl's -d sends a dial's target and its data at once, so the
+// broker cannot refuse data before established altogether.
 //
 // One goroutine reads the stream while the dial is pending. Once it is
 // answered, the tunnel's caller leg (leg) gives the splice the frames it
@@ -42,7 +41,7 @@ type held struct {
 	mu       sync.Mutex
 	frames   []wire.Frame
 	releases []func() // of the frames' bytes, counted as early data
-	room     int      // the bytes the caller may still send
+	room     int      // what the caller may still send, counted as hold counts it
 	// end is what ended the reader before the answer: the caller's
 	// half-close (io.EOF), a failure of the stream, or the refusal.
 	end      error
@@ -51,6 +50,7 @@ type held struct {
 	last chan received
 }
 
+// received is what a receive from the stream brought.
 type received struct {
 	f   wire.Frame
 	err error
