@@ -52,15 +52,11 @@ func TestDeployHelmKubeVersion(t *testing.T) {
 			if c.KubeVersion != want {
 				t.Errorf("kubeVersion %q, want %q", c.KubeVersion, want)
 			}
-			var set []string
-			if chart == "tunnel-broker" {
-				set = brokerPolicyArgs()
-			}
-			args := append([]string{"template", chart, chartDir(chart), "--kube-version", "1.29.9"}, set...)
+			args := append([]string{"template", chart, chartDir(chart), "--kube-version", "1.29.9"}, requiredArgs(chart)...)
 			if _, stderr, err := runHelm(t, args...); err == nil || !strings.Contains(stderr, "kubeVersion") {
 				t.Errorf("helm template for Kubernetes 1.29 did not refuse it for its kubeVersion: %v\n%s", err, stderr)
 			}
-			args = append([]string{"template", chart, chartDir(chart), "--kube-version", "1.30.0"}, set...)
+			args = append([]string{"template", chart, chartDir(chart), "--kube-version", "1.30.0"}, requiredArgs(chart)...)
 			if _, stderr, err := runHelm(t, args...); err != nil {
 				t.Errorf("helm template for Kubernetes 1.30: %v\n%s", err, stderr)
 			}
@@ -72,6 +68,15 @@ func TestDeployHelmKubeVersion(t *testing.T) {
 // policy (deploy/base/broker's).
 func brokerPolicyArgs() []string {
 	return []string{"--set-file", "policy=" + filepath.Join(deployDir(), basePolicy)}
+}
+
+// requiredArgs are the helm arguments chart will not render without: the
+// broker's policy (brokerPolicyArgs); none for the agent chart.
+func requiredArgs(chart string) []string {
+	if chart == "tunnel-broker" {
+		return brokerPolicyArgs()
+	}
+	return nil
 }
 
 // renderedPolicy is the policy in the broker's ConfigMap, parsed as YAML.
@@ -260,10 +265,7 @@ extraEnv:
 		{"tunnel-agent", "syncer-agent"},
 	} {
 		t.Run(c.chart, func(t *testing.T) {
-			args := []string{"-f", f}
-			if c.chart == "tunnel-broker" {
-				args = append(args, brokerPolicyArgs()...)
-			}
+			args := append([]string{"-f", f}, requiredArgs(c.chart)...)
 			d := theDeployment(t, templateChart(t, c.chart, args...))
 			own := theDeployment(t, templateChart(t, c.chart, args[2:]...)).Spec.Template.Spec
 			pod := d.Spec.Template.Spec
@@ -361,10 +363,7 @@ func TestDeployHelmBrokerDevPolicyIsDevCAs(t *testing.T) {
 // silently), and none for a className of "".
 func TestDeployHelmClusterSPIFFEIDClassName(t *testing.T) {
 	for _, chart := range []string{"tunnel-broker", "tunnel-agent"} {
-		var base []string
-		if chart == "tunnel-broker" {
-			base = brokerPolicyArgs()
-		}
+		base := requiredArgs(chart)
 		for _, c := range []struct {
 			set  []string
 			want string
@@ -409,10 +408,7 @@ func TestDeployHelmShutdownDurationsAgree(t *testing.T) {
 		{"tunnel-agent", nil, ""},
 		{"tunnel-agent", []string{"--set", "terminationGracePeriodSeconds=20"}, "terminationGracePeriodSeconds is 20: it must be at least 25, grace (20 s) plus 5 s"},
 	} {
-		args := []string{"template", c.chart, chartDir(c.chart), "--namespace", "kcp-system"}
-		if c.chart == "tunnel-broker" {
-			args = append(args, brokerPolicyArgs()...)
-		}
+		args := append([]string{"template", c.chart, chartDir(c.chart), "--namespace", "kcp-system"}, requiredArgs(c.chart)...)
 		_, stderr, err := runHelm(t, append(args, c.set...)...)
 		switch {
 		case c.want == "" && err != nil:
@@ -471,10 +467,7 @@ func TestDeployHelmNotesNameWhatTheChartMade(t *testing.T) {
 // port that serves /metrics.
 func TestDeployHelmPodMonitorScrapesThePodsMetricsPort(t *testing.T) {
 	for _, chart := range []string{"tunnel-broker", "tunnel-agent"} {
-		var args []string
-		if chart == "tunnel-broker" {
-			args = brokerPolicyArgs()
-		}
+		args := requiredArgs(chart)
 		if n := len(ofKind(templateChart(t, chart, args...), "PodMonitor")); n != 0 {
 			t.Errorf("%s: %d PodMonitors by default, want none", chart, n)
 		}
