@@ -10,7 +10,7 @@
 //
 // kubectl and kube-apiserver are built from the versions pinned in
 // test/tools/kube (cached in .cache/kube/), helm from test/tools/helm
-// (.cache/helm-<version>/), and everything runs in a
+// (cached in .cache/), and everything runs in a
 // network namespace of the tests' own (harness.RunIsolated). Run them alone
 // with: go test -run Deploy ./...
 package deploy

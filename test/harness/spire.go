@@ -27,10 +27,10 @@ var (
 )
 
 // SPIREBinaries returns the folder that holds spire-server and spire-agent:
-// $SPIRE_BIN_DIR when set (make test builds there), else the repo's
-// .cache/spire-<version>/, built by test/tools/spire/build.sh at the version
-// that test/tools/spire/go.mod pins if it is not there yet (many minutes
-// cold; a relink with a warm Go build cache).
+// $SPIRE_BIN_DIR when set, else the folder in the repo's .cache/ that
+// test/tools/spire/build.sh builds at the versions test/tools/spire/go.mod
+// pins if it is not there yet (many minutes cold; a relink with a warm Go
+// build cache).
 func SPIREBinaries(t T) string {
 	t.Helper()
 	spireOnce.Do(func() {
@@ -38,7 +38,7 @@ func SPIREBinaries(t T) string {
 			spireDir = dir
 			for _, name := range []string{"spire-server", "spire-agent"} {
 				if _, err := os.Stat(filepath.Join(dir, name)); err != nil {
-					spireErr = fmt.Errorf("$SPIRE_BIN_DIR: %w (make spire builds it)", err)
+					spireErr = fmt.Errorf("$SPIRE_BIN_DIR: %w", err)
 				}
 			}
 			return

@@ -1,19 +1,17 @@
 # SPIRE server and agent for the end-to-end test against a real SPIRE
 # (test/spire), pinned in test/tools/spire/go.mod and built by build.sh
-# there into a git-ignored folder keyed by version, only when missing.
+# there into a git-ignored folder keyed by version and go.sum, only when
+# missing. The tests ask build.sh for the folder.
 
 # This file is included before the main Makefile's first target: keep its
 # default goal.
 .DEFAULT_GOAL := all
 
-SPIRE_VERSION := $(shell awk '$$1 == "github.com/spiffe/spire" { print $$2 }' test/tools/spire/go.mod)
-export SPIRE_BIN_DIR := $(CURDIR)/.cache/spire-$(SPIRE_VERSION)
-
 .PHONY: spire spire-os-deps
 
-## spire: spire-server and spire-agent into .cache/spire-<version>/, if missing
+## spire: spire-server and spire-agent into .cache/spire-<version>-<sum>/, if missing; prints the folder
 spire: spire-os-deps
-	@GO="$(GO)" test/tools/spire/build.sh >/dev/null
+	@GO="$(GO)" test/tools/spire/build.sh
 
 # The test runs workloads as system users (useradd, runuser); the sqlite
 # datastore needs cgo (gcc, libc headers). All are in Debian's base and

@@ -2,9 +2,10 @@
 # Builds kube-apiserver, kubectl and etcd at the versions pinned in this
 # folder's go.mod, unless a build of those versions is already cached, and
 # prints the folder that holds them. The cache lives in the repo's
-# git-ignored .cache/ (or $KUBE_TOOLS_CACHE), one folder per version pair, so
-# a second run only checks that the binaries are there, and builds only
-# those missing (a cache from before kubectl was added gets kubectl alone).
+# git-ignored .cache/kube/ (or $KUBE_TOOLS_CACHE), one folder per version pair
+# and go.sum, so a second run only checks that the binaries are there, and
+# builds only those missing (a cache from before kubectl was added gets
+# kubectl alone).
 # make kube-tools, the KubeAPIServer tests and the Deploy tests call this.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
@@ -15,7 +16,8 @@ export GOWORK=off
 
 kube=$(go list -m -f '{{.Version}}' k8s.io/kubernetes)
 etcd=$(go list -m -f '{{.Version}}' go.etcd.io/etcd/server/v3)
-dir=$cache/kubernetes-$kube-etcd-$etcd
+# go.sum's digest: a change of any dependency builds anew.
+dir=$cache/kubernetes-$kube-etcd-$etcd-$(sha256sum go.sum | cut -c1-12)
 binaries="kube-apiserver kubectl etcd"
 missing() {
 	for b in $binaries; do
