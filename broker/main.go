@@ -22,6 +22,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
+	"github.com/kcp-dev/tunnel-broker/broker/replicas"
 	"github.com/kcp-dev/tunnel-broker/broker/server"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
 	"github.com/kcp-dev/tunnel-broker/internal/flagcheck"
@@ -69,6 +70,10 @@ func run() error {
 	defer src.Close()
 	cfg := o.cfg
 	cfg.Identity, cfg.Policy, cfg.Log = src, pol, log
+	if o.replicasDNS != "" {
+		cfg.Replicas = &replicas.Counter{Name: o.replicasDNS, Log: log.With("component", "replicas")}
+		go cfg.Replicas.Run(ctx)
+	}
 	return serve(ctx, o, cfg, self, ready)
 }
 
@@ -102,6 +107,7 @@ func serve(ctx context.Context, o *options, cfg server.Config, self spiffeid.ID,
 type options struct {
 	cfg                                  server.Config
 	listen, policyFile, opsListen, pprof string
+	replicasDNS                          string
 	jsonLogs, verbose, showVersion       bool
 	metricsPerCluster                    bool
 	identity                             *identity.Options
@@ -177,6 +183,7 @@ func (o *options) addFlags(fs *flag.FlagSet) (maxStreams *uint, window *int) {
 	fs.IntVar(&c.MaxHandshakes, "max-concurrent-handshakes", server.DefaultMaxHandshakes, "TLS handshakes in progress at once, on the gRPC port and on --egress-listen each; past it a stalled one (over 1s) is dropped, else the new connection is closed (0: no limit)")
 	fs.DurationVar(&c.ExpiredPeerGrace, "expired-peer-grace", server.DefaultExpiredPeerGrace, "how long tunnels in flight may still run on a connection whose peer's SVID expired (new RPCs are refused at the expiry)")
 	fs.DurationVar(&c.MaxConnectionAge, "max-connection-age", server.DefaultMaxConnectionAge, "how long a client may start RPCs on one connection before it is asked to reconnect (with its current SVID); keep it under half the SVID lifetime (negative: never)")
+	fs.StringVar(&o.replicasDNS, "replicas-dns", "", "a DNS name that resolves to every ready replica (the headless Service's): the broker counts them every 5s and tells its agents, so that agents that reach the replicas through one load balancer (their --broker-lb) know how many to find")
 	fs.StringVar(&o.opsListen, "metrics-listen", ":9090", "address for /metrics, /healthz and /readyz (empty: off)")
 	fs.BoolVar(&o.metricsPerCluster, "metrics-per-cluster", false, "export kcp_tunnel_broker_agents{cluster}, one series per logical cluster served (a scrape then copies the routing table under its lock)")
 	fs.StringVar(&o.pprof, "pprof-listen", "", "address for /debug/pprof (empty: off; keep it on loopback)")

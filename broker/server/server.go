@@ -33,6 +33,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
+	"github.com/kcp-dev/tunnel-broker/broker/replicas"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
 	"github.com/kcp-dev/tunnel-broker/internal/coalesce"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
@@ -155,6 +156,9 @@ type Config struct {
 	// MaxConnectionAge is how long a connection takes new RPCs
 	// (DefaultMaxConnectionAge).
 	MaxConnectionAge time.Duration
+	// Replicas, if set, counts the replicas, and agents hear the count
+	// (package replicas); the caller runs it.
+	Replicas *replicas.Counter
 	// Clock times what time decides in the services: the idle limit,
 	// probes, first messages, registrations' SVID expiry; nil: the real
 	// clock.
@@ -323,9 +327,22 @@ func (s *Server) agentService() *agentv1.Service {
 		ProbeEvery: cfg.ProbeEvery, RegistrationTimeout: cfg.DialTimeout,
 		MaxRegistrations: cfg.MaxRegistrationsPerAgent, MaxClusters: cfg.MaxClustersPerRegistration,
 		MaxReregistrationsPerSecond: cfg.MaxReregistrationsPerSecond,
+		Replicas:                    s.replicas(),
+		MaxConnectionAge:            max(cfg.MaxConnectionAge, 0),
 		Clock:                       cfg.Clock,
 		Log:                         cfg.Log.With("component", "agent"),
 	})
+}
+
+// replicas is the count the agent service tells agents, if any (a nil
+// *Counter in the interface would not be nil).
+func (s *Server) replicas() interface {
+	Count() (int, <-chan struct{})
+} {
+	if s.cfg.Replicas == nil {
+		return nil
+	}
+	return s.cfg.Replicas
 }
 
 // EgressUDS is a plain CONNECT front end of this replica (package egress)

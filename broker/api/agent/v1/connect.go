@@ -11,6 +11,7 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"github.com/kcp-dev/tunnel-broker/broker/internal/quota"
@@ -48,6 +49,9 @@ func (s *Service) Connect(stream tunnelv1.AgentService_ConnectServer) error {
 		BrokerId: s.cfg.BrokerID,
 		Since:    timestamppb.New(a.Since),
 	}}}
+	if s.cfg.MaxConnectionAge > 0 {
+		registered.GetRegistered().MaxConnectionAge = durationpb.New(s.cfg.MaxConnectionAge)
+	}
 	if err := stream.Send(registered); err != nil {
 		return err
 	}
@@ -110,9 +114,18 @@ func (s *Service) serve(stream tunnelv1.AgentService_ConnectServer, a *registry.
 	expiry := s.cfg.Clock.NewTimer(svid.Expires.Sub(s.cfg.Clock.Now()))
 	defer expiry.Stop()
 	draining := s.cfg.Draining.Done()
+	replicas, msg := s.replicas()
 	for {
-		var msg *tunnelv1.ConnectResponse
+		if msg != nil {
+			if err := stream.Send(msg); err != nil {
+				log.Info("agent disconnected", "error", err)
+				return err
+			}
+		}
+		msg = nil
 		select {
+		case <-replicas:
+			replicas, msg = s.replicas()
 		case <-expiry.C():
 			log.Warn("agent SVID expired, registration ended", "expired", svid.Expires)
 			return identity.ExpiredError(svid)
@@ -133,11 +146,21 @@ func (s *Service) serve(stream tunnelv1.AgentService_ConnectServer, a *registry.
 			}
 			return err
 		}
-		if err := stream.Send(msg); err != nil {
-			log.Info("agent disconnected", "error", err)
-			return err
-		}
 	}
+}
+
+// replicas is the message that tells an agent the count of replicas (nil
+// while it is unknown), and a channel closed when the count changes (nil:
+// never, when the broker does not count them).
+func (s *Service) replicas() (changed <-chan struct{}, msg *tunnelv1.ConnectResponse) {
+	if s.cfg.Replicas == nil {
+		return nil, nil
+	}
+	n, changed := s.cfg.Replicas.Count()
+	if n <= 0 {
+		return changed, nil
+	}
+	return changed, &tunnelv1.ConnectResponse{Message: &tunnelv1.ConnectResponse_Replicas{Replicas: &tunnelv1.Replicas{Count: uint32(n)}}}
 }
 
 // receive takes the agent's messages after its registration, until it ends

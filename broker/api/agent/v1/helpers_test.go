@@ -59,6 +59,9 @@ type config struct {
 	// clock times probes, the first registration and SVIDs' expiry; nil:
 	// the real clock.
 	clock clock.WithTickerAndDelayedExecution
+	// replicas counts the replicas for agents; nil: no count.
+	replicas         *fakeCount
+	maxConnectionAge time.Duration
 }
 
 const brokerID = "test-broker"
@@ -88,8 +91,12 @@ func startBroker(t *testing.T, cfg config) *broker {
 			Draining: s.Draining, Stopping: s.Stopping, Grace: cfg.grace,
 			ProbeEvery: cfg.probeEvery, RegistrationTimeout: cfg.registerTimeout,
 			MaxRegistrations: cfg.maxRegistrations, MaxClusters: cfg.maxClusters,
-			Clock: cfg.clock, Log: s.Log,
+			MaxConnectionAge: cfg.maxConnectionAge,
+			Clock:            cfg.clock, Log: s.Log,
 		})
+		if cfg.replicas != nil {
+			b.agents.cfg.Replicas = cfg.replicas
+		}
 		RegisterService(srv, b.agents)
 		dialv1.RegisterService(srv, dialv1.New(dialv1.Config{Admission: admission.New(admission.Config{
 			Registry: s.Registry, Policy: s.Policy, Timeout: cfg.dialTimeout,
@@ -150,12 +157,13 @@ func (b *broker) connectStatus(t *testing.T, path string, msgs ...*tunnelv1.Conn
 // agent plays an agent by hand: it registers, and a goroutine reads its
 // control stream into msgs until the stream ends with err.
 type agent struct {
-	name    string
-	control tunnelv1.AgentService_ConnectClient
-	cancel  context.CancelFunc
-	msgs    chan *tunnelv1.ConnectResponse
-	done    chan struct{}
-	err     error // the stream's end, once done is closed
+	name       string
+	registered *tunnelv1.Registered
+	control    tunnelv1.AgentService_ConnectClient
+	cancel     context.CancelFunc
+	msgs       chan *tunnelv1.ConnectResponse
+	done       chan struct{}
+	err        error // the stream's end, once done is closed
 }
 
 // connectAgent registers name, as the identity path, for clusters and checks
@@ -179,7 +187,7 @@ func (b *broker) connectAgent(t *testing.T, path, name string, clusters ...strin
 	if r := msg.GetRegistered(); r == nil || r.GetBrokerId() != brokerID || r.GetSince() == nil {
 		t.Fatalf("registering %s: got %v, want registered by %s with a time", name, msg, brokerID)
 	}
-	a := &agent{name: name, control: control, cancel: cancel,
+	a := &agent{name: name, registered: msg.GetRegistered(), control: control, cancel: cancel,
 		msgs: make(chan *tunnelv1.ConnectResponse, 64), done: make(chan struct{})}
 	go func() {
 		defer close(a.done)

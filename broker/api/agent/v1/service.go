@@ -75,6 +75,16 @@ type Config struct {
 	// control stream, the latest list winning; zero:
 	// DefaultMaxReregistrationsPerSecond.
 	MaxReregistrationsPerSecond float64
+	// MaxConnectionAge is how long after a connection's start the broker
+	// asks its client to move to a new one (zero: never); agents hear it
+	// with their registration.
+	MaxConnectionAge time.Duration
+	// Replicas, if set, counts the broker's replicas (replicas.Counter):
+	// each agent hears the count after its registration and again when it
+	// changes, so that agents behind one address know how many to reach.
+	Replicas interface {
+		Count() (n int, changed <-chan struct{})
+	}
 	// Clock times the probes, the first registration and the end of each
 	// registration at its SVID's expiry; nil: the real clock.
 	Clock clock.WithTickerAndDelayedExecution

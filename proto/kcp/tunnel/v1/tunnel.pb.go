@@ -1008,6 +1008,7 @@ type ConnectResponse struct {
 	//	*ConnectResponse_DialOrder
 	//	*ConnectResponse_Drain
 	//	*ConnectResponse_Probe
+	//	*ConnectResponse_Replicas
 	Message       isConnectResponse_Message `protobuf_oneof:"message"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1086,6 +1087,15 @@ func (x *ConnectResponse) GetProbe() *Probe {
 	return nil
 }
 
+func (x *ConnectResponse) GetReplicas() *Replicas {
+	if x != nil {
+		if x, ok := x.Message.(*ConnectResponse_Replicas); ok {
+			return x.Replicas
+		}
+	}
+	return nil
+}
+
 type isConnectResponse_Message interface {
 	isConnectResponse_Message()
 }
@@ -1113,6 +1123,12 @@ type ConnectResponse_Probe struct {
 	Probe *Probe `protobuf:"bytes,4,opt,name=probe,proto3,oneof"`
 }
 
+type ConnectResponse_Replicas struct {
+	// How many replicas the brokers are: sent after Registered by a
+	// replica that counts them, and again when the count changes.
+	Replicas *Replicas `protobuf:"bytes,5,opt,name=replicas,proto3,oneof"`
+}
+
 func (*ConnectResponse_Registered) isConnectResponse_Message() {}
 
 func (*ConnectResponse_DialOrder) isConnectResponse_Message() {}
@@ -1120,6 +1136,56 @@ func (*ConnectResponse_DialOrder) isConnectResponse_Message() {}
 func (*ConnectResponse_Drain) isConnectResponse_Message() {}
 
 func (*ConnectResponse_Probe) isConnectResponse_Message() {}
+
+func (*ConnectResponse_Replicas) isConnectResponse_Message() {}
+
+// Replicas is how many broker replicas there are, as the replica that
+// sends it counts them (its --replicas-dns). An agent that reaches the
+// replicas through one address (a load balancer) connects to it until it
+// holds a registration with that many distinct replicas (broker_id).
+type Replicas struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Count         uint32                 `protobuf:"varint,1,opt,name=count,proto3" json:"count,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Replicas) Reset() {
+	*x = Replicas{}
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Replicas) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Replicas) ProtoMessage() {}
+
+func (x *Replicas) ProtoReflect() protoreflect.Message {
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Replicas.ProtoReflect.Descriptor instead.
+func (*Replicas) Descriptor() ([]byte, []int) {
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *Replicas) GetCount() uint32 {
+	if x != nil {
+		return x.Count
+	}
+	return 0
+}
 
 // Probe measures the round trip between broker and agent.
 type Probe struct {
@@ -1131,7 +1197,7 @@ type Probe struct {
 
 func (x *Probe) Reset() {
 	*x = Probe{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[13]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1143,7 +1209,7 @@ func (x *Probe) String() string {
 func (*Probe) ProtoMessage() {}
 
 func (x *Probe) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[13]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1156,7 +1222,7 @@ func (x *Probe) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Probe.ProtoReflect.Descriptor instead.
 func (*Probe) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{13}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *Probe) GetSequence() uint64 {
@@ -1177,7 +1243,7 @@ type Drain struct {
 
 func (x *Drain) Reset() {
 	*x = Drain{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[14]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1189,7 +1255,7 @@ func (x *Drain) String() string {
 func (*Drain) ProtoMessage() {}
 
 func (x *Drain) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[14]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1202,7 +1268,7 @@ func (x *Drain) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Drain.ProtoReflect.Descriptor instead.
 func (*Drain) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{14}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *Drain) GetGraceMs() uint32 {
@@ -1231,7 +1297,7 @@ type Register struct {
 
 func (x *Register) Reset() {
 	*x = Register{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[15]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1243,7 +1309,7 @@ func (x *Register) String() string {
 func (*Register) ProtoMessage() {}
 
 func (x *Register) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[15]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1256,7 +1322,7 @@ func (x *Register) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Register.ProtoReflect.Descriptor instead.
 func (*Register) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{15}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *Register) GetClusters() []string {
@@ -1286,14 +1352,20 @@ type Registered struct {
 	// The broker replica that accepted it.
 	BrokerId string `protobuf:"bytes,1,opt,name=broker_id,json=brokerId,proto3" json:"broker_id,omitempty"`
 	// When the broker accepted it.
-	Since         *timestamppb.Timestamp `protobuf:"bytes,2,opt,name=since,proto3" json:"since,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Since *timestamppb.Timestamp `protobuf:"bytes,2,opt,name=since,proto3" json:"since,omitempty"`
+	// How long after a connection's start the broker asks its client to move
+	// to a new connection (an HTTP/2 GOAWAY, a tenth sooner or later; its
+	// --max-connection-age); unset: never. RPCs in flight go on, but new ones
+	// need a new connection, which through a load balancer may reach another
+	// replica: an agent there moves its registration before that.
+	MaxConnectionAge *durationpb.Duration `protobuf:"bytes,5,opt,name=max_connection_age,json=maxConnectionAge,proto3" json:"max_connection_age,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *Registered) Reset() {
 	*x = Registered{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[16]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1305,7 +1377,7 @@ func (x *Registered) String() string {
 func (*Registered) ProtoMessage() {}
 
 func (x *Registered) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[16]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1318,7 +1390,7 @@ func (x *Registered) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Registered.ProtoReflect.Descriptor instead.
 func (*Registered) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{16}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *Registered) GetBrokerId() string {
@@ -1331,6 +1403,13 @@ func (x *Registered) GetBrokerId() string {
 func (x *Registered) GetSince() *timestamppb.Timestamp {
 	if x != nil {
 		return x.Since
+	}
+	return nil
+}
+
+func (x *Registered) GetMaxConnectionAge() *durationpb.Duration {
+	if x != nil {
+		return x.MaxConnectionAge
 	}
 	return nil
 }
@@ -1352,7 +1431,7 @@ type DialOrder struct {
 
 func (x *DialOrder) Reset() {
 	*x = DialOrder{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[17]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1364,7 +1443,7 @@ func (x *DialOrder) String() string {
 func (*DialOrder) ProtoMessage() {}
 
 func (x *DialOrder) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[17]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1377,7 +1456,7 @@ func (x *DialOrder) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DialOrder.ProtoReflect.Descriptor instead.
 func (*DialOrder) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{17}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *DialOrder) GetDialId() uint64 {
@@ -1429,7 +1508,7 @@ type DialFailure struct {
 
 func (x *DialFailure) Reset() {
 	*x = DialFailure{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[18]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1441,7 +1520,7 @@ func (x *DialFailure) String() string {
 func (*DialFailure) ProtoMessage() {}
 
 func (x *DialFailure) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[18]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1454,7 +1533,7 @@ func (x *DialFailure) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DialFailure.ProtoReflect.Descriptor instead.
 func (*DialFailure) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{18}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *DialFailure) GetDialId() uint64 {
@@ -1498,7 +1577,7 @@ type TunnelRequest struct {
 
 func (x *TunnelRequest) Reset() {
 	*x = TunnelRequest{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[19]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1510,7 +1589,7 @@ func (x *TunnelRequest) String() string {
 func (*TunnelRequest) ProtoMessage() {}
 
 func (x *TunnelRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[19]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1523,7 +1602,7 @@ func (x *TunnelRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelRequest.ProtoReflect.Descriptor instead.
 func (*TunnelRequest) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{19}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *TunnelRequest) GetFrame() isTunnelRequest_Frame {
@@ -1582,7 +1661,7 @@ type TunnelResponse struct {
 
 func (x *TunnelResponse) Reset() {
 	*x = TunnelResponse{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[20]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1594,7 +1673,7 @@ func (x *TunnelResponse) String() string {
 func (*TunnelResponse) ProtoMessage() {}
 
 func (x *TunnelResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[20]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1607,7 +1686,7 @@ func (x *TunnelResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelResponse.ProtoReflect.Descriptor instead.
 func (*TunnelResponse) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{20}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *TunnelResponse) GetFrame() isTunnelResponse_Frame {
@@ -1663,7 +1742,7 @@ type TunnelOpen struct {
 
 func (x *TunnelOpen) Reset() {
 	*x = TunnelOpen{}
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[21]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1675,7 +1754,7 @@ func (x *TunnelOpen) String() string {
 func (*TunnelOpen) ProtoMessage() {}
 
 func (x *TunnelOpen) ProtoReflect() protoreflect.Message {
-	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[21]
+	mi := &file_kcp_tunnel_v1_tunnel_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1688,7 +1767,7 @@ func (x *TunnelOpen) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelOpen.ProtoReflect.Descriptor instead.
 func (*TunnelOpen) Descriptor() ([]byte, []int) {
-	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{21}
+	return file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *TunnelOpen) GetDialId() uint64 {
@@ -1774,7 +1853,7 @@ const file_kcp_tunnel_v1_tunnel_proto_rawDesc = "" +
 	"\fdial_failure\x18\x02 \x01(\v2\x1a.kcp.tunnel.v1.DialFailureH\x00R\vdialFailure\x12,\n" +
 	"\x05drain\x18\x03 \x01(\v2\x14.kcp.tunnel.v1.DrainH\x00R\x05drain\x12,\n" +
 	"\x05probe\x18\x04 \x01(\v2\x14.kcp.tunnel.v1.ProbeH\x00R\x05probeB\t\n" +
-	"\amessage\"\xf0\x01\n" +
+	"\amessage\"\xa7\x02\n" +
 	"\x0fConnectResponse\x12;\n" +
 	"\n" +
 	"registered\x18\x01 \x01(\v2\x19.kcp.tunnel.v1.RegisteredH\x00R\n" +
@@ -1782,8 +1861,11 @@ const file_kcp_tunnel_v1_tunnel_proto_rawDesc = "" +
 	"\n" +
 	"dial_order\x18\x02 \x01(\v2\x18.kcp.tunnel.v1.DialOrderH\x00R\tdialOrder\x12,\n" +
 	"\x05drain\x18\x03 \x01(\v2\x14.kcp.tunnel.v1.DrainH\x00R\x05drain\x12,\n" +
-	"\x05probe\x18\x04 \x01(\v2\x14.kcp.tunnel.v1.ProbeH\x00R\x05probeB\t\n" +
-	"\amessage\"#\n" +
+	"\x05probe\x18\x04 \x01(\v2\x14.kcp.tunnel.v1.ProbeH\x00R\x05probe\x125\n" +
+	"\breplicas\x18\x05 \x01(\v2\x17.kcp.tunnel.v1.ReplicasH\x00R\breplicasB\t\n" +
+	"\amessage\" \n" +
+	"\bReplicas\x12\x14\n" +
+	"\x05count\x18\x01 \x01(\rR\x05count\"#\n" +
 	"\x05Probe\x12\x1a\n" +
 	"\bsequence\x18\x01 \x01(\x04R\bsequence\"\"\n" +
 	"\x05Drain\x12\x19\n" +
@@ -1792,11 +1874,12 @@ const file_kcp_tunnel_v1_tunnel_proto_rawDesc = "" +
 	"\bclusters\x18\x01 \x03(\tR\bclusters\x12\x1d\n" +
 	"\n" +
 	"agent_name\x18\x02 \x01(\tR\tagentName\x12\x12\n" +
-	"\x04more\x18\x03 \x01(\bR\x04moreJ\x04\b\x04\x10\x05R\x12accepts_early_data\"\x85\x01\n" +
+	"\x04more\x18\x03 \x01(\bR\x04moreJ\x04\b\x04\x10\x05R\x12accepts_early_data\"\xce\x01\n" +
 	"\n" +
 	"Registered\x12\x1b\n" +
 	"\tbroker_id\x18\x01 \x01(\tR\bbrokerId\x120\n" +
-	"\x05since\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x05sinceJ\x04\b\x03\x10\x04J\x04\b\x04\x10\x05R\x10data_connectionsR\n" +
+	"\x05since\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x05since\x12G\n" +
+	"\x12max_connection_age\x18\x05 \x01(\v2\x19.google.protobuf.DurationR\x10maxConnectionAgeJ\x04\b\x03\x10\x04J\x04\b\x04\x10\x05R\x10data_connectionsR\n" +
 	"session_id\"\x91\x01\n" +
 	"\tDialOrder\x12\x17\n" +
 	"\adial_id\x18\x01 \x01(\x04R\x06dialId\x12-\n" +
@@ -1844,7 +1927,7 @@ func file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP() []byte {
 	return file_kcp_tunnel_v1_tunnel_proto_rawDescData
 }
 
-var file_kcp_tunnel_v1_tunnel_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
+var file_kcp_tunnel_v1_tunnel_proto_msgTypes = make([]protoimpl.MessageInfo, 23)
 var file_kcp_tunnel_v1_tunnel_proto_goTypes = []any{
 	(*ListAgentsRequest)(nil),     // 0: kcp.tunnel.v1.ListAgentsRequest
 	(*ListAgentsResponse)(nil),    // 1: kcp.tunnel.v1.ListAgentsResponse
@@ -1859,58 +1942,61 @@ var file_kcp_tunnel_v1_tunnel_proto_goTypes = []any{
 	(*CloseWrite)(nil),            // 10: kcp.tunnel.v1.CloseWrite
 	(*ConnectRequest)(nil),        // 11: kcp.tunnel.v1.ConnectRequest
 	(*ConnectResponse)(nil),       // 12: kcp.tunnel.v1.ConnectResponse
-	(*Probe)(nil),                 // 13: kcp.tunnel.v1.Probe
-	(*Drain)(nil),                 // 14: kcp.tunnel.v1.Drain
-	(*Register)(nil),              // 15: kcp.tunnel.v1.Register
-	(*Registered)(nil),            // 16: kcp.tunnel.v1.Registered
-	(*DialOrder)(nil),             // 17: kcp.tunnel.v1.DialOrder
-	(*DialFailure)(nil),           // 18: kcp.tunnel.v1.DialFailure
-	(*TunnelRequest)(nil),         // 19: kcp.tunnel.v1.TunnelRequest
-	(*TunnelResponse)(nil),        // 20: kcp.tunnel.v1.TunnelResponse
-	(*TunnelOpen)(nil),            // 21: kcp.tunnel.v1.TunnelOpen
-	(*timestamppb.Timestamp)(nil), // 22: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 23: google.protobuf.Duration
+	(*Replicas)(nil),              // 13: kcp.tunnel.v1.Replicas
+	(*Probe)(nil),                 // 14: kcp.tunnel.v1.Probe
+	(*Drain)(nil),                 // 15: kcp.tunnel.v1.Drain
+	(*Register)(nil),              // 16: kcp.tunnel.v1.Register
+	(*Registered)(nil),            // 17: kcp.tunnel.v1.Registered
+	(*DialOrder)(nil),             // 18: kcp.tunnel.v1.DialOrder
+	(*DialFailure)(nil),           // 19: kcp.tunnel.v1.DialFailure
+	(*TunnelRequest)(nil),         // 20: kcp.tunnel.v1.TunnelRequest
+	(*TunnelResponse)(nil),        // 21: kcp.tunnel.v1.TunnelResponse
+	(*TunnelOpen)(nil),            // 22: kcp.tunnel.v1.TunnelOpen
+	(*timestamppb.Timestamp)(nil), // 23: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 24: google.protobuf.Duration
 }
 var file_kcp_tunnel_v1_tunnel_proto_depIdxs = []int32{
 	2,  // 0: kcp.tunnel.v1.ListAgentsResponse.agents:type_name -> kcp.tunnel.v1.AgentInfo
-	22, // 1: kcp.tunnel.v1.AgentInfo.connected_since:type_name -> google.protobuf.Timestamp
-	22, // 2: kcp.tunnel.v1.AgentInfo.last_probe:type_name -> google.protobuf.Timestamp
-	23, // 3: kcp.tunnel.v1.AgentInfo.last_probe_rtt:type_name -> google.protobuf.Duration
+	23, // 1: kcp.tunnel.v1.AgentInfo.connected_since:type_name -> google.protobuf.Timestamp
+	23, // 2: kcp.tunnel.v1.AgentInfo.last_probe:type_name -> google.protobuf.Timestamp
+	24, // 3: kcp.tunnel.v1.AgentInfo.last_probe_rtt:type_name -> google.protobuf.Duration
 	5,  // 4: kcp.tunnel.v1.ListTunnelsResponse.tunnels:type_name -> kcp.tunnel.v1.TunnelInfo
 	6,  // 5: kcp.tunnel.v1.TunnelInfo.target:type_name -> kcp.tunnel.v1.Target
-	22, // 6: kcp.tunnel.v1.TunnelInfo.established:type_name -> google.protobuf.Timestamp
-	23, // 7: kcp.tunnel.v1.TunnelInfo.age:type_name -> google.protobuf.Duration
-	23, // 8: kcp.tunnel.v1.TunnelInfo.idle:type_name -> google.protobuf.Duration
+	23, // 6: kcp.tunnel.v1.TunnelInfo.established:type_name -> google.protobuf.Timestamp
+	24, // 7: kcp.tunnel.v1.TunnelInfo.age:type_name -> google.protobuf.Duration
+	24, // 8: kcp.tunnel.v1.TunnelInfo.idle:type_name -> google.protobuf.Duration
 	6,  // 9: kcp.tunnel.v1.DialRequest.target:type_name -> kcp.tunnel.v1.Target
 	9,  // 10: kcp.tunnel.v1.DialResponse.established:type_name -> kcp.tunnel.v1.Established
 	10, // 11: kcp.tunnel.v1.DialResponse.close_write:type_name -> kcp.tunnel.v1.CloseWrite
-	15, // 12: kcp.tunnel.v1.ConnectRequest.register:type_name -> kcp.tunnel.v1.Register
-	18, // 13: kcp.tunnel.v1.ConnectRequest.dial_failure:type_name -> kcp.tunnel.v1.DialFailure
-	14, // 14: kcp.tunnel.v1.ConnectRequest.drain:type_name -> kcp.tunnel.v1.Drain
-	13, // 15: kcp.tunnel.v1.ConnectRequest.probe:type_name -> kcp.tunnel.v1.Probe
-	16, // 16: kcp.tunnel.v1.ConnectResponse.registered:type_name -> kcp.tunnel.v1.Registered
-	17, // 17: kcp.tunnel.v1.ConnectResponse.dial_order:type_name -> kcp.tunnel.v1.DialOrder
-	14, // 18: kcp.tunnel.v1.ConnectResponse.drain:type_name -> kcp.tunnel.v1.Drain
-	13, // 19: kcp.tunnel.v1.ConnectResponse.probe:type_name -> kcp.tunnel.v1.Probe
-	22, // 20: kcp.tunnel.v1.Registered.since:type_name -> google.protobuf.Timestamp
-	6,  // 21: kcp.tunnel.v1.DialOrder.target:type_name -> kcp.tunnel.v1.Target
-	21, // 22: kcp.tunnel.v1.TunnelRequest.open:type_name -> kcp.tunnel.v1.TunnelOpen
-	10, // 23: kcp.tunnel.v1.TunnelResponse.close_write:type_name -> kcp.tunnel.v1.CloseWrite
-	7,  // 24: kcp.tunnel.v1.DialService.Dial:input_type -> kcp.tunnel.v1.DialRequest
-	0,  // 25: kcp.tunnel.v1.AdminService.ListAgents:input_type -> kcp.tunnel.v1.ListAgentsRequest
-	3,  // 26: kcp.tunnel.v1.AdminService.ListTunnels:input_type -> kcp.tunnel.v1.ListTunnelsRequest
-	11, // 27: kcp.tunnel.v1.AgentService.Connect:input_type -> kcp.tunnel.v1.ConnectRequest
-	19, // 28: kcp.tunnel.v1.AgentService.Tunnel:input_type -> kcp.tunnel.v1.TunnelRequest
-	8,  // 29: kcp.tunnel.v1.DialService.Dial:output_type -> kcp.tunnel.v1.DialResponse
-	1,  // 30: kcp.tunnel.v1.AdminService.ListAgents:output_type -> kcp.tunnel.v1.ListAgentsResponse
-	4,  // 31: kcp.tunnel.v1.AdminService.ListTunnels:output_type -> kcp.tunnel.v1.ListTunnelsResponse
-	12, // 32: kcp.tunnel.v1.AgentService.Connect:output_type -> kcp.tunnel.v1.ConnectResponse
-	20, // 33: kcp.tunnel.v1.AgentService.Tunnel:output_type -> kcp.tunnel.v1.TunnelResponse
-	29, // [29:34] is the sub-list for method output_type
-	24, // [24:29] is the sub-list for method input_type
-	24, // [24:24] is the sub-list for extension type_name
-	24, // [24:24] is the sub-list for extension extendee
-	0,  // [0:24] is the sub-list for field type_name
+	16, // 12: kcp.tunnel.v1.ConnectRequest.register:type_name -> kcp.tunnel.v1.Register
+	19, // 13: kcp.tunnel.v1.ConnectRequest.dial_failure:type_name -> kcp.tunnel.v1.DialFailure
+	15, // 14: kcp.tunnel.v1.ConnectRequest.drain:type_name -> kcp.tunnel.v1.Drain
+	14, // 15: kcp.tunnel.v1.ConnectRequest.probe:type_name -> kcp.tunnel.v1.Probe
+	17, // 16: kcp.tunnel.v1.ConnectResponse.registered:type_name -> kcp.tunnel.v1.Registered
+	18, // 17: kcp.tunnel.v1.ConnectResponse.dial_order:type_name -> kcp.tunnel.v1.DialOrder
+	15, // 18: kcp.tunnel.v1.ConnectResponse.drain:type_name -> kcp.tunnel.v1.Drain
+	14, // 19: kcp.tunnel.v1.ConnectResponse.probe:type_name -> kcp.tunnel.v1.Probe
+	13, // 20: kcp.tunnel.v1.ConnectResponse.replicas:type_name -> kcp.tunnel.v1.Replicas
+	23, // 21: kcp.tunnel.v1.Registered.since:type_name -> google.protobuf.Timestamp
+	24, // 22: kcp.tunnel.v1.Registered.max_connection_age:type_name -> google.protobuf.Duration
+	6,  // 23: kcp.tunnel.v1.DialOrder.target:type_name -> kcp.tunnel.v1.Target
+	22, // 24: kcp.tunnel.v1.TunnelRequest.open:type_name -> kcp.tunnel.v1.TunnelOpen
+	10, // 25: kcp.tunnel.v1.TunnelResponse.close_write:type_name -> kcp.tunnel.v1.CloseWrite
+	7,  // 26: kcp.tunnel.v1.DialService.Dial:input_type -> kcp.tunnel.v1.DialRequest
+	0,  // 27: kcp.tunnel.v1.AdminService.ListAgents:input_type -> kcp.tunnel.v1.ListAgentsRequest
+	3,  // 28: kcp.tunnel.v1.AdminService.ListTunnels:input_type -> kcp.tunnel.v1.ListTunnelsRequest
+	11, // 29: kcp.tunnel.v1.AgentService.Connect:input_type -> kcp.tunnel.v1.ConnectRequest
+	20, // 30: kcp.tunnel.v1.AgentService.Tunnel:input_type -> kcp.tunnel.v1.TunnelRequest
+	8,  // 31: kcp.tunnel.v1.DialService.Dial:output_type -> kcp.tunnel.v1.DialResponse
+	1,  // 32: kcp.tunnel.v1.AdminService.ListAgents:output_type -> kcp.tunnel.v1.ListAgentsResponse
+	4,  // 33: kcp.tunnel.v1.AdminService.ListTunnels:output_type -> kcp.tunnel.v1.ListTunnelsResponse
+	12, // 34: kcp.tunnel.v1.AgentService.Connect:output_type -> kcp.tunnel.v1.ConnectResponse
+	21, // 35: kcp.tunnel.v1.AgentService.Tunnel:output_type -> kcp.tunnel.v1.TunnelResponse
+	31, // [31:36] is the sub-list for method output_type
+	26, // [26:31] is the sub-list for method input_type
+	26, // [26:26] is the sub-list for extension type_name
+	26, // [26:26] is the sub-list for extension extendee
+	0,  // [0:26] is the sub-list for field type_name
 }
 
 func init() { file_kcp_tunnel_v1_tunnel_proto_init() }
@@ -1938,12 +2024,13 @@ func file_kcp_tunnel_v1_tunnel_proto_init() {
 		(*ConnectResponse_DialOrder)(nil),
 		(*ConnectResponse_Drain)(nil),
 		(*ConnectResponse_Probe)(nil),
+		(*ConnectResponse_Replicas)(nil),
 	}
-	file_kcp_tunnel_v1_tunnel_proto_msgTypes[19].OneofWrappers = []any{
+	file_kcp_tunnel_v1_tunnel_proto_msgTypes[20].OneofWrappers = []any{
 		(*TunnelRequest_Open)(nil),
 		(*TunnelRequest_Data)(nil),
 	}
-	file_kcp_tunnel_v1_tunnel_proto_msgTypes[20].OneofWrappers = []any{
+	file_kcp_tunnel_v1_tunnel_proto_msgTypes[21].OneofWrappers = []any{
 		(*TunnelResponse_Data)(nil),
 		(*TunnelResponse_CloseWrite)(nil),
 	}
@@ -1953,7 +2040,7 @@ func file_kcp_tunnel_v1_tunnel_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kcp_tunnel_v1_tunnel_proto_rawDesc), len(file_kcp_tunnel_v1_tunnel_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   22,
+			NumMessages:   23,
 			NumExtensions: 0,
 			NumServices:   3,
 		},
