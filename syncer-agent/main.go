@@ -33,7 +33,7 @@ func main() {
 
 // options are the agent's flags.
 type options struct {
-	brokers, dns      string
+	brokers, dns, lb  string
 	resolveEvery      time.Duration
 	reconnectMaxDelay time.Duration
 	grace             time.Duration
@@ -49,8 +49,9 @@ type options struct {
 
 func addFlags(fs *flag.FlagSet) *options {
 	o := &options{}
-	fs.Var((*listFlag)(&o.brokers), "broker", "required, or --broker-dns: broker replica addresses, comma-separated `host:port,...`, each with its port (repeatable: the lists add up)")
-	fs.StringVar(&o.dns, "broker-dns", "", "required, or --broker: host:port whose host resolves to every broker replica (a headless Service)")
+	fs.Var((*listFlag)(&o.brokers), "broker", "broker replica addresses, comma-separated `host:port,...`, each with its port (repeatable: the lists add up); one of --broker, --broker-dns and --broker-lb is required")
+	fs.StringVar(&o.dns, "broker-dns", "", "host:port whose host resolves to every broker replica (a headless Service)")
+	fs.StringVar(&o.lb, "broker-lb", "", "host:port of one load balancer in front of every broker replica, passing TCP (or TLS) through: the agent connects to it until it holds a registration with each replica the brokers count (their --replicas-dns)")
 	fs.DurationVar(&o.resolveEvery, "resolve-interval", 30*time.Second, "how often --broker-dns is resolved again")
 	fs.DurationVar(&o.reconnectMaxDelay, "reconnect-max-delay", agent.DefaultReconnectMaxDelay, "the longest wait between attempts to reach a broker replica: the agent is back about this long after a replica is")
 	fs.DurationVar(&o.grace, "grace", agent.DefaultGrace, "on SIGTERM, how long tunnels in flight may still run")
@@ -68,8 +69,16 @@ func addFlags(fs *flag.FlagSet) *options {
 
 // validate refuses what the flags cannot mean, as mistakes in the flags.
 func (o *options) validate() error {
-	if o.brokers == "" && o.dns == "" {
-		return flagcheck.Errorf("--broker or --broker-dns is required")
+	switch {
+	case o.brokers == "" && o.dns == "" && o.lb == "":
+		return flagcheck.Errorf("--broker, --broker-dns or --broker-lb is required")
+	case o.lb != "" && (o.brokers != "" || o.dns != ""):
+		return flagcheck.Errorf("--broker-lb reaches every replica through one address: it takes neither --broker nor --broker-dns")
+	}
+	if o.lb != "" {
+		if err := flagcheck.HostPort("broker-lb", o.lb); err != nil {
+			return err
+		}
 	}
 	for _, addr := range splitList(o.brokers) {
 		if err := flagcheck.HostPort("broker", addr); err != nil {
@@ -98,7 +107,7 @@ func (o *options) validate() error {
 func parseFlags(fs *flag.FlagSet, args []string, stdout io.Writer) (*options, error) {
 	o := addFlags(fs)
 	flagcheck.Usage(fs, "syncer-agent: registers the logical clusters of a physical cluster with every tunnel broker replica and connects their dials to Services.",
-		"syncer-agent (--broker HOST:PORT | --broker-dns HOST:PORT) --name NAME (--services FILE | --sync-target-name NAME ...)\n      (--spiffe-socket ADDR | --svid-cert FILE --svid-key FILE --trust-bundle FILE) [flags]")
+		"syncer-agent (--broker HOST:PORT | --broker-dns HOST:PORT | --broker-lb HOST:PORT) --name NAME (--services FILE | --sync-target-name NAME ...)\n      (--spiffe-socket ADDR | --svid-cert FILE --svid-key FILE --trust-bundle FILE) [flags]")
 	if err := flagcheck.Parse(fs, args, stdout); err != nil {
 		return nil, err
 	}
@@ -195,6 +204,7 @@ func (o *options) fleet(svids identity.Source, creds credentials.TransportCreden
 	return &agent.Fleet{
 		Addresses:    splitList(o.brokers),
 		DNS:          o.dns,
+		LoadBalancer: o.lb,
 		ResolveEvery: o.resolveEvery,
 		// New connections, with the new SVID, each time it rotates: the
 		// brokers end a registration when the SVID it was made with expires.

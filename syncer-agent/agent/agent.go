@@ -65,8 +65,25 @@ type Agent struct {
 
 	// Registered, if set, is called each time the broker accepts the agent.
 	Registered func(brokerID string)
+	// Replicas, if set, is called with each count of replicas the broker
+	// sends (tunnelv1.Replicas).
+	Replicas func(count int)
+	// OneConnection: Broker is one address in front of every replica (a
+	// load balancer), where each new connection may reach another
+	// replica. The agent then keeps to its first connection, on which its
+	// control stream and every Tunnel stream reach the same replica: once
+	// it has been ready it dials no other, and when it is lost or the broker
+	// asks for a new one (GOAWAY, --max-connection-age), the agent drains
+	// and Run returns.
+	OneConnection bool
+	// Retiring, if set, is called once, with OneConnection, when the
+	// connection nears the age at which the broker will ask for a new one
+	// (Registered.max_connection_age): a fleet then finds the replica on a
+	// new connection, and lets this one go, before the broker asks.
+	Retiring func()
 
 	registered atomic.Bool
+	dialOnce   *dialOnce // with OneConnection
 	// lastFailure says why the last session ended or failed to start.
 	lastFailure atomic.Pointer[string]
 }
@@ -143,7 +160,11 @@ func (a *Agent) Run(ctx context.Context) error {
 		defer close(sessionsOver)
 		r.reconnect()
 	}()
-	<-ctx.Done()
+	select {
+	case <-ctx.Done():
+	case <-a.connectionGone(ctx, conn):
+		a.Log.Info("connection to the broker gone, draining it", "broker", a.Broker)
+	}
 	r.drain()
 	<-sessionsOver
 	return nil
@@ -151,6 +172,9 @@ func (a *Agent) Run(ctx context.Context) error {
 
 // dial makes the agent's one gRPC connection to its broker replica.
 func (a *Agent) dial() (*grpc.ClientConn, error) {
+	if a.OneConnection {
+		a.dialOnce = &dialOnce{}
+	}
 	// The transport settings kcp and the broker use too: coalesced
 	// writes, the write buffer and fixed windows (package wire).
 	// One write syscall per gRPC flush, not one per 16 KiB TLS record.
@@ -165,6 +189,9 @@ func (a *Agent) dial() (*grpc.ClientConn, error) {
 		// jitter spreads thousands of agents over a fifth of it either
 		// way; the broker paces their registrations.
 		grpc.WithConnectParams(ReconnectParams(a.reconnectMaxDelay())))
+	if a.dialOnce != nil {
+		opts = append(opts, grpc.WithContextDialer(a.dialOnce.dial))
+	}
 	return grpc.NewClient(a.Broker, opts...)
 }
 

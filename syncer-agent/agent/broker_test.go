@@ -22,6 +22,7 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
 	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/kcp-dev/tunnel-broker/internal/coalesce"
@@ -108,7 +109,9 @@ type fakeBroker struct {
 	// open after the agent closed its send direction, instead of ending
 	// the registration.
 	keepsClosedStreams bool
-	readers            sync.WaitGroup
+	// maxConnectionAge is sent in Registered.
+	maxConnectionAge time.Duration
+	readers          sync.WaitGroup
 	srv                *grpc.Server
 }
 
@@ -176,7 +179,11 @@ func (b *fakeBroker) Connect(stream tunnelv1.AgentService_ConnectServer) error {
 		return err
 	default:
 	}
-	if err := stream.Send(&tunnelv1.ConnectResponse{Message: &tunnelv1.ConnectResponse_Registered{Registered: &tunnelv1.Registered{BrokerId: b.id}}}); err != nil {
+	registered := &tunnelv1.Registered{BrokerId: b.id}
+	if b.maxConnectionAge > 0 {
+		registered.MaxConnectionAge = durationpb.New(b.maxConnectionAge)
+	}
+	if err := stream.Send(&tunnelv1.ConnectResponse{Message: &tunnelv1.ConnectResponse_Registered{Registered: registered}}); err != nil {
 		return err
 	}
 	s := &session{peer: peer, register: first.GetRegister(), stream: stream,

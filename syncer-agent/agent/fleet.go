@@ -26,6 +26,13 @@ type Fleet struct {
 	Addresses []string
 	// DNS, if set, is a host:port whose host resolves to every replica.
 	DNS string
+	// LoadBalancer, if set instead of Addresses and DNS, is one host:port
+	// in front of every replica (a load balancer that passes TCP, or TLS,
+	// through): see balanced.go.
+	LoadBalancer string
+	// SeekEvery is the least wait between two connections through
+	// LoadBalancer while replicas are missing (zero: DefaultSeekEvery).
+	SeekEvery time.Duration
 	// ResolveEvery is how often DNS is resolved again.
 	ResolveEvery time.Duration
 	// Agent makes the agent for one replica's address.
@@ -51,22 +58,35 @@ type Fleet struct {
 	// member's place once registered.
 	successors map[string]*member
 	leaving    []*member // draining, awaited when the fleet ends
+	balanced   balancedState
 }
 
 type member struct {
 	agent *Agent
 	stop  context.CancelFunc
 	done  chan struct{} // closed when the agent's Run has returned
+	// Behind one address (balanced.go), guarded by Fleet.mu: the replica
+	// it registered with, how many replicas that one counts, the SVID
+	// rotation it was started after, and whether its connection nears
+	// its age (Agent.Retiring).
+	brokerID     string
+	registeredAt time.Time
+	replicas     int
+	generation   int
+	retiring     bool
 }
 
 // Run follows the replicas until ctx ends, then drains every agent at once.
 func (f *Fleet) Run(ctx context.Context) error {
-	resolve, stopResolving := f.ticker(f.DNS != "", f.ResolveEvery, 30*time.Second)
-	defer stopResolving()
 	var svid *svidWatch
 	if f.SVID != nil {
 		svid = watchSVID(f.SVID)
 	}
+	if f.LoadBalancer != "" {
+		return f.runBalanced(ctx, svid)
+	}
+	resolve, stopResolving := f.ticker(f.DNS != "", f.ResolveEvery, 30*time.Second)
+	defer stopResolving()
 	checkSVID, stopChecking := f.ticker(svid != nil, f.CheckSVIDEvery, 5*time.Second)
 	defer stopChecking()
 	f.update(ctx, f.resolve(ctx))
@@ -75,17 +95,27 @@ func (f *Fleet) Run(ctx context.Context) error {
 		case <-resolve:
 			f.update(ctx, f.resolve(ctx))
 		case <-checkSVID:
-			if svid.rotated() {
+			if f.checkSVID(svid) {
 				f.renew(ctx)
-			} else if left, notAfter, warn := svid.expiring(f.clock().Now()); warn {
-				f.Log.Warn(fmt.Sprintf("my SVID expires in %s and no new one has come: is the SPIRE agent (--spiffe-socket) running, or whatever renews --svid-cert?",
-					left.Round(time.Second)), "expires_at", notAfter.UTC().Format(time.RFC3339))
 			}
 		case <-ctx.Done():
 			f.stopAll()
 			return nil
 		}
 	}
+}
+
+// checkSVID reports whether the SVID rotated; if it did not and expires
+// soon, it says so.
+func (f *Fleet) checkSVID(svid *svidWatch) (rotated bool) {
+	if svid.rotated() {
+		return true
+	}
+	if left, notAfter, warn := svid.expiring(f.clock().Now()); warn {
+		f.Log.Warn(fmt.Sprintf("my SVID expires in %s and no new one has come: is the SPIRE agent (--spiffe-socket) running, or whatever renews --svid-cert?",
+			left.Round(time.Second)), "expires_at", notAfter.UTC().Format(time.RFC3339))
+	}
+	return false
 }
 
 // ticker ticks every d, or every byDefault if d is not positive; when not
@@ -118,7 +148,8 @@ func (f *Fleet) stopAll() {
 	for _, m := range f.successors {
 		members = append(members, m)
 	}
-	f.members, f.successors, f.leaving = nil, nil, nil
+	members = append(members, f.balanced.pool...)
+	f.members, f.successors, f.leaving, f.balanced.pool = nil, nil, nil, nil
 	f.mu.Unlock()
 	for _, m := range members {
 		m.stop()
@@ -223,8 +254,23 @@ func (f *Fleet) start(ctx context.Context, addr string) *member {
 		if registered != nil {
 			registered(brokerID)
 		}
-		f.promote(addr, m)
+		if f.LoadBalancer != "" {
+			f.registeredBalanced(m, brokerID)
+		} else {
+			f.promote(addr, m)
+		}
 	}
+	a.Replicas = func(n int) {
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		m.replicas = n
+	}
+	a.Retiring = func() {
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		m.retiring = true
+	}
+	a.OneConnection = f.LoadBalancer != ""
 	go func() {
 		defer close(m.done)
 		defer f.forget(m)
@@ -234,11 +280,13 @@ func (f *Fleet) start(ctx context.Context, addr string) *member {
 }
 
 // forget drops a member whose agent has returned from those leaving, or
-// they would pile up with every rollout.
+// they would pile up with every rollout, and from the pool behind one
+// address, whose member returns when its connection is gone.
 func (f *Fleet) forget(m *member) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.leaving = slices.DeleteFunc(f.leaving, func(l *member) bool { return l == m })
+	f.balanced.pool = slices.DeleteFunc(f.balanced.pool, func(l *member) bool { return l == m })
 }
 
 // promote makes a registered successor the member for addr; the member it
@@ -268,6 +316,10 @@ func (f *Fleet) leave(m *member) {
 func (f *Fleet) Ready() bool {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if f.LoadBalancer != "" {
+		held, want := f.balancedStatus()
+		return held > 0 && held >= want
+	}
 	if len(f.members) == 0 {
 		return false
 	}
@@ -284,6 +336,15 @@ func (f *Fleet) Ready() bool {
 func (f *Fleet) NotReady() error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if f.LoadBalancer != "" {
+		switch held, want := f.balancedStatus(); {
+		case held == 0:
+			return fmt.Errorf("not registered with any broker replica behind %s yet", f.LoadBalancer)
+		case held < want:
+			return fmt.Errorf("registered with %d of the %d broker replicas behind %s", held, want, f.LoadBalancer)
+		}
+		return nil
+	}
 	if len(f.members) == 0 {
 		return errors.New("no broker replica known yet")
 	}
@@ -303,6 +364,10 @@ func (f *Fleet) NotReady() error {
 func (f *Fleet) Registered() (registered, known int) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if f.LoadBalancer != "" {
+		held, want := f.balancedStatus()
+		return held, max(held, want)
+	}
 	for _, m := range f.members {
 		if m.agent.IsRegistered() {
 			registered++

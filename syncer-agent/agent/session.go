@@ -43,6 +43,7 @@ func (r *agentRun) session() (registered bool, err error) {
 		return false, err
 	}
 	cancelUnlessRegistered()
+	r.retireBefore(confirmed.GetMaxConnectionAge().AsDuration())
 	defer r.markRegistered(confirmed.GetBrokerId())()
 	control := r.newControlStream(stream)
 	go r.announce(ctx, control)
@@ -141,6 +142,13 @@ func (r *agentRun) serveOrders(control *controlStream) error {
 			control.send(&tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_Probe{Probe: m.Probe}})
 		case *tunnelv1.ConnectResponse_Drain:
 			r.Log.Info("broker is draining", "broker", r.Broker, "broker_grace", time.Duration(m.Drain.GetGraceMs())*time.Millisecond)
+			// Behind one address: the fleet looks for the other replicas,
+			// among them the one that will replace this, at once.
+			r.retire("broker replica draining: moving to another")
+		case *tunnelv1.ConnectResponse_Replicas:
+			if r.Replicas != nil {
+				r.Replicas(int(m.Replicas.GetCount()))
+			}
 		default:
 			return fmt.Errorf("unexpected message from broker: %T", m)
 		}

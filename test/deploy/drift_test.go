@@ -113,7 +113,7 @@ func TestDeployHelmDriftCatches(t *testing.T) {
 		{"flag", edit(hobjs, "Deployment", "tunnel-broker", func(m map[string]any) {
 			c := brokerContainer(m)
 			c["args"] = append(c["args"].([]any), "--max-tunnels-per-caller=1")
-		}), "containers[0].args[5]"},
+		}), `kustomize (nothing), chart "--max-tunnels-per-caller=1"`},
 		{"probe", edit(hobjs, "Deployment", "tunnel-broker", func(m map[string]any) {
 			dig(brokerContainer(m), "readinessProbe", "httpGet").(map[string]any)["path"] = "/healthz"
 		}), "readinessProbe.httpGet.path"},

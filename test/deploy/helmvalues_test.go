@@ -158,6 +158,7 @@ func TestDeployHelmAgentOneBrokerSource(t *testing.T) {
 	}{
 		{nil, "broker-dns", "tunnel-broker-headless.kcp-system.svc:8443"},
 		{[]string{"--set", "broker.addresses={a.example.org:8443,b.example.org:8443}"}, "broker", "a.example.org:8443,b.example.org:8443"},
+		{[]string{"--set", "broker.loadBalancer=tunnel.example.org:8443"}, "broker-lb", "tunnel.example.org:8443"},
 	} {
 		t.Run(c.flag, func(t *testing.T) {
 			d := theDeployment(t, templateChart(t, "tunnel-agent", c.set...))
@@ -169,7 +170,7 @@ func TestDeployHelmAgentOneBrokerSource(t *testing.T) {
 			if got := flags[c.flag]; got != c.want {
 				t.Errorf("--%s=%q, want %q", c.flag, got, c.want)
 			}
-			for _, f := range []string{"broker", "broker-dns"} {
+			for _, f := range []string{"broker", "broker-dns", "broker-lb"} {
 				if _, ok := flags[f]; ok && f != c.flag {
 					t.Errorf("--%s as well as --%s: %v", f, c.flag, ac.Args)
 				}

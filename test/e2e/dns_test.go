@@ -7,11 +7,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
-
-	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/agent"
-	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
 	"github.com/kcp-dev/tunnel-broker/test/harness"
 )
 
@@ -27,13 +23,6 @@ func TestFailoverAgentFollowsDNS(t *testing.T) {
 	var mu sync.Mutex
 	answer := []string{"127.0.0.1"}
 	setAnswer := func(ips ...string) { mu.Lock(); answer = ips; mu.Unlock() }
-	resolver, err := lookup.NewStatic(lookup.StaticFile{Services: []lookup.StaticService{
-		{Cluster: "root", Namespace: "default", Name: "echo", Ports: map[string]string{"80": harness.StartEcho(t)}},
-	}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	src := env.Identity("/agent/sync-target-1")
 	fleet := &agent.Fleet{
 		DNS:          "tunnel-broker-headless.kcp-system.svc:" + port,
 		ResolveEvery: 50 * time.Millisecond,
@@ -42,17 +31,8 @@ func TestFailoverAgentFollowsDNS(t *testing.T) {
 			defer mu.Unlock()
 			return append([]string(nil), answer...), nil
 		},
-		Log: harness.Logger(),
-		Agent: func(addr string) *agent.Agent {
-			return &agent.Agent{
-				Broker:      addr,
-				Credentials: identity.ClientCredentials(src, tlsconfig.AuthorizeID(harness.ID("/broker"))),
-				Name:        "sync-target-1",
-				Resolver:    resolver,
-				Grace:       time.Second,
-				Log:         harness.Logger(),
-			}
-		},
+		Log:   harness.Logger(),
+		Agent: echoAgents(t, env, harness.Logger()),
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})

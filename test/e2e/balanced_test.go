@@ -1,0 +1,219 @@
+package e2e
+
+import (
+	"context"
+	"log/slog"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
+
+	brokerreplicas "github.com/kcp-dev/tunnel-broker/broker/replicas"
+	"github.com/kcp-dev/tunnel-broker/broker/server"
+	"github.com/kcp-dev/tunnel-broker/internal/identity"
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
+	"github.com/kcp-dev/tunnel-broker/syncer-agent/agent"
+	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
+	"github.com/kcp-dev/tunnel-broker/test/harness"
+)
+
+// An agent that reaches the replicas through one load balancer (a
+// ServiceVIP here: round robin per connection, as a LoadBalancer Service
+// is) holds one registration with each replica the brokers count, and
+// follows a replica that leaves and one that comes; each replica routes
+// dials to it, over Tunnel streams that reach the replica that ordered
+// them.
+
+// balancedReplicas are in-process broker replicas behind one VIP, each
+// counting the others by the VIP's endpoints (as a headless Service would
+// resolve to the ready ones).
+type balancedReplicas struct {
+	env *harness.Env
+	vip *harness.ServiceVIP
+	ctx context.Context
+	up  map[string]*harness.Broker
+	// uncounted: the replicas do not count themselves (no --replicas-dns).
+	uncounted bool
+}
+
+func (r *balancedReplicas) start(id string, cfg func(*server.Config)) *harness.Broker {
+	counter := &brokerreplicas.Counter{Name: "tunnel-broker-headless.kcp.svc", Every: 20 * time.Millisecond, Log: harness.Logger(),
+		// The ready replicas' addresses, distinct as pod IPs are.
+		LookupHost: func(context.Context, string) ([]string, error) { return r.vip.Endpoints(), nil }}
+	b := r.env.StartBroker(harness.BrokerOptions{ID: id, Config: func(c *server.Config) {
+		if !r.uncounted {
+			c.Replicas = counter
+		}
+		if cfg != nil {
+			cfg(c)
+		}
+	}})
+	if !r.uncounted {
+		go counter.Run(r.ctx)
+	}
+	r.up[id] = b
+	r.publish()
+	return b
+}
+
+func (r *balancedReplicas) stop(id string) {
+	b := r.up[id]
+	delete(r.up, id)
+	r.publish()
+	b.Stop()
+}
+
+func (r *balancedReplicas) publish() {
+	var addrs []string
+	for _, b := range r.up {
+		addrs = append(addrs, b.Addr)
+	}
+	r.vip.SetEndpoints(addrs...)
+}
+
+// eachHoldsOne reports whether every replica up holds exactly one
+// registration of the agent.
+func (r *balancedReplicas) eachHoldsOne() bool {
+	for _, b := range r.up {
+		if len(b.Server.Registry.Agents()) != 1 {
+			return false
+		}
+	}
+	return true
+}
+
+func startBalanced(t *testing.T, cfg func(*server.Config), log *slog.Logger) (*balancedReplicas, *agent.Fleet) {
+	return startBalancedReplicas(t, &balancedReplicas{}, cfg, log)
+}
+
+func startBalancedReplicas(t *testing.T, r *balancedReplicas, cfg func(*server.Config), log *slog.Logger) (*balancedReplicas, *agent.Fleet) {
+	env := harness.NewEnv(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	r.env, r.vip, r.ctx, r.up = env, harness.StartServiceVIP(t), ctx, map[string]*harness.Broker{}
+	for _, id := range []string{"broker-0", "broker-1", "broker-2"} {
+		r.start(id, cfg)
+	}
+	fleet := &agent.Fleet{
+		LoadBalancer: r.vip.Addr,
+		SeekEvery:    20 * time.Millisecond,
+		Log:          log,
+		Agent:        echoAgents(t, env, log),
+	}
+	done := make(chan struct{})
+	go func() { defer close(done); fleet.Run(ctx) }()
+	// The fleet drains before the brokers stop (cleanups run last first).
+	t.Cleanup(func() { cancel(); <-done })
+	return r, fleet
+}
+
+func TestFailoverAgentBehindOneAddressHoldsEveryReplica(t *testing.T) {
+	r, fleet := startBalanced(t, nil, harness.Logger())
+	harness.Eventually(t, time.Minute, "one registration with each of the 3 replicas", func() bool {
+		held, known := fleet.Registered()
+		return r.eachHoldsOne() && held == 3 && known == 3 && fleet.Ready()
+	})
+	for id, b := range r.up {
+		if err := dialEcho(r.env.Dialer(b.Addr, "/kcp")); err != nil {
+			t.Errorf("dial through %s: %v", id, err)
+		}
+	}
+
+	// A rollout: one replica leaves, a new one comes.
+	r.stop("broker-1")
+	r.start("broker-3", nil)
+	harness.Eventually(t, time.Minute, "one registration with each of the 3 replicas up", func() bool {
+		held, known := fleet.Registered()
+		return r.eachHoldsOne() && held == 3 && known == 3
+	})
+	for id, b := range r.up {
+		if err := dialEcho(r.env.Dialer(b.Addr, "/kcp")); err != nil {
+			t.Errorf("dial through %s after the rollout: %v", id, err)
+		}
+	}
+	// Scaled down, the fleet wants fewer.
+	r.stop("broker-0")
+	harness.Eventually(t, time.Minute, "readiness with the 2 replicas left", func() bool {
+		held, known := fleet.Registered()
+		return r.eachHoldsOne() && held == 2 && known == 2 && fleet.Ready()
+	})
+}
+
+// Every --max-connection-age the broker asks for a new connection, which
+// through the balancer may reach another replica. The agent's Tunnel
+// streams must still reach the replica that ordered each dial: each member
+// keeps to its connection, and before the broker asks, the fleet finds the
+// member's replica on a new connection and lets the old one go. (Whether
+// it finds it before the broker asks is a matter of time, which the test
+// does not assert: it logs the dials that failed.)
+func TestFailoverAgentBehindOneAddressMovesConnectionsBeforeTheirAge(t *testing.T) {
+	var logs testutil.LogBuffer
+	const age = 5 * time.Second
+	r, fleet := startBalanced(t, func(c *server.Config) { c.MaxConnectionAge = age },
+		slog.New(slog.NewTextHandler(&logs, nil)))
+	harness.Eventually(t, time.Minute, "one registration with each of the 3 replicas", func() bool {
+		held, _ := fleet.Registered()
+		return held == 3
+	})
+	// For two connection ages, dial through every replica.
+	deadline := time.Now().Add(2 * age)
+	dialed, failed := 0, 0
+	var lastErr error
+	for time.Now().Before(deadline) {
+		for _, b := range r.up {
+			dialed++
+			if err := dialEcho(r.env.Dialer(b.Addr, "/kcp")); err != nil {
+				failed++
+				lastErr = err
+			}
+		}
+	}
+	t.Logf("%d of %d dials failed while connections moved (last: %v)", failed, dialed, lastErr)
+	if !strings.Contains(logs.String(), "nears its age: moving to a new one") {
+		t.Errorf("no connection moved before its age; the agents' log:\n%s", logs.String())
+	}
+	harness.Eventually(t, time.Minute, "every replica held again", func() bool {
+		held, known := fleet.Registered()
+		return held == 3 && known == 3
+	})
+	for id, b := range r.up {
+		if err := dialEcho(r.env.Dialer(b.Addr, "/kcp")); err != nil {
+			t.Errorf("dial through %s: %v", id, err)
+		}
+	}
+}
+
+// Replicas that do not count themselves leave the agent unable to tell how
+// many to reach: it holds the one it reached, and says why at ERROR.
+func TestFailoverAgentBehindOneAddressSaysWhenTheBrokersDoNotCount(t *testing.T) {
+	var logs testutil.LogBuffer
+	_, fleet := startBalancedReplicas(t, &balancedReplicas{uncounted: true}, nil, slog.New(slog.NewTextHandler(&logs, nil)))
+	harness.Eventually(t, time.Minute, "the agent to say the brokers do not count", func() bool {
+		return strings.Contains(logs.String(), "level=ERROR msg=\"the broker does not count its replicas (its --replicas-dns is not set)")
+	})
+	if held, known := fleet.Registered(); held != 1 || known != 1 {
+		t.Errorf("registered with %d of %d replicas, want the 1 it reached", held, known)
+	}
+}
+
+// echoAgents makes the agents of a fleet, as /agent/sync-target-1, that
+// serve root's default/echo:80, an echo server.
+func echoAgents(t *testing.T, env *harness.Env, log *slog.Logger) func(addr string) *agent.Agent {
+	resolver, err := lookup.NewStatic(lookup.StaticFile{Services: []lookup.StaticService{
+		{Cluster: "root", Namespace: "default", Name: "echo", Ports: map[string]string{"80": harness.StartEcho(t)}},
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	src := env.Identity("/agent/sync-target-1")
+	return func(addr string) *agent.Agent {
+		return &agent.Agent{
+			Broker:      addr,
+			Credentials: identity.ClientCredentials(src, tlsconfig.AuthorizeID(harness.ID("/broker"))),
+			Name:        "sync-target-1",
+			Resolver:    resolver,
+			Grace:       time.Second,
+			Log:         log,
+		}
+	}
+}
