@@ -2,8 +2,13 @@ package e2e
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
+	"os"
+	"slices"
+	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -88,23 +93,38 @@ func startBalanced(t *testing.T, cfg func(*server.Config), log *slog.Logger) (*b
 }
 
 func startBalancedReplicas(t *testing.T, r *balancedReplicas, cfg func(*server.Config), log *slog.Logger) (*balancedReplicas, *agent.Fleet) {
-	env := harness.NewEnv(t)
+	r.startN(t, 3, cfg)
+	fleet, _ := r.startFleet(t, 20*time.Millisecond, log)
+	return r, fleet
+}
+
+// startN starts n replicas, broker-0 to broker-<n-1>, behind one VIP.
+func (r *balancedReplicas) startN(t *testing.T, n int, cfg func(*server.Config)) {
 	ctx, cancel := context.WithCancel(context.Background())
-	r.env, r.vip, r.ctx, r.up = env, harness.StartServiceVIP(t), ctx, map[string]*harness.Broker{}
-	for _, id := range []string{"broker-0", "broker-1", "broker-2"} {
-		r.start(id, cfg)
+	t.Cleanup(cancel)
+	r.env, r.vip, r.ctx, r.up = harness.NewEnv(t), harness.StartServiceVIP(t), ctx, map[string]*harness.Broker{}
+	for i := range n {
+		r.start(fmt.Sprintf("broker-%d", i), cfg)
 	}
-	fleet := &agent.Fleet{
+}
+
+// startFleet runs an agent fleet behind the VIP until stop, or the test's
+// end.
+func (r *balancedReplicas) startFleet(t *testing.T, seekEvery time.Duration, log *slog.Logger) (fleet *agent.Fleet, stop func()) {
+	fleet = &agent.Fleet{
 		LoadBalancer: r.vip.Addr,
-		SeekEvery:    20 * time.Millisecond,
+		SeekEvery:    seekEvery,
 		Log:          log,
-		Agent:        echoAgents(t, env, log),
+		Agent:        echoAgents(t, r.env, log),
 	}
+	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { defer close(done); fleet.Run(ctx) }()
+	var once sync.Once
+	stop = func() { once.Do(func() { cancel(); <-done }) }
 	// The fleet drains before the brokers stop (cleanups run last first).
-	t.Cleanup(func() { cancel(); <-done })
-	return r, fleet
+	t.Cleanup(stop)
+	return fleet, stop
 }
 
 func TestFailoverAgentBehindOneAddressHoldsEveryReplica(t *testing.T) {
@@ -215,5 +235,44 @@ func echoAgents(t *testing.T, env *harness.Env, log *slog.Logger) func(addr stri
 			Grace:       time.Second,
 			Log:         log,
 		}
+	}
+}
+
+// An agent given one address reaches every replica of 2, 3 and 5, at the
+// default pace (a connection a second, while replicas are missing). Each
+// start's time is logged: TUNNEL_BALANCED_STARTS starts per size (1 by
+// default).
+func TestFailoverAgentBehindOneAddressReachesEveryReplicaOf2_3And5(t *testing.T) {
+	starts := 1
+	if s, err := strconv.Atoi(os.Getenv("TUNNEL_BALANCED_STARTS")); err == nil && s > 0 {
+		starts = s
+	}
+	for _, n := range []int{2, 3, 5} {
+		t.Run(strconv.Itoa(n), func(t *testing.T) {
+			r := &balancedReplicas{}
+			r.startN(t, n, nil)
+			var took []time.Duration
+			for range starts {
+				begin := time.Now()
+				fleet, stop := r.startFleet(t, 0, harness.Logger())
+				harness.Eventually(t, time.Minute, fmt.Sprintf("one registration with each of the %d replicas", n), func() bool {
+					held, known := fleet.Registered()
+					return r.eachHoldsOne() && held == n && known == n
+				})
+				took = append(took, time.Since(begin))
+				stop()
+				harness.Eventually(t, time.Minute, "every registration ended", func() bool {
+					for _, b := range r.up {
+						if len(b.Server.Registry.Agents()) != 0 {
+							return false
+						}
+					}
+					return true
+				})
+			}
+			slices.Sort(took)
+			t.Logf("%d replicas: every one held after p50 %v, max %v (%d starts)", n,
+				took[len(took)/2].Round(time.Millisecond), took[len(took)-1].Round(time.Millisecond), starts)
+		})
 	}
 }
