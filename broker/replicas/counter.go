@@ -7,6 +7,7 @@ package replicas
 import (
 	"cmp"
 	"context"
+	"errors"
 	"log/slog"
 	"net"
 	"sync"
@@ -79,7 +80,10 @@ func (c *Counter) resolve(ctx context.Context) {
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if err != nil || len(addrs) == 0 {
+	if err == nil && len(addrs) == 0 {
+		err = errors.New("the name resolves to no address (no replica ready)")
+	}
+	if err != nil {
 		if !c.failing {
 			log.Warn("cannot count the broker's replicas, keeping the last count", "replicas_dns", c.Name, "count", c.count, "error", err)
 		}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"maps"
 	"os"
 	"slices"
 	"strconv"
@@ -18,6 +19,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/server"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	"github.com/kcp-dev/tunnel-broker/internal/testutil"
+	"github.com/kcp-dev/tunnel-broker/kcpplugin"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/agent"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/lookup"
 	"github.com/kcp-dev/tunnel-broker/test/harness"
@@ -30,13 +32,15 @@ import (
 // dials to it, over Tunnel streams that reach the replica that ordered
 // them.
 
-// balancedReplicas are in-process broker replicas behind one VIP, each
-// counting the others by the VIP's endpoints (as a headless Service would
-// resolve to the ready ones).
+// balancedReplicas are in-process broker replicas behind one VIP, which
+// lists those ready, as a Service does; each counts them by the VIP's
+// endpoints, as by a headless Service's name. A replica that no agent
+// joins is ready after a second (--startup-grace).
 type balancedReplicas struct {
 	env *harness.Env
 	vip *harness.ServiceVIP
 	ctx context.Context
+	mu  sync.Mutex // guards up, which the test's goroutine alone changes
 	up  map[string]*harness.Broker
 	// uncounted: the replicas do not count themselves (no --replicas-dns).
 	uncounted bool
@@ -47,6 +51,7 @@ func (r *balancedReplicas) start(id string, cfg func(*server.Config)) *harness.B
 		// The ready replicas' addresses, distinct as pod IPs are.
 		LookupHost: func(context.Context, string) ([]string, error) { return r.vip.Endpoints(), nil }}
 	b := r.env.StartBroker(harness.BrokerOptions{ID: id, Config: func(c *server.Config) {
+		c.StartupGrace = time.Second
 		if !r.uncounted {
 			c.Replicas = counter
 		}
@@ -57,24 +62,25 @@ func (r *balancedReplicas) start(id string, cfg func(*server.Config)) *harness.B
 	if !r.uncounted {
 		go counter.Run(r.ctx)
 	}
+	r.mu.Lock()
 	r.up[id] = b
-	r.publish()
+	r.mu.Unlock()
 	return b
 }
 
 func (r *balancedReplicas) stop(id string) {
 	b := r.up[id]
+	r.mu.Lock()
 	delete(r.up, id)
-	r.publish()
+	r.mu.Unlock()
 	b.Stop()
 }
 
-func (r *balancedReplicas) publish() {
-	var addrs []string
-	for _, b := range r.up {
-		addrs = append(addrs, b.Addr)
-	}
-	r.vip.SetEndpoints(addrs...)
+// upNow is the replicas up, for another goroutine than the test's.
+func (r *balancedReplicas) upNow() []*harness.Broker {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Collect(maps.Values(r.up))
 }
 
 // eachHoldsOne reports whether every replica up holds exactly one
@@ -98,14 +104,17 @@ func startBalancedReplicas(t *testing.T, r *balancedReplicas, cfg func(*server.C
 	return r, fleet
 }
 
-// startN starts n replicas, broker-0 to broker-<n-1>, behind one VIP.
+// startN starts n replicas, broker-0 to broker-<n-1>, behind one VIP,
+// and waits until they are ready.
 func (r *balancedReplicas) startN(t *testing.T, n int, cfg func(*server.Config)) {
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
 	r.env, r.vip, r.ctx, r.up = harness.NewEnv(t), harness.StartServiceVIP(t), ctx, map[string]*harness.Broker{}
+	t.Cleanup(r.followReadiness(r.vip))
 	for i := range n {
 		r.start(fmt.Sprintf("broker-%d", i), cfg)
 	}
+	harness.Eventually(t, time.Minute, "every replica ready", func() bool { return len(r.vip.Endpoints()) == n })
 }
 
 // startFleet runs an agent fleet behind the VIP until stop, or the test's
@@ -275,4 +284,76 @@ func TestFailoverAgentBehindOneAddressReachesEveryReplicaOf2_3And5(t *testing.T)
 				took[len(took)/2].Round(time.Millisecond), took[len(took)-1].Round(time.Millisecond), starts)
 		})
 	}
+}
+
+// A scale-up from 2 to 3 replicas, then a rolling update that replaces one,
+// with the agent behind one address and kcp's dials at 50/s through the
+// Service of the ready replicas: not one dial fails. Behind one address
+// the agent reaches a new replica only once it is ready (at its
+// --startup-grace); until the agent has arrived there, a dial that reaches
+// it is refused before any order and kcpplugin dials another replica.
+func TestRestartScaleUpAndRolloutThroughOneAddressFailNoDial(t *testing.T) {
+	r := &balancedReplicas{}
+	r.startN(t, 2, nil)
+	fleet, _ := r.startFleet(t, 0, harness.Logger())
+	harness.Eventually(t, time.Minute, "one registration with each of the 2 replicas", func() bool {
+		held, known := fleet.Registered()
+		return r.eachHoldsOne() && held == 2 && known == 2
+	})
+	// kcp dials through the same Service of the ready replicas.
+	load := startDialLoad(kcpplugin.NewDialer(r.env.BrokerConn(r.vip.Addr, "/kcp")), "root")
+
+	begin := time.Now()
+	r.start("broker-2", nil)
+	harness.Eventually(t, time.Minute, "the agent on the new replica", func() bool {
+		return len(r.up["broker-2"].Server.Registry.Agents()) == 1
+	})
+	t.Logf("scale-up: the agent on the new replica %v after it started", time.Since(begin).Round(time.Millisecond))
+
+	// A rolling update's step: a new replica, ready and joined, then an
+	// old one drains.
+	begin = time.Now()
+	r.start("broker-3", nil)
+	harness.Eventually(t, time.Minute, "the agent on the second new replica", func() bool {
+		return len(r.up["broker-3"].Server.Registry.Agents()) == 1
+	})
+	t.Logf("rollout: the agent on the new replica %v after it started", time.Since(begin).Round(time.Millisecond))
+	r.stop("broker-0")
+	harness.Eventually(t, time.Minute, "one registration with each of the 3 replicas left", func() bool {
+		held, known := fleet.Registered()
+		return r.eachHoldsOne() && held == 3 && known == 3
+	})
+	time.Sleep(time.Second)
+	load.finish()
+	failed, total := load.failed("", time.Time{}, time.Now())
+	t.Logf("%d dials during the scale-up and the rollout, %d failed", total, len(failed))
+	if len(failed) > 0 {
+		t.Errorf("%d of %d dials failed:%s", len(failed), total, describe(failed, load.results[0].start))
+	}
+}
+
+// followReadiness keeps v's endpoints to the replicas up whose readiness
+// says ready, polled every 50ms, until stop.
+func (r *balancedReplicas) followReadiness(v *harness.ServiceVIP) (stop func()) {
+	done, stopped := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(stopped)
+		tick := time.NewTicker(50 * time.Millisecond)
+		defer tick.Stop()
+		for {
+			var ready []string
+			for _, b := range r.upNow() {
+				if b.Server.NotReady() == nil {
+					ready = append(ready, b.Addr)
+				}
+			}
+			v.SetEndpoints(ready...)
+			select {
+			case <-done:
+				return
+			case <-tick.C:
+			}
+		}
+	}()
+	return func() { close(done); <-stopped }
 }
