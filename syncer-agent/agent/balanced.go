@@ -12,8 +12,9 @@ import (
 // replicas: each new connection reaches one the balancer picks. So it
 // connects again and again, one connection at a time, until its
 // connections hold registrations with as many distinct replicas (by
-// broker_id) as the brokers count (tunnelv1.Replicas), and a connection
-// that reaches a replica it holds already leaves at once. Each connection
+// broker_id) as the brokers count (tunnelv1.Replicas). A connection that
+// reaches a replica held already takes over there, as the replica routes
+// to the newest registration, and the older one drains. Each connection
 // is an Agent with OneConnection: its Tunnel streams go where its control
 // stream went, and when the connection goes, so does the member, and the
 // fleet looks for that replica again.
@@ -80,8 +81,8 @@ func (f *Fleet) runBalanced(ctx context.Context, svid *svidWatch) error {
 	}
 }
 
-// held is the member that holds each replica, by broker_id: the one
-// preferred (preferred). Callers hold f.mu.
+// held is the member that holds each replica, by broker_id: of those
+// registered there, the first in byPreference's order. Callers hold f.mu.
 func (f *Fleet) held() map[string]*member {
 	held := map[string]*member{}
 	for _, m := range f.byPreference() {
