@@ -112,7 +112,7 @@ type fakeBroker struct {
 	// maxConnectionAge is sent in Registered.
 	maxConnectionAge time.Duration
 	readers          sync.WaitGroup
-	srv                *grpc.Server
+	srv              *grpc.Server
 }
 
 // startBroker serves a fake broker on a loopback port until the test ends.
