@@ -27,10 +27,14 @@ const (
 	// maxSeekWait is the most: after connections in a row that reached
 	// replicas held already, the waits grow up to it.
 	maxSeekWait = 30 * time.Second
-	// pinnedAfter is how many such connections in a row (or three times
-	// the replicas) make the fleet suspect a balancer that pins this
-	// client to one replica.
-	pinnedAfter = 10
+	// pinnedPerReplica times the replicas (and at least pinnedAfter) is how
+	// many such connections in a row make the fleet suspect a balancer
+	// that pins this client to one replica: it then says so, and waits
+	// longer between connections. A balancer that picks at random misses
+	// the one replica missing of n that many times in a row about once in
+	// a thousand tries (e^-7).
+	pinnedPerReplica = 7
+	pinnedAfter      = 10
 	// countWait is how long after registering a replica must have sent
 	// its count (Replicas), which it sends right after, before the fleet
 	// says the brokers do not count.
@@ -219,14 +223,13 @@ func (f *Fleet) registeredBalanced(m *member, brokerID string) {
 	f.Log.Info("connection reached a broker replica held already: moving to it", "broker", f.LoadBalancer, "broker_id", brokerID)
 	f.leaveBalanced(prev)
 	b.duplicates++
-	// Reaching a given one of n replicas takes n connections on average:
-	// the waits grow only past twice that many in a row.
+	pinned := b.duplicates >= max(pinnedAfter, pinnedPerReplica*f.wanted())
 	wait := f.seekEvery()
-	if b.duplicates > 2*max(f.wanted(), 1) {
+	if pinned {
 		wait = b.wait.next()
 	}
 	b.nextSeek = f.clock().Now().Add(wait)
-	if b.duplicates >= max(pinnedAfter, 3*f.wanted()) && !b.warnedPin {
+	if pinned && !b.warnedPin {
 		b.warnedPin = true
 		f.Log.Warn(fmt.Sprintf("%d connections in a row reached broker replicas this agent holds already: does the load balancer pin a client to one replica (session affinity)? Behind one address, an agent needs its connections spread over the replicas", b.duplicates),
 			"broker", f.LoadBalancer, "held", len(f.held()), "replicas", f.wanted())

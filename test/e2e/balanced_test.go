@@ -347,6 +347,8 @@ func (r *balancedReplicas) followReadiness(v *harness.ServiceVIP) (stop func()) 
 					ready = append(ready, b.Addr)
 				}
 			}
+			// In one order, so that the VIP's round robin goes round.
+			slices.Sort(ready)
 			v.SetEndpoints(ready...)
 			select {
 			case <-done:
