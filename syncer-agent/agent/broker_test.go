@@ -109,8 +109,10 @@ type fakeBroker struct {
 	// open after the agent closed its send direction, instead of ending
 	// the registration.
 	keepsClosedStreams bool
-	// maxConnectionAge is sent in Registered.
+	// maxConnectionAge is sent in Registered; replicas, if not zero, in
+	// Replicas right after.
 	maxConnectionAge time.Duration
+	replicas         int
 	readers          sync.WaitGroup
 	srv              *grpc.Server
 }
@@ -185,6 +187,12 @@ func (b *fakeBroker) Connect(stream tunnelv1.AgentService_ConnectServer) error {
 	}
 	if err := stream.Send(&tunnelv1.ConnectResponse{Message: &tunnelv1.ConnectResponse_Registered{Registered: registered}}); err != nil {
 		return err
+	}
+	if b.replicas > 0 {
+		count := &tunnelv1.ConnectResponse{Message: &tunnelv1.ConnectResponse_Replicas{Replicas: &tunnelv1.Replicas{Count: uint32(b.replicas)}}}
+		if err := stream.Send(count); err != nil {
+			return err
+		}
 	}
 	s := &session{peer: peer, register: first.GetRegister(), stream: stream,
 		msgs: make(chan *tunnelv1.ConnectRequest, 64), end: make(chan error, 1), closedSend: make(chan struct{})}

@@ -1,0 +1,67 @@
+package agent
+
+import (
+	"context"
+	"log/slog"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/kcp-dev/tunnel-broker/internal/testutil"
+)
+
+// runBalanced runs a fleet behind one address whose connections reach the
+// fake brokers as pick says, each counting len(brokers) replicas, until
+// the test ends.
+func runBalanced(t *testing.T, n int, pick func(i int64) int, logs *testutil.LogBuffer) (*Fleet, []*fakeBroker) {
+	t.Helper()
+	p := newPKI(t)
+	var brokers []*fakeBroker
+	for range n {
+		b := startBroker(t, p)
+		b.replicas = n
+		brokers = append(brokers, b)
+	}
+	var connections atomic.Int64
+	f := &Fleet{
+		LoadBalancer: "tunnel.example.org:8443",
+		SeekEvery:    time.Millisecond,
+		Log:          slog.New(slog.NewTextHandler(logs, nil)),
+		Agent: func(string) *Agent {
+			// The balancer: this connection's replica.
+			return newAgent(t, p, brokers[pick(connections.Add(1)-1)], staticResolver(t, "127.0.0.1:1"))
+		},
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = f.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	return f, brokers
+}
+
+func TestAFleetBehindOneAddressHoldsEveryReplicaItsBalancerReaches(t *testing.T) {
+	var logs testutil.LogBuffer
+	f, _ := runBalanced(t, 3, func(i int64) int { return int(i % 3) }, &logs)
+	testutil.Eventually(t, "registrations with the 3 replicas", func() bool {
+		held, known := f.Registered()
+		return held == 3 && known == 3 && f.Ready()
+	})
+	if strings.Contains(logs.String(), "pin") {
+		t.Errorf("a round-robin balancer taken for one that pins:\n%s", logs.String())
+	}
+}
+
+func TestAFleetBehindABalancerThatPinsItSaysSo(t *testing.T) {
+	var logs testutil.LogBuffer
+	f, _ := runBalanced(t, 2, func(int64) int { return 0 }, &logs)
+	testutil.Eventually(t, "the fleet to say the balancer may pin it", func() bool {
+		return strings.Contains(logs.String(), "connections in a row reached broker replicas this agent holds already: does the load balancer pin a client to one replica")
+	})
+	if held, known := f.Registered(); held != 1 || known != 2 {
+		t.Errorf("registered with %d of %d replicas, want 1 of 2", held, known)
+	}
+	if err := f.NotReady(); err == nil || !strings.Contains(err.Error(), "registered with 1 of the 2 broker replicas behind tunnel.example.org:8443") {
+		t.Errorf("readiness: %v, want it to say 1 of the 2", err)
+	}
+}
