@@ -72,11 +72,12 @@ func TestCounterCountsDistinctAddressesAndSaysWhenTheCountChanges(t *testing.T) 
 	n := &names{asked: make(chan struct{})}
 	n.set(nil, "10.0.0.1", "10.0.0.2", "10.0.0.2")
 	c, clk, _ := startCounter(t, n)
-	count, changed := c.Count()
-	if count != 2 {
-		t.Fatalf("count %d after resolving two addresses (one twice), want 2", count)
-	}
+	// A lookup's answer counts once its call has returned: wait for that.
+	testutil.Eventually(t, "a count of 2, from two addresses (one twice)", func() bool { count, _ := c.Count(); return count == 2 })
+	_, changed := c.Count()
 
+	// The next lookup starts only once the one before is counted.
+	resolveAgain(t, clk, n)
 	resolveAgain(t, clk, n)
 	select {
 	case <-changed:
@@ -96,12 +97,15 @@ func TestCounterKeepsTheLastCountWhenTheNameDoesNotResolve(t *testing.T) {
 	n := &names{asked: make(chan struct{})}
 	n.set(nil, "10.0.0.1", "10.0.0.2")
 	c, clk, logs := startCounter(t, n)
+	testutil.Eventually(t, "a count of 2", func() bool { count, _ := c.Count(); return count == 2 })
 	_, changed := c.Count()
 
 	n.set(errors.New("server misbehaving"))
 	resolveAgain(t, clk, n)
 	resolveAgain(t, clk, n)
 	n.set(nil)
+	resolveAgain(t, clk, n)
+	// The lookup after the last one starts only once it is counted.
 	resolveAgain(t, clk, n)
 	if count, _ := c.Count(); count != 2 {
 		t.Errorf("count %d after failed lookups, want the last one, 2", count)
