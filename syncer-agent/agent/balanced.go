@@ -39,6 +39,10 @@ const (
 	// its count (Replicas), which it sends right after, before the fleet
 	// says the brokers do not count.
 	countWait = 5 * time.Second
+	// maxReplicas is the most replicas a count is taken for. A broker
+	// that counts more (its SVID is one of the trust domain's, not
+	// necessarily a broker's) would only keep the agent looking.
+	maxReplicas = 100
 )
 
 // balancedState is what the fleet keeps behind one address. Guarded by
@@ -104,32 +108,20 @@ func (f *Fleet) held() map[string]*member {
 func (f *Fleet) byPreference() []*member {
 	pool := slices.Clone(f.balanced.pool)
 	slices.Reverse(pool)
-	slices.SortStableFunc(pool, func(a, b *member) int {
-		if r := compareBool(a.retiring, b.retiring); r != 0 {
-			return r
-		}
-		return b.generation - a.generation
-	})
+	slices.SortStableFunc(pool, rank)
 	return pool
 }
 
-// preferred reports whether a is preferred to b (byPreference).
-func preferred(a, b *member) bool {
+// rank orders two members by what they are, the start order aside: a
+// connection that is not retiring first, then the newest SVID's.
+func rank(a, b *member) int {
 	if a.retiring != b.retiring {
-		return b.retiring
+		if a.retiring {
+			return 1
+		}
+		return -1
 	}
-	return a.generation > b.generation
-}
-
-// compareBool orders false before true.
-func compareBool(a, b bool) int {
-	switch {
-	case a == b:
-		return 0
-	case a:
-		return 1
-	}
-	return -1
+	return b.generation - a.generation
 }
 
 // wanted is the number of replicas the brokers count: the most any
@@ -209,7 +201,7 @@ func (f *Fleet) registeredBalanced(m *member, brokerID string) {
 	}
 	prev := f.held()[brokerID]
 	m.brokerID, m.registeredAt = brokerID, f.clock().Now()
-	if prev == nil || prev == m || preferred(m, prev) {
+	if prev == nil || prev == m || rank(m, prev) < 0 {
 		b.duplicates = 0
 		b.wait.reset()
 		b.nextSeek = time.Time{}

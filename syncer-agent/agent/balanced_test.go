@@ -15,12 +15,17 @@ import (
 // fake brokers as pick says, each counting len(brokers) replicas, until
 // the test ends.
 func runBalanced(t *testing.T, n int, pick func(i int64) int, logs *testutil.LogBuffer) (*Fleet, []*fakeBroker) {
+	return runCounted(t, n, n, pick, logs)
+}
+
+// runCounted is runBalanced with brokers that count count replicas.
+func runCounted(t *testing.T, n, count int, pick func(i int64) int, logs *testutil.LogBuffer) (*Fleet, []*fakeBroker) {
 	t.Helper()
 	p := newPKI(t)
 	var brokers []*fakeBroker
 	for range n {
 		b := startBroker(t, p)
-		b.replicas = n
+		b.replicas = count
 		brokers = append(brokers, b)
 	}
 	var connections atomic.Int64
@@ -63,5 +68,14 @@ func TestAFleetBehindABalancerThatPinsItSaysSo(t *testing.T) {
 	}
 	if err := f.NotReady(); err == nil || !strings.Contains(err.Error(), "registered with 1 of the 2 broker replicas behind tunnel.example.org:8443") {
 		t.Errorf("readiness: %v, want it to say 1 of the 2", err)
+	}
+}
+
+func TestAFleetBehindOneAddressTakesACountOf100AtMost(t *testing.T) {
+	var logs testutil.LogBuffer
+	f, _ := runCounted(t, 1, 1<<31, func(int64) int { return 0 }, &logs)
+	testutil.Eventually(t, "the count heard", func() bool { _, known := f.Registered(); return known > 1 })
+	if held, known := f.Registered(); held != 1 || known != maxReplicas {
+		t.Errorf("registered with %d of %d replicas, want 1 of %d", held, known, maxReplicas)
 	}
 }

@@ -263,7 +263,7 @@ func (f *Fleet) start(ctx context.Context, addr string) *member {
 	a.Replicas = func(n int) {
 		f.mu.Lock()
 		defer f.mu.Unlock()
-		m.replicas = n
+		m.replicas = min(n, maxReplicas)
 	}
 	a.Retiring = func() {
 		f.mu.Lock()
