@@ -187,6 +187,21 @@ func (l *dialLoad) failed(cluster string, from, to time.Time) (failed []dialResu
 	return failed, total
 }
 
+// noneFailed logs how many dials of cluster (any: "") started from from
+// on, and fails the test, listing them, if any failed; during says when.
+func (l *dialLoad) noneFailed(t *testing.T, cluster string, from time.Time, during string) {
+	t.Helper()
+	failed, total := l.failed(cluster, from, time.Now())
+	t.Logf("%d dials %s, %d failed", total, during, len(failed))
+	if len(failed) > 0 {
+		since := from
+		if since.IsZero() {
+			since = l.results[0].start
+		}
+		t.Errorf("%d of %d dials failed %s:%s", len(failed), total, during, describe(failed, since))
+	}
+}
+
 // firstSuccess is when the first dial of cluster started at or after from
 // that worked ended.
 func (l *dialLoad) firstSuccess(cluster string, from time.Time) (time.Time, bool) {
@@ -269,11 +284,7 @@ func TestRestartRollingUpdateFailsNoDial(t *testing.T) {
 	}
 	time.Sleep(time.Second)
 	load.finish()
-	failed, total := load.failed("", time.Time{}, time.Now())
-	t.Logf("%d dials during the rolling update, %d failed", total, len(failed))
-	if len(failed) > 0 {
-		t.Errorf("%d of %d dials failed during the rolling update:%s", len(failed), total, describe(failed, load.results[0].start))
-	}
+	load.noneFailed(t, "", time.Time{}, "during the rolling update")
 }
 
 // TestRestartDrainMovesNewDialsToTheOtherReplica drains the replica kcp's
@@ -325,11 +336,7 @@ func TestRestartDrainMovesNewDialsToTheOtherReplica(t *testing.T) {
 	}
 	time.Sleep(time.Second)
 	load.finish()
-	failed, total := load.failed("", drainStart, time.Now())
-	t.Logf("%d dials from the drain's start on, %d failed", total, len(failed))
-	if len(failed) > 0 {
-		t.Errorf("%d of %d dials failed while a replica drained:%s", len(failed), total, describe(failed, drainStart))
-	}
+	load.noneFailed(t, "", drainStart, "from the drain's start on, while a replica drained")
 }
 
 // TestRestartAfterAnOutage stops every replica for a while, then starts one
@@ -412,7 +419,5 @@ func TestRestartAfterAPartitionOfOneAgent(t *testing.T) {
 		len(cutFailed), cutTotal, back.Sub(healed).Seconds())
 	time.Sleep(2 * time.Second)
 	load.finish()
-	if failed, total := load.failed("team-a", time.Time{}, time.Now()); len(failed) > 0 {
-		t.Errorf("%d of %d dials to a cluster that was not cut off failed:%s", len(failed), total, describe(failed, cut))
-	}
+	load.noneFailed(t, "team-a", time.Time{}, "to a cluster that was not cut off")
 }
