@@ -16,13 +16,17 @@ import (
 	"k8s.io/utils/clock"
 )
 
-// DefaultEvery is how often a Counter resolves its name: a new replica is
-// known to agents within seconds of being ready.
+// DefaultEvery is how often a Counter resolves its name: agents know of a
+// new replica within seconds of its start.
 const DefaultEvery = 5 * time.Second
 
-// Counter counts the replicas by resolving a DNS name that resolves to
-// every ready one (a headless Service), now and every Every. A name that
-// does not resolve keeps the last count.
+// Counter counts the replicas by resolving a DNS name, now and every
+// Every. The name must list each replica from its start until it is gone,
+// ready or not (a headless Service with publishNotReadyAddresses), as the
+// agents' load balancer reaches them: agents then reach a new replica
+// before it is ready (it is ready once its agents have come), and hold a
+// draining one, still counted, until it goes. A name that does not
+// resolve keeps the last count.
 type Counter struct {
 	// Name is the host name to resolve.
 	Name string
@@ -81,7 +85,7 @@ func (c *Counter) resolve(ctx context.Context) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if err == nil && len(addrs) == 0 {
-		err = errors.New("the name resolves to no address (no replica ready)")
+		err = errors.New("the name resolves to no address (no replica listed)")
 	}
 	if err != nil {
 		if !c.failing {

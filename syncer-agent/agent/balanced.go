@@ -18,6 +18,12 @@ import (
 // is an Agent with OneConnection: its Tunnel streams go where its control
 // stream went, and when the connection goes, so does the member, and the
 // fleet looks for that replica again.
+//
+// The brokers count a replica from its start until it is gone, and the
+// balancer reaches it as long (a Service that publishes not-ready
+// addresses): so a new replica gets its agents before it is ready, which
+// makes it ready, and a draining replica stays held, and counted, until
+// it goes, with nothing to look for in its place.
 
 // Defaults of the seeking pace.
 const (

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kcp-dev/tunnel-broker/internal/testutil"
+	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
 // runBalanced runs a fleet behind one address whose connections reach the
@@ -29,13 +30,16 @@ func runCounted(t *testing.T, n, count int, pick func(i int64) int, logs *testut
 		brokers = append(brokers, b)
 	}
 	var connections atomic.Int64
+	log := slog.New(slog.NewTextHandler(logs, nil))
 	f := &Fleet{
 		LoadBalancer: "tunnel.example.org:8443",
 		SeekEvery:    time.Millisecond,
-		Log:          slog.New(slog.NewTextHandler(logs, nil)),
+		Log:          log,
 		Agent: func(string) *Agent {
 			// The balancer: this connection's replica.
-			return newAgent(t, p, brokers[pick(connections.Add(1)-1)], staticResolver(t, "127.0.0.1:1"))
+			a := newAgent(t, p, brokers[pick(connections.Add(1)-1)], staticResolver(t, "127.0.0.1:1"))
+			a.Log = log
+			return a
 		},
 	}
 	ctx, cancel := context.WithCancel(context.Background())
@@ -77,5 +81,31 @@ func TestAFleetBehindOneAddressTakesACountOf100AtMost(t *testing.T) {
 	testutil.Eventually(t, "the count heard", func() bool { _, known := f.Registered(); return known > 1 })
 	if held, known := f.Registered(); held != 1 || known != maxReplicas {
 		t.Errorf("registered with %d of %d replicas, want 1 of %d", held, known, maxReplicas)
+	}
+}
+
+func TestAFleetBehindOneAddressKeepsAReplicaThatDrainsUntilItGoes(t *testing.T) {
+	var logs testutil.LogBuffer
+	f, brokers := runBalanced(t, 2, func(i int64) int { return int(i % 2) }, &logs)
+	testutil.Eventually(t, "registrations with the 2 replicas", func() bool {
+		held, known := f.Registered()
+		return held == 2 && known == 2
+	})
+	drain := &tunnelv1.ConnectResponse{Message: &tunnelv1.ConnectResponse_Drain{Drain: &tunnelv1.Drain{GraceMs: 20000}}}
+	for _, b := range brokers {
+		b.nextSession(t).send(t, drain)
+	}
+	testutil.Eventually(t, "both drains heard", func() bool { return strings.Count(logs.String(), "broker is draining") == 2 })
+	// The brokers count both replicas until they go: a fleet that looked
+	// for others in their place would have connected again within a few
+	// of its 1ms waits.
+	time.Sleep(200 * time.Millisecond)
+	for i, b := range brokers {
+		if n := len(b.sessions); n > 0 {
+			t.Errorf("replica %d got %d more registrations after it drained, want none", i, n)
+		}
+	}
+	if held, known := f.Registered(); held != 2 || known != 2 {
+		t.Errorf("registered with %d of %d replicas, want 2 of 2", held, known)
 	}
 }

@@ -20,10 +20,9 @@ var errConnectionUsed = errors.New("behind one address, the agent keeps to its f
 // new connection through a load balancer may reach another replica, where
 // a Tunnel stream would name a dial the replica never ordered.
 type dialOnce struct {
-	ready    atomic.Bool
-	readyAt  atomic.Pointer[time.Time]
-	timer    sync.Once // the retirement's timer, started once
-	retiring sync.Once
+	ready   atomic.Bool
+	readyAt atomic.Pointer[time.Time]
+	timer   sync.Once // the retirement's timer, started once
 }
 
 func (d *dialOnce) dial(ctx context.Context, addr string) (net.Conn, error) {
@@ -83,22 +82,10 @@ func (r *agentRun) retireBefore(age time.Duration) {
 			defer timer.Stop()
 			select {
 			case <-timer.C():
-				r.retire("connection to the broker nears its age: moving to a new one", "max_connection_age", age)
+				r.Log.Info("connection to the broker nears its age: moving to a new one", "broker", r.Broker, "max_connection_age", age)
+				r.Retiring()
 			case <-r.ctx.Done():
 			}
 		}()
-	})
-}
-
-// retire tells Retiring, once, with OneConnection: the connection's
-// replica is to be found on a new one, as the connection nears its age or
-// the replica drains.
-func (r *agentRun) retire(why string, attrs ...any) {
-	if r.dialOnce == nil || r.Retiring == nil {
-		return
-	}
-	r.dialOnce.retiring.Do(func() {
-		r.Log.Info(why, append([]any{"broker", r.Broker}, attrs...)...)
-		r.Retiring()
 	})
 }

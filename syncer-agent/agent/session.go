@@ -141,10 +141,12 @@ func (r *agentRun) serveOrders(control *controlStream) error {
 		case *tunnelv1.ConnectResponse_Probe:
 			control.send(&tunnelv1.ConnectRequest{Message: &tunnelv1.ConnectRequest_Probe{Probe: m.Probe}})
 		case *tunnelv1.ConnectResponse_Drain:
+			// Behind one address, the connection stays the replica's until
+			// the replica goes: the brokers count a replica from its start
+			// until it is gone (--replicas-dns), so there is none to look
+			// for in its place, and the one that replaces it was counted,
+			// and reached, from its own start.
 			r.Log.Info("broker is draining", "broker", r.Broker, "broker_grace", time.Duration(m.Drain.GetGraceMs())*time.Millisecond)
-			// Behind one address: the fleet looks for the other replicas,
-			// among them the one that will replace this, at once.
-			r.retire("broker replica draining: moving to another")
 		case *tunnelv1.ConnectResponse_Replicas:
 			if r.Replicas != nil {
 				r.Replicas(int(m.Replicas.GetCount()))

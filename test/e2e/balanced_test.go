@@ -32,24 +32,28 @@ import (
 // dials to it, over Tunnel streams that reach the replica that ordered
 // them.
 
-// balancedReplicas are in-process broker replicas behind one VIP, which
-// lists those ready, as a Service does; each counts them by the VIP's
-// endpoints, as by a headless Service's name. A replica that no agent
-// joins is ready after a second (--startup-grace).
+// balancedReplicas are in-process broker replicas behind two VIPs, as the
+// charts put them: the callers' lists those ready; the agents' lists each
+// replica from its start until it is gone, ready or not (a Service with
+// publishNotReadyAddresses), and the replicas count them by its endpoints,
+// as by such a headless Service's name. A replica that no agent joins is
+// ready after a second (--startup-grace).
 type balancedReplicas struct {
 	env *harness.Env
-	vip *harness.ServiceVIP
-	ctx context.Context
-	mu  sync.Mutex // guards up, which the test's goroutine alone changes
-	up  map[string]*harness.Broker
+	vip *harness.ServiceVIP // the callers'
+	// agents is the agents' load balancer.
+	agents *harness.ServiceVIP
+	ctx    context.Context
+	mu     sync.Mutex // guards up, which the test's goroutine alone changes
+	up     map[string]*harness.Broker
 	// uncounted: the replicas do not count themselves (no --replicas-dns).
 	uncounted bool
 }
 
 func (r *balancedReplicas) start(id string, cfg func(*server.Config)) *harness.Broker {
 	counter := &brokerreplicas.Counter{Name: "tunnel-broker-headless.kcp.svc", Every: 20 * time.Millisecond, Log: harness.Logger(),
-		// The ready replicas' addresses, distinct as pod IPs are.
-		LookupHost: func(context.Context, string) ([]string, error) { return r.vip.Endpoints(), nil }}
+		// The replicas' addresses, distinct as pod IPs are.
+		LookupHost: func(context.Context, string) ([]string, error) { return r.agents.Endpoints(), nil }}
 	b := r.env.StartBroker(harness.BrokerOptions{ID: id, Config: func(c *server.Config) {
 		c.StartupGrace = time.Second
 		if !r.uncounted {
@@ -68,12 +72,13 @@ func (r *balancedReplicas) start(id string, cfg func(*server.Config)) *harness.B
 	return b
 }
 
+// stop drains the replica and stops it; the agents' VIP and the count
+// list it until it is gone.
 func (r *balancedReplicas) stop(id string) {
-	b := r.up[id]
+	r.up[id].Stop()
 	r.mu.Lock()
 	delete(r.up, id)
 	r.mu.Unlock()
-	b.Stop()
 }
 
 // upNow is the replicas up, for another goroutine than the test's.
@@ -109,8 +114,8 @@ func startBalancedReplicas(t *testing.T, r *balancedReplicas, cfg func(*server.C
 func (r *balancedReplicas) startN(t *testing.T, n int, cfg func(*server.Config)) {
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
-	r.env, r.vip, r.ctx, r.up = harness.NewEnv(t), harness.StartServiceVIP(t), ctx, map[string]*harness.Broker{}
-	t.Cleanup(r.followReadiness(r.vip))
+	r.env, r.vip, r.agents, r.ctx, r.up = harness.NewEnv(t), harness.StartServiceVIP(t), harness.StartServiceVIP(t), ctx, map[string]*harness.Broker{}
+	t.Cleanup(r.followReadiness())
 	for i := range n {
 		r.start(fmt.Sprintf("broker-%d", i), cfg)
 	}
@@ -121,7 +126,7 @@ func (r *balancedReplicas) startN(t *testing.T, n int, cfg func(*server.Config))
 // end.
 func (r *balancedReplicas) startFleet(t *testing.T, seekEvery time.Duration, log *slog.Logger) (fleet *agent.Fleet, stop func()) {
 	fleet = &agent.Fleet{
-		LoadBalancer: r.vip.Addr,
+		LoadBalancer: r.agents.Addr,
 		SeekEvery:    seekEvery,
 		Log:          log,
 		Agent:        echoAgents(t, r.env, log),
@@ -288,10 +293,13 @@ func TestFailoverAgentBehindOneAddressReachesEveryReplicaOf2_3And5(t *testing.T)
 
 // A scale-up from 2 to 3 replicas, then a rolling update that replaces one,
 // with the agent behind one address and kcp's dials at 50/s through the
-// Service of the ready replicas: not one dial fails. Behind one address
-// the agent reaches a new replica only once it is ready (at its
-// --startup-grace); until the agent has arrived there, a dial that reaches
-// it is refused before any order and kcpplugin dials another replica.
+// Service of the ready replicas: not one dial fails, and each new replica
+// gets the agent before it is ready. Its --startup-grace is ten minutes
+// off, so it turns ready only because the agent came (at least one
+// registered, none for 3 s): behind a balancer of ready replicas only, it
+// never would. Until it is ready kcp's dials do not reach it; a dial that
+// reaches a draining replica is refused before any order and kcpplugin
+// dials another.
 func TestRestartScaleUpAndRolloutThroughOneAddressFailNoDial(t *testing.T) {
 	r := &balancedReplicas{}
 	r.startN(t, 2, nil)
@@ -300,24 +308,24 @@ func TestRestartScaleUpAndRolloutThroughOneAddressFailNoDial(t *testing.T) {
 		held, known := fleet.Registered()
 		return r.eachHoldsOne() && held == 2 && known == 2
 	})
-	// kcp dials through the same Service of the ready replicas.
+	// kcp dials through the Service of the ready replicas.
 	load := startDialLoad(kcpplugin.NewDialer(r.env.BrokerConn(r.vip.Addr, "/kcp")), "root")
 
-	begin := time.Now()
-	r.start("broker-2", nil)
-	harness.Eventually(t, time.Minute, "the agent on the new replica", func() bool {
-		return len(r.up["broker-2"].Server.Registry.Agents()) == 1
-	})
-	t.Logf("scale-up: the agent on the new replica %v after it started", time.Since(begin).Round(time.Millisecond))
-
+	newReplica := func(id, step string) {
+		begin := time.Now()
+		b := r.start(id, func(c *server.Config) { c.StartupGrace = 10 * time.Minute })
+		harness.Eventually(t, time.Minute, "the new replica "+id+" ready, its agent come", func() bool {
+			return b.Server.Ready()
+		})
+		if n := len(b.Server.Registry.Agents()); n != 1 {
+			t.Errorf("%s: the new replica is ready with %d registrations of the agent, want 1", step, n)
+		}
+		t.Logf("%s: the new replica ready, with the agent, %v after it started", step, time.Since(begin).Round(time.Millisecond))
+	}
+	newReplica("broker-2", "scale-up")
 	// A rolling update's step: a new replica, ready and joined, then an
 	// old one drains.
-	begin = time.Now()
-	r.start("broker-3", nil)
-	harness.Eventually(t, time.Minute, "the agent on the second new replica", func() bool {
-		return len(r.up["broker-3"].Server.Registry.Agents()) == 1
-	})
-	t.Logf("rollout: the agent on the new replica %v after it started", time.Since(begin).Round(time.Millisecond))
+	newReplica("broker-3", "rollout")
 	r.stop("broker-0")
 	harness.Eventually(t, time.Minute, "one registration with each of the 3 replicas left", func() bool {
 		held, known := fleet.Registered()
@@ -328,24 +336,28 @@ func TestRestartScaleUpAndRolloutThroughOneAddressFailNoDial(t *testing.T) {
 	load.noneFailed(t, "", time.Time{}, "during the scale-up and the rollout")
 }
 
-// followReadiness keeps v's endpoints to the replicas up whose readiness
-// says ready, polled every 50ms, until stop.
-func (r *balancedReplicas) followReadiness(v *harness.ServiceVIP) (stop func()) {
+// followReadiness keeps the callers' VIP to the replicas up whose
+// readiness says ready, and the agents' to every replica up, polled every
+// 50ms, until stop.
+func (r *balancedReplicas) followReadiness() (stop func()) {
 	done, stopped := make(chan struct{}), make(chan struct{})
 	go func() {
 		defer close(stopped)
 		tick := time.NewTicker(50 * time.Millisecond)
 		defer tick.Stop()
 		for {
-			var ready []string
+			var ready, up []string
 			for _, b := range r.upNow() {
+				up = append(up, b.Addr)
 				if b.Server.NotReady() == nil {
 					ready = append(ready, b.Addr)
 				}
 			}
-			// In one order, so that the VIP's round robin goes round.
+			// In one order, so that the VIPs' round robin goes round.
 			slices.Sort(ready)
-			v.SetEndpoints(ready...)
+			slices.Sort(up)
+			r.vip.SetEndpoints(ready...)
+			r.agents.SetEndpoints(up...)
 			select {
 			case <-done:
 				return
