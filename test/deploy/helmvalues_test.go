@@ -513,3 +513,39 @@ func TestDeployHelmPodMonitorScrapesThePodsMetricsPort(t *testing.T) {
 		}
 	}
 }
+
+// TestDeployHelmLoadBalancerReachesReplicasFromTheirStart: with
+// services.loadBalancer, the agents' LoadBalancer Service and the Service
+// the brokers count (--replicas-dns) list each replica from its start,
+// the others ready ones only (checkBrokerServices); without countReplicas
+// there is neither the flag nor the counted Service.
+func TestDeployHelmLoadBalancerReachesReplicasFromTheirStart(t *testing.T) {
+	for _, set := range [][]string{
+		{"--set", "services.loadBalancer.enabled=true"},
+		{"--set", "countReplicas=false"},
+	} {
+		t.Run(strings.Join(set[1:], ","), func(t *testing.T) {
+			objs := templateChart(t, "tunnel-broker", append(brokerPolicyArgs(), set...)...)
+			d := theDeployment(t, objs)
+			bc := container(d.Spec.Template.Spec, "broker")
+			if bc == nil {
+				t.Fatal("no broker container")
+			}
+			flags := flagsOf(bc.Args)
+			lb, counted := false, false
+			for _, o := range ofKind(objs, "Service") {
+				var s corev1.Service
+				o.into(t, &s)
+				lb = lb || s.Spec.Type == corev1.ServiceTypeLoadBalancer
+				counted = counted || strings.HasSuffix(s.Name, "-replicas")
+			}
+			if wantLB := set[1] == "services.loadBalancer.enabled=true"; lb != wantLB {
+				t.Errorf("a LoadBalancer Service rendered: %v, want %v", lb, wantLB)
+			}
+			if wantCounted := set[1] != "countReplicas=false"; counted != wantCounted || (flags["replicas-dns"] != "") != wantCounted {
+				t.Errorf("the -replicas Service rendered: %v, --replicas-dns %q; want both only with countReplicas", counted, flags["replicas-dns"])
+			}
+			checkBrokerServices(t, objs, &d, bc, flags, listenPort(t, "--listen", flags["listen"]), listenPort(t, "--metrics-listen", flags["metrics-listen"]))
+		})
+	}
+}

@@ -160,7 +160,7 @@ func checkBroker(t *testing.T, k kustomization, objs []object, d *appsv1.Deploym
 	if !checkMountedPolicy(t, objs, d, c, flags["policy"]) {
 		return
 	}
-	checkBrokerServices(t, objs, d, c, grpcPort, metricsPort)
+	checkBrokerServices(t, objs, d, c, flags, grpcPort, metricsPort)
 	checkPDB(t, objs, d, replicas)
 	checkNetworkPolicy(t, objs, d, c, grpcPort, metricsPort)
 
@@ -723,11 +723,15 @@ func checkAntiAffinity(t *testing.T, pod corev1.PodTemplateSpec) {
 }
 
 // checkBrokerServices: a headless Service for agents and a ClusterIP one for
-// callers on the gRPC port, one for metrics; every Service of the broker's
-// pods targets a port the container has.
-func checkBrokerServices(t *testing.T, objs []object, d *appsv1.Deployment, c *corev1.Container, grpcPort, metricsPort int32) {
+// callers on the gRPC port, both of ready replicas, and one for metrics;
+// every Service of the broker's pods targets a port the container has.
+// What --replicas-dns counts, and a LoadBalancer for agents, list each
+// replica from its start until it is gone: agents behind the balancer
+// reach a new replica before it is ready, and the count holds a draining
+// one until it goes (protocol.md §3.1).
+func checkBrokerServices(t *testing.T, objs []object, d *appsv1.Deployment, c *corev1.Container, flags map[string]string, grpcPort, metricsPort int32) {
 	t.Helper()
-	var headless, regular, metrics bool
+	var headless, regular, metrics, counted bool
 	for _, o := range ofKind(objs, "Service") {
 		var s corev1.Service
 		o.into(t, &s)
@@ -745,16 +749,25 @@ func checkBrokerServices(t *testing.T, objs []object, d *appsv1.Deployment, c *c
 				t.Errorf("Service %s port %s targets %s, which the broker container does not have", s.Name, p.Name, target.String())
 				continue
 			}
+			everyReplica := false
 			switch {
+			case cp.ContainerPort == grpcPort && flags["replicas-dns"] == s.Name+"."+s.Namespace+".svc":
+				counted, everyReplica = true, true
+			case cp.ContainerPort == grpcPort && s.Spec.Type == corev1.ServiceTypeLoadBalancer:
+				everyReplica = true
 			case cp.ContainerPort == grpcPort && s.Spec.ClusterIP == corev1.ClusterIPNone:
 				headless = true
-				if s.Spec.PublishNotReadyAddresses {
-					t.Errorf("headless Service %s publishes replicas that are not ready", s.Name)
-				}
 			case cp.ContainerPort == grpcPort:
 				regular = true
 			case cp.ContainerPort == metricsPort:
 				metrics = true
+			}
+			if cp.ContainerPort == grpcPort && s.Spec.PublishNotReadyAddresses != everyReplica {
+				if everyReplica {
+					t.Errorf("Service %s lists ready replicas only: what --replicas-dns counts, and a load balancer for agents, must list each replica from its start (publishNotReadyAddresses)", s.Name)
+				} else {
+					t.Errorf("Service %s publishes replicas that are not ready", s.Name)
+				}
 			}
 		}
 	}
@@ -766,6 +779,9 @@ func checkBrokerServices(t *testing.T, objs []object, d *appsv1.Deployment, c *c
 	}
 	if !metrics {
 		t.Error("no Service on the metrics port")
+	}
+	if flags["replicas-dns"] != "" && !counted {
+		t.Errorf("--replicas-dns %s names no headless Service of the broker's pods", flags["replicas-dns"])
 	}
 }
 
