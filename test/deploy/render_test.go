@@ -265,8 +265,8 @@ func checkAgentFlags(t *testing.T, objs []object, d *appsv1.Deployment, c *corev
 	}
 	flags := flagsOf(args)
 	checkFlagsExist(t, "syncer-agent", flags)
-	if flags["broker-dns"] == "" && flags["broker"] == "" {
-		t.Error("neither --broker-dns nor --broker is set")
+	if flags["broker-dns"] == "" && flags["broker"] == "" && flags["broker-lb"] == "" {
+		t.Error("none of --broker-dns, --broker-lb and --broker is set")
 	}
 	if dns := flags["broker-dns"]; dns != "" {
 		if _, _, err := net.SplitHostPort(dns); err != nil {
