@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
+	"net"
 	"os"
 	"slices"
 	"strconv"
@@ -48,13 +49,22 @@ type balancedReplicas struct {
 	up     map[string]*harness.Broker
 	// uncounted: the replicas do not count themselves (no --replicas-dns).
 	uncounted bool
+	// port, if set: replica i listens on 127.0.0.<10+i>:port, as pods
+	// on one port at addresses of their own, which a DNS name can list.
+	port  string
+	count int // replicas started
 }
 
 func (r *balancedReplicas) start(id string, cfg func(*server.Config)) *harness.Broker {
 	counter := &brokerreplicas.Counter{Name: "tunnel-broker-headless.kcp.svc", Every: 20 * time.Millisecond, Log: harness.Logger(),
 		// The replicas' addresses, distinct as pod IPs are.
 		LookupHost: func(context.Context, string) ([]string, error) { return r.agents.Endpoints(), nil }}
-	b := r.env.StartBroker(harness.BrokerOptions{ID: id, Config: func(c *server.Config) {
+	listen := ""
+	if r.port != "" {
+		listen = fmt.Sprintf("127.0.0.%d:%s", 10+r.count, r.port)
+	}
+	r.count++
+	b := r.env.StartBroker(harness.BrokerOptions{ID: id, Listen: listen, Config: func(c *server.Config) {
 		c.StartupGrace = time.Second
 		if !r.uncounted {
 			c.Replicas = counter
@@ -291,7 +301,7 @@ func TestFailoverAgentBehindOneAddressReachesEveryReplicaOf2_3And5(t *testing.T)
 	}
 }
 
-// A scale-up from 2 to 3 replicas, then a rolling update that replaces one,
+// A scale-up from 2 to 3 replicas, then a rolling update of the first two,
 // with the agent behind one address and kcp's dials at 50/s through the
 // Service of the ready replicas: not one dial fails, and each new replica
 // gets the agent before it is ready. Its --startup-grace is ten minutes
@@ -323,10 +333,12 @@ func TestRestartScaleUpAndRolloutThroughOneAddressFailNoDial(t *testing.T) {
 		t.Logf("%s: the new replica ready, with the agent, %v after it started", step, time.Since(begin).Round(time.Millisecond))
 	}
 	newReplica("broker-2", "scale-up")
-	// A rolling update's step: a new replica, ready and joined, then an
-	// old one drains.
-	newReplica("broker-3", "rollout")
-	r.stop("broker-0")
+	// A rolling update of the first two: for each, a new replica, ready
+	// and joined, then the old one drains.
+	for i, old := range []string{"broker-0", "broker-1"} {
+		newReplica(fmt.Sprintf("broker-%d", 3+i), "rollout")
+		r.stop(old)
+	}
 	harness.Eventually(t, time.Minute, "one registration with each of the 3 replicas left", func() bool {
 		held, known := fleet.Registered()
 		return r.eachHoldsOne() && held == 3 && known == 3
@@ -366,4 +378,76 @@ func (r *balancedReplicas) followReadiness() (stop func()) {
 		}
 	}()
 	return func() { close(done); <-stopped }
+}
+
+// Before one address, agents in other clusters found the replicas by a DNS
+// name under which external-dns published the pods' addresses. Such a name
+// lags a rollout: external-dns syncs every minute, resolvers keep a record
+// for its TTL, and a rollout's step takes about 70 s (the new replica
+// ready at --startup-grace, then minReadySeconds). Here the name is one
+// rollout behind: it lists the old replicas until the test publishes the
+// new ones, 2 s after the last old one has gone. The rollout's steps are
+// TestRestartScaleUpAndRolloutThroughOneAddressFailNoDial's, with kcp's
+// dials at 50/s: from the last old replica's drain until the name catches
+// up no replica holds the agent, and its cluster's dials fail (logged; the
+// test holds that some were lost, so that the comparison stays true).
+func TestRestartRolloutBehindLaggingPodAddressesLosesDials(t *testing.T) {
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, port, _ := net.SplitHostPort(lis.Addr().String())
+	lis.Close()
+	r := &balancedReplicas{uncounted: true, port: port}
+	r.startN(t, 2, nil)
+
+	var mu sync.Mutex
+	published := r.agents.Endpoints()
+	publish := func() { mu.Lock(); defer mu.Unlock(); published = r.agents.Endpoints() }
+	fleet := &agent.Fleet{
+		DNS:          "tunnel-broker.example.org:" + port,
+		ResolveEvery: 100 * time.Millisecond,
+		LookupHost: func(context.Context, string) ([]string, error) {
+			mu.Lock()
+			defer mu.Unlock()
+			var ips []string
+			for _, addr := range published {
+				host, _, _ := net.SplitHostPort(addr)
+				ips = append(ips, host)
+			}
+			return ips, nil
+		},
+		Log:   harness.Logger(),
+		Agent: echoAgents(t, r.env, harness.Logger()),
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); fleet.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	harness.Eventually(t, time.Minute, "one registration with each of the 2 replicas", func() bool {
+		held, known := fleet.Registered()
+		return r.eachHoldsOne() && held == 2 && known == 2
+	})
+	load := startDialLoad(kcpplugin.NewDialer(r.env.BrokerConn(r.vip.Addr, "/kcp")), "root")
+
+	// A rollout: each new replica ready (no agent comes: at its
+	// --startup-grace), then an old one drains.
+	for i, old := range []string{"broker-0", "broker-1"} {
+		b := r.start(fmt.Sprintf("broker-%d", 2+i), nil)
+		harness.Eventually(t, time.Minute, "the new replica ready", b.Server.Ready)
+		r.stop(old)
+	}
+	time.Sleep(2 * time.Second)
+	publish()
+	harness.Eventually(t, time.Minute, "the agent on the new replicas, once the name lists them", func() bool {
+		held, _ := fleet.Registered()
+		return r.eachHoldsOne() && held == 2
+	})
+	time.Sleep(time.Second)
+	load.finish()
+	failed, total := load.failed("", time.Time{}, time.Now())
+	t.Logf("a rollout behind a DNS name one rollout late: %d of %d dials failed", len(failed), total)
+	if len(failed) == 0 {
+		t.Errorf("no dial failed while no replica held the agent: the test no longer shows what a lagging name costs")
+	}
 }
