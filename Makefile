@@ -58,11 +58,12 @@ test: lint check-generated build tools
 release-check: build
 	cd test && RELEASE_VERSION=$(VERSION) $(GO) test -count=1 -timeout 45m -run Release ./release/
 
-## images: OCI images of the broker, the syncer-agent and kcp with the tunnel,
-## localhost/kcp-dev/tunnel-broker:$(VERSION),
-## localhost/kcp-dev/tunnel-syncer-agent:$(VERSION) and
+## images: OCI images of the broker, the syncer-agent, kcp with the tunnel and
+## tunnelctl, localhost/kcp-dev/tunnel-broker:$(VERSION),
+## localhost/kcp-dev/tunnel-syncer-agent:$(VERSION),
 ## localhost/kcp-dev/tunnel-kcp:$(VERSION) (deploy/kcp, this machine's
-## architecture only; internal/release/images.go names them),
+## architecture only) and localhost/kcp-dev/tunnelctl:$(VERSION)
+## (internal/release/images.go names them),
 ## without a container engine: static binaries on an empty base, as user 65532,
 ## into $(IMAGES)/oci (an OCI layout) and $(IMAGES)/<binary>.tar (OCI archives,
 ## for skopeo, podman load, crane push or containerd's import)
@@ -70,7 +71,7 @@ IMAGES     ?= $(BIN)/images
 IMAGE_ARCH ?= $(shell $(GO) env GOARCH)
 images:
 	CGO_ENABLED=0 GOOS=linux GOARCH=$(IMAGE_ARCH) $(GO) build -trimpath -ldflags "-s -w $(STAMP)" \
-	  -o $(IMAGES)/linux_$(IMAGE_ARCH)/ ./broker ./syncer-agent
+	  -o $(IMAGES)/linux_$(IMAGE_ARCH)/ ./broker ./syncer-agent ./broker/cmd/tunnelctl
 	@if [ "$(IMAGE_ARCH)" = "$$($(GO) env GOHOSTARCH)" ]; then \
 	  kcp=$$(deploy/kcp/build.sh) && cp "$$kcp" $(IMAGES)/linux_$(IMAGE_ARCH)/kcp; \
 	else echo "images: localhost/kcp-dev/tunnel-kcp is built for this machine's architecture only"; fi

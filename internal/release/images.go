@@ -25,12 +25,16 @@ var (
 	Broker      = Image{"broker", LocalPrefix + "kcp-dev/tunnel-broker", "kcp tunnel broker"}
 	SyncerAgent = Image{"syncer-agent", LocalPrefix + "kcp-dev/tunnel-syncer-agent", "kcp tunnel syncer-agent"}
 	Kcp         = Image{"kcp", LocalPrefix + "kcp-dev/tunnel-kcp", "kcp with the tunnel broker's webhook seam"}
+	// Tunnelctl is the operators' CLI, which the broker chart's helm test
+	// runs.
+	Tunnelctl = Image{"tunnelctl", LocalPrefix + "kcp-dev/tunnelctl", "kcp tunnel broker's tunnelctl"}
 )
 
 // Built are the images make images builds.
-var Built = []Image{Broker, SyncerAgent, Kcp}
+var Built = []Image{Broker, SyncerAgent, Kcp, Tunnelctl}
 
 // Images are the names of the images deploy/'s overlays and charts run, as
 // they refer to them. kcp's image is not one: kcp-dev's kcp chart runs it,
-// with deploy/kcp's values (KcpChartValues).
+// with deploy/kcp's values (KcpChartValues); nor is tunnelctl's, which
+// only the broker chart's helm test runs (tests.image).
 var Images = []string{Broker.Name, SyncerAgent.Name}

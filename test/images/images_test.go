@@ -38,6 +38,7 @@ var built = map[string]string{
 	"broker":       "localhost/kcp-dev/tunnel-broker",
 	"syncer-agent": "localhost/kcp-dev/tunnel-syncer-agent",
 	"kcp":          "localhost/kcp-dev/tunnel-kcp",
+	"tunnelctl":    "localhost/kcp-dev/tunnelctl",
 }
 
 func TestImagesRunTheirStampedBinaryAsNonRoot(t *testing.T) {

@@ -137,3 +137,17 @@ to let finish. grace is whole seconds or minutes (20s, 2m).
 {{- fail (printf "terminationGracePeriodSeconds is %d: it must be at least %d, the preStop sleep (preStopSleepSeconds, %d s) plus grace (%d s) plus 5 s, or the kubelet kills tunnels that --grace lets run" (int .Values.terminationGracePeriodSeconds) $need $pre $grace) }}
 {{- end }}
 {{- end }}
+
+{{/* The helm test's labels: not the broker's selector labels, which its Services and ClusterSPIFFEID select by. */}}
+{{- define "tunnel-broker.testSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "tunnel-broker.name" . }}-test
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "tunnel-broker.testLabels" -}}
+helm.sh/chart: {{ include "tunnel-broker.chart" . }}
+{{ include "tunnel-broker.testSelectorLabels" . }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: kcp-tunnel-broker
+app.kubernetes.io/component: test
+{{- end }}

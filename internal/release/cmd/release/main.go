@@ -74,14 +74,15 @@ func run(repo, version string, checks []string) error {
 
 	fmt.Printf(`
 Released %s at %s, tagged %s.
-Images: bin/images/oci, bin/images/broker.tar, bin/images/syncer-agent.tar, bin/images/kcp.tar.
+Images: bin/images/oci, bin/images/broker.tar, bin/images/syncer-agent.tar, bin/images/kcp.tar, bin/images/tunnelctl.tar.
 Nothing was pushed. To publish:
 
   git push origin HEAD %s
   skopeo copy oci-archive:bin/images/broker.tar docker://<registry>/kcp-dev/tunnel-broker:%s
   skopeo copy oci-archive:bin/images/syncer-agent.tar docker://<registry>/kcp-dev/tunnel-syncer-agent:%s
   skopeo copy oci-archive:bin/images/kcp.tar docker://<registry>/kcp-dev/tunnel-kcp:%s
-`, version, commit[:12], strings.Join(tags, ", "), strings.Join(tags, " "), version, version, version)
+  skopeo copy oci-archive:bin/images/tunnelctl.tar docker://<registry>/kcp-dev/tunnelctl:%s
+`, version, commit[:12], strings.Join(tags, ", "), strings.Join(tags, " "), version, version, version, version)
 	return nil
 }
 
