@@ -141,6 +141,11 @@ func (r *balancedReplicas) startFleet(t *testing.T, seekEvery time.Duration, log
 		Log:          log,
 		Agent:        echoAgents(t, r.env, log),
 	}
+	return fleet, runFleet(t, fleet)
+}
+
+// runFleet runs fleet until stop, or the test's end.
+func runFleet(t *testing.T, fleet *agent.Fleet) (stop func()) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { defer close(done); fleet.Run(ctx) }()
@@ -148,7 +153,7 @@ func (r *balancedReplicas) startFleet(t *testing.T, seekEvery time.Duration, log
 	stop = func() { once.Do(func() { cancel(); <-done }) }
 	// The fleet drains before the brokers stop (cleanups run last first).
 	t.Cleanup(stop)
-	return fleet, stop
+	return stop
 }
 
 func TestFailoverAgentBehindOneAddressHoldsEveryReplica(t *testing.T) {
@@ -420,10 +425,7 @@ func TestRestartRolloutBehindLaggingPodAddressesLosesDials(t *testing.T) {
 		Log:   harness.Logger(),
 		Agent: echoAgents(t, r.env, harness.Logger()),
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); fleet.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
+	runFleet(t, fleet)
 	harness.Eventually(t, time.Minute, "one registration with each of the 2 replicas", func() bool {
 		held, known := fleet.Registered()
 		return r.eachHoldsOne() && held == 2 && known == 2
