@@ -9,6 +9,7 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/status"
 )
 
@@ -104,6 +105,39 @@ func (l *expiryCloser) stop() {
 	defer l.mu.Unlock()
 	l.done = true
 	l.timer.Stop()
+}
+
+// closeExpiredPeers has each of creds' server connections closed once its
+// peer's SVID has expired, by an expiryCloser that the connection's
+// AuthInfo carries, so that ExpiryInterceptors can count its RPCs. creds'
+// AuthInfo must be this package's (withAuthInfo).
+func closeExpiredPeers(creds credentials.TransportCredentials, grace time.Duration) credentials.TransportCredentials {
+	return &expiryCreds{TransportCredentials: creds, grace: grace}
+}
+
+type expiryCreds struct {
+	credentials.TransportCredentials
+	grace time.Duration
+}
+
+func (c *expiryCreds) ServerHandshake(raw net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	conn, info, err := c.TransportCredentials.ServerHandshake(raw)
+	if err != nil {
+		return nil, nil, err
+	}
+	ai, ok := info.(AuthInfo)
+	if !ok {
+		conn.Close()
+		return nil, nil, fmt.Errorf("handshake returned %T, not an identity.AuthInfo", info)
+	}
+	// It closes raw, the socket: a peer no longer trusted is sent nothing
+	// more, not even a close_notify that could wait on a full send buffer.
+	ai.expiry = newExpiryCloser(raw, ai.Expires, c.grace)
+	return &expiringConn{Conn: conn, expiry: ai.expiry}, ai, nil
+}
+
+func (c *expiryCreds) Clone() credentials.TransportCredentials {
+	return &expiryCreds{TransportCredentials: c.TransportCredentials.Clone(), grace: c.grace}
 }
 
 // expiringConn is a server connection with an expiryCloser: closing it

@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/tls"
 	"fmt"
+	"net"
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
@@ -48,10 +49,44 @@ func newAuthInfo(info credentials.AuthInfo) (AuthInfo, error) {
 	if err != nil {
 		return AuthInfo{}, refused(ReasonInvalidID, err)
 	}
-	// The handshake is ours (tlsServer, tlsClient): gRPC's TLSInfo gets
-	// the SPIFFE ID verified here, for whatever in gRPC reads it.
+	// gRPC's TLSInfo gets the SPIFFE ID verified here, for whatever in
+	// gRPC reads it, rather than gRPC's own parse of the certificate.
 	tlsInfo.SPIFFEID = id.URL()
 	return AuthInfo{TLSInfo: tlsInfo, ID: id, Expires: chainExpiry(tlsInfo.State)}, nil
+}
+
+// withAuthInfo makes the AuthInfo of creds' handshakes this package's,
+// read from the TLSInfo creds return.
+func withAuthInfo(creds credentials.TransportCredentials) credentials.TransportCredentials {
+	return &authInfoCreds{TransportCredentials: creds}
+}
+
+type authInfoCreds struct {
+	credentials.TransportCredentials
+}
+
+func (c *authInfoCreds) ServerHandshake(raw net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	return asAuthInfo(c.TransportCredentials.ServerHandshake(raw))
+}
+
+func (c *authInfoCreds) ClientHandshake(ctx context.Context, authority string, raw net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	return asAuthInfo(c.TransportCredentials.ClientHandshake(ctx, authority, raw))
+}
+
+func asAuthInfo(conn net.Conn, info credentials.AuthInfo, err error) (net.Conn, credentials.AuthInfo, error) {
+	if err != nil {
+		return nil, nil, err
+	}
+	ai, err := newAuthInfo(info)
+	if err != nil {
+		conn.Close()
+		return nil, nil, err
+	}
+	return conn, ai, nil
+}
+
+func (c *authInfoCreds) Clone() credentials.TransportCredentials {
+	return &authInfoCreds{TransportCredentials: c.TransportCredentials.Clone()}
 }
 
 // chainExpiry is the earliest NotAfter of the certificates the peer presented.

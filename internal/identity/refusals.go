@@ -10,6 +10,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"google.golang.org/grpc/credentials"
 )
 
 // Reason says in one word why a TLS handshake failed. The set is small and
@@ -175,4 +177,43 @@ func (r *Refusals) clock() time.Time {
 		return r.now()
 	}
 	return time.Now()
+}
+
+// reportRefusals reports each of creds' failed handshakes to r; with no r
+// it is creds.
+func reportRefusals(creds credentials.TransportCredentials, r *Refusals) credentials.TransportCredentials {
+	if r == nil {
+		return creds
+	}
+	return &reportingCreds{TransportCredentials: creds, refusals: r}
+}
+
+type reportingCreds struct {
+	credentials.TransportCredentials
+	refusals *Refusals
+}
+
+func (c *reportingCreds) ServerHandshake(raw net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	// Read before the handshake, which closes raw when it fails.
+	remote := raw.RemoteAddr().String()
+	conn, info, err := c.TransportCredentials.ServerHandshake(raw)
+	if err != nil {
+		c.refusals.report(remote, err)
+	}
+	return conn, info, err
+}
+
+func (c *reportingCreds) ClientHandshake(ctx context.Context, authority string, raw net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	conn, info, err := c.TransportCredentials.ClientHandshake(ctx, authority, raw)
+	// gRPC cancels handshakes when the connection is no longer wanted:
+	// that refuses nothing.
+	if err != nil && ctx.Err() != context.Canceled {
+		c.refusals.report(authority, err)
+	}
+	return conn, info, err
+}
+
+// Clone shares the Refusals: its log's rate is the process's.
+func (c *reportingCreds) Clone() credentials.TransportCredentials {
+	return &reportingCreds{TransportCredentials: c.TransportCredentials.Clone(), refusals: c.refusals}
 }

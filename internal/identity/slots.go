@@ -7,6 +7,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"google.golang.org/grpc/credentials"
 )
 
 // stalledAfter is how long a handshake may last before a new one may take
@@ -87,4 +89,36 @@ func (h *handshakeSlots) inUse() int {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	return h.inProgress.Len()
+}
+
+// boundHandshakes runs each of creds' server handshakes in one of slots.
+// A client's handshakes are not bounded: it opens its connections itself.
+func boundHandshakes(creds credentials.TransportCredentials, slots *handshakeSlots) credentials.TransportCredentials {
+	return &slottedCreds{TransportCredentials: creds, slots: slots}
+}
+
+type slottedCreds struct {
+	credentials.TransportCredentials
+	slots *handshakeSlots
+}
+
+func (c *slottedCreds) ServerHandshake(raw net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	s, err := c.slots.acquire(raw)
+	if err != nil {
+		return nil, nil, err
+	}
+	defer c.slots.release(s)
+	conn, info, err := c.TransportCredentials.ServerHandshake(raw)
+	if err != nil && s.evicted.Load() {
+		// It failed because its connection was closed to make room: say
+		// so rather than how the closed connection broke it.
+		return nil, nil, refused(ReasonOverLimit, errEvicted)
+	}
+	return conn, info, err
+}
+
+// Clone shares the slots: the bound is the listener's, whichever copy of
+// its credentials a connection went through.
+func (c *slottedCreds) Clone() credentials.TransportCredentials {
+	return &slottedCreds{TransportCredentials: c.TransportCredentials.Clone(), slots: c.slots}
 }

@@ -39,7 +39,7 @@ func TestStalledHandshakesGiveWayAndFreshOnesAreNotDropped(t *testing.T) {
 	var refusals counts
 	creds := ServerCredentials(newSource(t, ca, devca.Leaf{SPIFFEID: "/broker"}), tlsconfig.AuthorizeAny(),
 		MaxConcurrentHandshakes(2), ReportRefusals(&Refusals{Count: refusals.count}))
-	slots := creds.(*spiffeCreds).slots
+	slots := findDecorator[*slottedCreds](t, creds).slots
 	clock := &fakeClock{now: time.Now()}
 	slots.now = clock.Now
 	addr, results := serve(t, creds)

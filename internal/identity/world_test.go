@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net"
 	"net/url"
+	"reflect"
 	"strings"
 	"sync"
 	"testing"
@@ -251,4 +252,30 @@ func (c *fakeClock) advance(d time.Duration) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.now = c.now.Add(d)
+}
+
+// findDecorator is the decorator of type T among those creds is made of:
+// each wraps the next in a field TransportCredentials.
+func findDecorator[T credentials.TransportCredentials](t testing.TB, creds credentials.TransportCredentials) T {
+	t.Helper()
+	for creds != nil {
+		if d, ok := creds.(T); ok {
+			return d
+		}
+		v := reflect.ValueOf(creds)
+		if v.Kind() == reflect.Pointer {
+			v = v.Elem()
+		}
+		if v.Kind() != reflect.Struct {
+			break
+		}
+		inner := v.FieldByName("TransportCredentials")
+		if !inner.IsValid() {
+			break
+		}
+		creds, _ = inner.Interface().(credentials.TransportCredentials)
+	}
+	var zero T
+	t.Fatalf("no %T among the credentials", zero)
+	return zero
 }

@@ -1,0 +1,84 @@
+package identity
+
+import (
+	"context"
+	"crypto/tls"
+	"net"
+	"time"
+
+	"google.golang.org/grpc/credentials"
+)
+
+// awaitServer has each of creds' client handshakes end with the server's
+// first bytes, after TLS 1.3. In TLS 1.3 the client's handshake ends before
+// the server has checked the client's certificate: a server that refuses it
+// sends its alert after, and closes. Without this wait the refusal would
+// surface as whatever the next write or read hits first, often "broken
+// pipe"; with it, a refused certificate is the handshake's error, "remote
+// error: tls: bad certificate", which the caller can explain (OwnProblem).
+// A gRPC server sends its SETTINGS as soon as its handshake is done, so the
+// wait costs no round trip of its own.
+func awaitServer(creds credentials.TransportCredentials) credentials.TransportCredentials {
+	return &awaitingCreds{TransportCredentials: creds}
+}
+
+type awaitingCreds struct {
+	credentials.TransportCredentials
+}
+
+func (c *awaitingCreds) ClientHandshake(ctx context.Context, authority string, raw net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	conn, info, err := c.TransportCredentials.ClientHandshake(ctx, authority, raw)
+	if err != nil {
+		return nil, nil, err
+	}
+	// Up to TLS 1.2 the server's verdict is part of the handshake.
+	if tlsInfo, ok := info.(credentials.TLSInfo); !ok || tlsInfo.State.Version < tls.VersionTLS13 {
+		return conn, info, nil
+	}
+	first, err := readFirst(ctx, conn)
+	if err != nil {
+		conn.Close()
+		return nil, nil, err
+	}
+	return &primedConn{Conn: conn, first: first}, info, nil
+}
+
+func (c *awaitingCreds) Clone() credentials.TransportCredentials {
+	return &awaitingCreds{TransportCredentials: c.TransportCredentials.Clone()}
+}
+
+// readFirst reads the first bytes conn receives, until ctx ends.
+func readFirst(ctx context.Context, conn net.Conn) ([]byte, error) {
+	if deadline, ok := ctx.Deadline(); ok {
+		_ = conn.SetReadDeadline(deadline)
+	}
+	stop := context.AfterFunc(ctx, func() { _ = conn.SetReadDeadline(time.Unix(1, 0)) })
+	buf := make([]byte, 512)
+	n, err := conn.Read(buf)
+	if !stop() {
+		// ctx ended (and set a deadline past) while the read waited.
+		return nil, ctx.Err()
+	}
+	if err != nil {
+		return nil, err
+	}
+	_ = conn.SetReadDeadline(time.Time{})
+	return buf[:n], nil
+}
+
+// primedConn is a client's TLS connection whose first bytes readFirst has
+// read already: Read returns them first. Everything else is the
+// connection's.
+type primedConn struct {
+	net.Conn
+	first []byte
+}
+
+func (c *primedConn) Read(b []byte) (int, error) {
+	if len(c.first) > 0 {
+		n := copy(b, c.first)
+		c.first = c.first[n:]
+		return n, nil
+	}
+	return c.Conn.Read(b)
+}
