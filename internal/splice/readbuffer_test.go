@@ -98,3 +98,50 @@ func TestAnEmptyReadIsAnEmptyFrame(t *testing.T) {
 		t.Fatalf("ReadFrame at EOF = a frame (empty %v), %v; want an empty one and io.EOF", f.Empty(), err)
 	}
 }
+
+func TestSmallReadFramesOwnTheirBytes(t *testing.T) {
+	// Small reads go into pooled buffers of their own: a frame freed and
+	// its buffer reused must not show in a frame still held, and a frame
+	// partly read writes out the rest.
+	var b ReadBuffer
+	var frames []wire.Frame
+	for i := range 4 {
+		src := chunks{bytes.Repeat([]byte{byte('a' + i)}, 100+i)}
+		f, err := b.ReadFrame(&src)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n, err := f.DataLen(); err != nil || n != 100+i {
+			t.Fatalf("ReadFrame's frame: %d bytes, %v; want %d", n, err, 100+i)
+		}
+		frames = append(frames, f)
+	}
+	frames[0].Free()
+	src := chunks{[]byte("xyz")}
+	reused, err := b.ReadFrame(&src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 1; i < len(frames); i++ {
+		var first [1]byte
+		if _, err := frames[i].Read(first[:]); err != nil {
+			t.Fatal(err)
+		}
+		var rest bytes.Buffer
+		if _, err := frames[i].WriteTo(&rest); err != nil {
+			t.Fatal(err)
+		}
+		want := bytes.Repeat([]byte{byte('a' + i)}, 100+i)
+		if got := append(first[:], rest.Bytes()...); !bytes.Equal(got, want) {
+			t.Fatalf("frame %d holds %q, want %q", i, got, want)
+		}
+		frames[i].Free()
+	}
+	if _, err := reused.DataLen(); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := io.ReadAll(&reused); string(got) != "xyz" {
+		t.Fatalf("the last frame holds %q, want %q", got, "xyz")
+	}
+	reused.Free()
+}

@@ -182,9 +182,12 @@ func (s *splice) copy(from Side) {
 // tells the receiver so. The first failure on either leg ends the splice.
 func (s *splice) forward(fromSide Side, from, to Leg) {
 	toSide := 1 - fromSide
+	// One frame for the copier's life, not one per frame forwarded (a
+	// frame passed to a leg escapes to the heap): each Recv fills it,
+	// and Send or Free takes its buffers.
+	f := new(wire.Frame)
 	for {
-		var f wire.Frame
-		err := from.Recv(&f)
+		err := from.Recv(f)
 		if errors.Is(err, io.EOF) {
 			if err := to.CloseWrite(); err != nil {
 				s.decide(&Failure{By: toSide, Err: err})
@@ -201,7 +204,10 @@ func (s *splice) forward(fromSide Side, from, to Leg) {
 			s.decide(&Failure{By: fromSide, Err: ErrNotData})
 			return
 		}
-		if err := to.Send(&f); err != nil {
+		err = to.Send(f)
+		// The leg took the buffers, whether or not it emptied f.
+		*f = wire.Frame{}
+		if err != nil {
 			s.decide(&Failure{By: toSide, Err: err})
 			return
 		}

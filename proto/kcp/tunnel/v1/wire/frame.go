@@ -103,6 +103,17 @@ func (f *Frame) Unread() int { return f.end - f.off }
 // WriteTo writes the payload of a data frame to w in one vectored write
 // where w allows it (call DataLen first).
 func (f *Frame) WriteTo(w io.Writer) (int64, error) {
+	if len(f.buf) == 1 {
+		// One buffer (a small frame, or one read into a whole buffer): a
+		// plain write, without a net.Buffers to allocate.
+		data := f.buf[0].ReadOnlyData()
+		if f.off >= len(data) {
+			return 0, nil
+		}
+		n, err := w.Write(data[f.off:])
+		f.off += n
+		return int64(n), err
+	}
 	var bufs net.Buffers
 	pos := 0
 	for _, b := range f.buf {
