@@ -6,8 +6,6 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/credentials"
-
-	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // serviceConfig spreads dials over every broker replica the target resolves
@@ -48,9 +46,13 @@ var reconnect = grpc.ConnectParams{
 // buffer and fixed windows: wire.DialOptions), round robin over the
 // replicas, a dial retried on another replica that could not serve it, and
 // reconnection within a second of a replica's return. NewClient uses them; they are here for callers
-// that build the connection themselves.
+// that build the connection themselves. They also record why the
+// connection's last attempt failed, by the error's type, for the words of a
+// dial that found no broker (words.go): they dial with a dialer of their
+// own (so gRPC uses no HTTPS_PROXY for the connection) and wrap creds. Each
+// call records one connection: build one ClientConn with it.
 func DialOptions(creds credentials.TransportCredentials) []grpc.DialOption {
-	return append(wire.DialOptions(creds), grpc.WithDefaultServiceConfig(serviceConfig), grpc.WithConnectParams(reconnect))
+	return append(new(connRecord).options(creds), grpc.WithDefaultServiceConfig(serviceConfig), grpc.WithConnectParams(reconnect))
 }
 
 // NewClient is kcp's connection to the broker replicas that target names,

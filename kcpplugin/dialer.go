@@ -123,7 +123,7 @@ func (d *Dialer) open(ctx context.Context, target *tunnelv1.Target, timeout time
 		// why, in words, from gRPC's last connection error, which its
 		// message names with the broker's address (kcp shows this
 		// message to its end users; gRPC's own log keeps the address).
-		err = status.Errorf(codes.Unavailable, "no tunnel broker reachable within %v: %s", time.Since(start).Round(time.Millisecond), connectionFailure(status.Convert(err).Message()))
+		err = status.Errorf(codes.Unavailable, "no tunnel broker reachable within %v: %s", time.Since(start).Round(time.Millisecond), connectionFailure(err))
 	case timedOut.Load():
 		err = status.Errorf(codes.DeadlineExceeded, "the dial's stream did not open within %v", timeout)
 	case ctx.Err() != nil:

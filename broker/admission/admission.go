@@ -33,6 +33,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/policy"
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
+	"github.com/kcp-dev/tunnel-broker/internal/errinfo"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
@@ -247,7 +248,7 @@ func (tk *Ticket) check(target *tunnelv1.Target, earlyData int) error {
 }
 
 // errDraining refuses a dial that reached a replica after its drain began.
-var errDraining = status.Error(codes.Unavailable, "this broker replica is shutting down: dial another")
+var errDraining = errinfo.Error(codes.Unavailable, errinfo.ReplicaDraining, "this broker replica is shutting down: dial another")
 
 // ElsewhereMayServe reports whether err refused a dial that another broker
 // replica may serve, before anything was ordered: this replica drains, or

@@ -84,7 +84,7 @@ func (r *Registry) Dial(ctx context.Context, target *tunnelv1.Target, earlyData 
 		return nil, first // no other agent could take it: one error
 	}
 	second.Earlier = first
-	second.status = status.New(second.status.Code(), second.status.Message()+"; before it, "+first.status.Message())
+	second.status = renamed(second.status, second.status.Message()+"; before it, "+first.status.Message())
 	return nil, second
 }
 

@@ -10,6 +10,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/kcp-dev/tunnel-broker/internal/errinfo"
 	"github.com/kcp-dev/tunnel-broker/internal/redact"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
@@ -68,10 +69,11 @@ func (e *DialError) LogAttrs() []any {
 	return attrs
 }
 
-// dialError is p's failure with code, and message for its caller.
-func dialError(p *pending, code codes.Code, message string) *DialError {
+// dialError is p's failure with code and reason (package errinfo), and
+// message for its caller.
+func dialError(p *pending, code codes.Code, reason, message string) *DialError {
 	id := tunnelID(p.id)
-	return &DialError{TunnelID: id, Agent: p.agent, status: status.Newf(code, "%s (tunnel %s)", message, id)}
+	return &DialError{TunnelID: id, Agent: p.agent, status: errinfo.Newf(code, reason, "%s (tunnel %s)", message, id)}
 }
 
 // NoAgentError is a dial for a cluster that no agent serves on this
@@ -84,7 +86,7 @@ func (e *NoAgentError) Error() string { return e.GRPCStatus().Err().Error() }
 
 // GRPCStatus makes the error its status for grpc-go and package status.
 func (e *NoAgentError) GRPCStatus() *status.Status {
-	return status.Newf(codes.Unavailable, "no agent serves logical cluster %q", e.Cluster)
+	return errinfo.Newf(codes.Unavailable, errinfo.NoAgent, "no agent serves logical cluster %q", e.Cluster)
 }
 
 // tunnelID names a dial, and the tunnel it becomes, in messages and logs.
@@ -100,15 +102,14 @@ func callerName(a *Agent) string {
 }
 
 func agentGone(p *pending) error {
-	return dialError(p, codes.Unavailable, callerName(p.agent)+" went away")
+	return dialError(p, codes.Unavailable, errinfo.AgentGone, callerName(p.agent)+" went away")
 }
 
 func contextStatus(ctx context.Context, p *pending) error {
 	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
-		return dialError(p, codes.DeadlineExceeded, callerName(p.agent)+" did not connect in time")
+		return dialError(p, codes.DeadlineExceeded, errinfo.AgentTimeout, callerName(p.agent)+" did not connect in time")
 	}
-	e := dialError(p, codes.Canceled, "")
-	e.status = status.FromContextError(ctx.Err())
+	e := &DialError{TunnelID: tunnelID(p.id), Agent: p.agent, status: status.FromContextError(ctx.Err())}
 	// A front end that ends a dial for its caller's mistake says why.
 	if cause := context.Cause(ctx); cause != ctx.Err() {
 		if s, ok := status.FromError(cause); ok {
@@ -132,9 +133,13 @@ func agentFailure(p *pending, f *tunnelv1.DialFailure) error {
 	if said == "" {
 		said = "no reason given"
 	}
-	e := dialError(p, code, callerName(p.agent)+": "+said)
+	e := dialError(p, code, errinfo.FromAgent(f.GetReason()), callerName(p.agent)+": "+said)
 	e.AgentMessageBytes = len(f.GetMessage())
 	e.EarlyDataSent = p.earlyOrdered && f.GetEarlyDataSent()
 	e.AgentMessage = strings.ToValidUTF8(f.GetMessage()[:min(len(f.GetMessage()), MaxLoggedAgentMessage)], "")
 	return e
 }
+
+// renamed is st with msg for its message, its code and reason kept: the
+// second failure of a dial ordered twice (Registry.Dial), naming the first.
+func renamed(st *status.Status, msg string) *status.Status { return errinfo.WithMessage(st, msg) }

@@ -10,6 +10,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/kcp-dev/tunnel-broker/internal/errinfo"
 	"github.com/kcp-dev/tunnel-broker/internal/redact"
 	"github.com/kcp-dev/tunnel-broker/internal/splice"
 )
@@ -24,8 +25,8 @@ func (e *brokerEnd) Error() string { return status.Convert(e.callerStatus).Messa
 // errStopping ends the tunnels still open when the broker's grace period
 // is over.
 var errStopping = &brokerEnd{
-	status.Error(codes.Unavailable, "the broker is shutting down and its grace period is over"),
-	status.Error(codes.Unavailable, "the broker is shutting down"),
+	errinfo.Error(codes.Unavailable, errinfo.BrokerStopping, "the broker is shutting down and its grace period is over"),
+	errinfo.Error(codes.Unavailable, errinfo.BrokerStopping, "the broker is shutting down"),
 }
 
 // CallerSentNotData is the failure of a caller that sends anything but data
@@ -72,7 +73,7 @@ func (t *Tunnel) statuses(f *splice.Failure) (callerStatus, agentStatus error) {
 		return status.Error(codes.Canceled, "caller went away"),
 			status.Errorf(codes.Canceled, "caller went away: %v", err)
 	default:
-		return status.Errorf(codes.Unavailable, "tunnel lost on the agent's side: %s (tunnel %s)", agentLoss(err), t.ID),
+		return errinfo.Errorf(codes.Unavailable, errinfo.TunnelLost, "tunnel lost on the agent's side: %s (tunnel %s)", agentLoss(err), t.ID),
 			status.Errorf(codes.Aborted, "tunnel aborted: %v", err)
 	}
 }

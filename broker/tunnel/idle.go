@@ -2,13 +2,12 @@ package tunnel
 
 import (
 	"context"
-	"fmt"
 	"time"
 
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
+	"github.com/kcp-dev/tunnel-broker/internal/errinfo"
 )
 
 // DefaultIdleTimeout ends a tunnel that carries nothing for 10 minutes: far
@@ -61,6 +60,6 @@ func (t *Tunnel) checkIdle(stop context.CancelCauseFunc) {
 		return
 	}
 	metrics.LimitsHit.WithLabelValues("idle_timeout").Inc()
-	msg := status.Error(codes.DeadlineExceeded, fmt.Sprintf("tunnel carried nothing for %v", t.idleLimit))
+	msg := errinfo.Errorf(codes.DeadlineExceeded, errinfo.IdleTimeout, "tunnel carried nothing for %v", t.idleLimit)
 	stop(&brokerEnd{msg, msg})
 }

@@ -11,6 +11,8 @@ import (
 	discoveryv1 "k8s.io/api/discovery/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/client-go/tools/cache"
+
+	"github.com/kcp-dev/tunnel-broker/internal/errinfo"
 )
 
 // EndpointSliceController is the managed-by value of the EndpointSlices that
@@ -173,7 +175,7 @@ func (c *endpointChoice) none(what string) error {
 	case c.unready > 0:
 		return status.Errorf(codes.Unavailable, "%s: none of its %d endpoints is ready", what, c.unready)
 	}
-	return status.Errorf(codes.Unavailable, "%s: the Service has no endpoints", what)
+	return errinfo.Errorf(codes.Unavailable, errinfo.NoEndpoints, "%s: the Service has no endpoints", what)
 }
 
 // trustHint tells an operator how to let the agent take a namespace's

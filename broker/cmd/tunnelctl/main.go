@@ -208,5 +208,9 @@ func connect(ctx context.Context, addr, brokerID string, o *identity.Options) (*
 		}
 		authorize = identity.AuthorizeID(id, "--broker-spiffe-id")
 	}
-	return grpc.NewClient(addr, grpc.WithTransportCredentials(identity.ClientCredentials(src, authorize)))
+	// Its own dialer and credentials see why a connection failed, by type
+	// (hints.go); passthrough leaves the name to the dialer, whose
+	// net.DNSError says when it does not resolve.
+	return grpc.NewClient("passthrough:///"+addr, grpc.WithContextDialer(dialBroker),
+		grpc.WithTransportCredentials(recordingCreds{identity.ClientCredentials(src, authorize)}))
 }

@@ -391,7 +391,10 @@ type TunnelInfo struct {
 	BytesUp   uint64 `protobuf:"varint,10,opt,name=bytes_up,json=bytesUp,proto3" json:"bytes_up,omitempty"`
 	BytesDown uint64 `protobuf:"varint,11,opt,name=bytes_down,json=bytesDown,proto3" json:"bytes_down,omitempty"`
 	// How long it has carried nothing, either way.
-	Idle          *durationpb.Duration `protobuf:"bytes,12,opt,name=idle,proto3" json:"idle,omitempty"`
+	Idle *durationpb.Duration `protobuf:"bytes,12,opt,name=idle,proto3" json:"idle,omitempty"`
+	// The trace the tunnel's spans belong to (32 hex digits), when the
+	// broker traces; the caller's trace when the caller sent one.
+	TraceId       string `protobuf:"bytes,13,opt,name=trace_id,json=traceId,proto3" json:"trace_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -508,6 +511,13 @@ func (x *TunnelInfo) GetIdle() *durationpb.Duration {
 		return x.Idle
 	}
 	return nil
+}
+
+func (x *TunnelInfo) GetTraceId() string {
+	if x != nil {
+		return x.TraceId
+	}
+	return ""
 }
 
 // Target names a port of a Service in a logical cluster, as a webhook's
@@ -1424,7 +1434,11 @@ type DialOrder struct {
 	TimeoutMs uint32 `protobuf:"varint,3,opt,name=timeout_ms,json=timeoutMs,proto3" json:"timeout_ms,omitempty"`
 	// The caller's early data, if it sent any: the agent writes it to the
 	// target once its Tunnel is open, before any data frame of that Tunnel.
-	EarlyData     []byte `protobuf:"bytes,4,opt,name=early_data,json=earlyData,proto3" json:"early_data,omitempty"`
+	EarlyData []byte `protobuf:"bytes,4,opt,name=early_data,json=earlyData,proto3" json:"early_data,omitempty"`
+	// The dial's trace context, as W3C Trace Context fields ("traceparent",
+	// "tracestate"), when the broker traces it: the agent's spans of this
+	// dial are its children. Empty when the broker does not trace.
+	TraceContext  map[string]string `protobuf:"bytes,5,rep,name=trace_context,json=traceContext,proto3" json:"trace_context,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1487,6 +1501,13 @@ func (x *DialOrder) GetEarlyData() []byte {
 	return nil
 }
 
+func (x *DialOrder) GetTraceContext() map[string]string {
+	if x != nil {
+		return x.TraceContext
+	}
+	return nil
+}
+
 // DialFailure answers a DialOrder the agent could not serve.
 type DialFailure struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
@@ -1502,6 +1523,11 @@ type DialFailure struct {
 	// broker must not order the dial again (its first bytes may have had an
 	// effect).
 	EarlyDataSent bool `protobuf:"varint,4,opt,name=early_data_sent,json=earlyDataSent,proto3" json:"early_data_sent,omitempty"`
+	// Why, as one of the reasons docs/protocol.md §5 lists for an agent
+	// (NO_ENDPOINTS, TARGET_REFUSED, TARGET_UNREACHABLE), or empty. The
+	// broker passes a listed one on in its status's ErrorInfo, and
+	// AGENT_DIAL_FAILED for any other.
+	Reason        string `protobuf:"bytes,5,opt,name=reason,proto3" json:"reason,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1562,6 +1588,13 @@ func (x *DialFailure) GetEarlyDataSent() bool {
 		return x.EarlyDataSent
 	}
 	return false
+}
+
+func (x *DialFailure) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
 }
 
 type TunnelRequest struct {
@@ -1808,7 +1841,7 @@ const file_kcp_tunnel_v1_tunnel_proto_rawDesc = "" +
 	"\x13ListTunnelsResponse\x12\x1b\n" +
 	"\tbroker_id\x18\x01 \x01(\tR\bbrokerId\x123\n" +
 	"\atunnels\x18\x02 \x03(\v2\x19.kcp.tunnel.v1.TunnelInfoR\atunnels\x12&\n" +
-	"\x0fnext_page_token\x18\x03 \x01(\tR\rnextPageToken\"\xe4\x03\n" +
+	"\x0fnext_page_token\x18\x03 \x01(\tR\rnextPageToken\"\xff\x03\n" +
 	"\n" +
 	"TunnelInfo\x12\x1b\n" +
 	"\ttunnel_id\x18\x01 \x01(\tR\btunnelId\x12(\n" +
@@ -1825,7 +1858,8 @@ const file_kcp_tunnel_v1_tunnel_proto_rawDesc = "" +
 	" \x01(\x04R\abytesUp\x12\x1d\n" +
 	"\n" +
 	"bytes_down\x18\v \x01(\x04R\tbytesDown\x12-\n" +
-	"\x04idle\x18\f \x01(\v2\x19.google.protobuf.DurationR\x04idle\"~\n" +
+	"\x04idle\x18\f \x01(\v2\x19.google.protobuf.DurationR\x04idle\x12\x19\n" +
+	"\btrace_id\x18\r \x01(\tR\atraceId\"~\n" +
 	"\x06Target\x12\x18\n" +
 	"\acluster\x18\x01 \x01(\tR\acluster\x12\x1c\n" +
 	"\tnamespace\x18\x02 \x01(\tR\tnamespace\x12\x18\n" +
@@ -1880,19 +1914,24 @@ const file_kcp_tunnel_v1_tunnel_proto_rawDesc = "" +
 	"\tbroker_id\x18\x01 \x01(\tR\bbrokerId\x120\n" +
 	"\x05since\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x05since\x12G\n" +
 	"\x12max_connection_age\x18\x05 \x01(\v2\x19.google.protobuf.DurationR\x10maxConnectionAgeJ\x04\b\x03\x10\x04J\x04\b\x04\x10\x05R\x10data_connectionsR\n" +
-	"session_id\"\x91\x01\n" +
+	"session_id\"\xa3\x02\n" +
 	"\tDialOrder\x12\x17\n" +
 	"\adial_id\x18\x01 \x01(\x04R\x06dialId\x12-\n" +
 	"\x06target\x18\x02 \x01(\v2\x15.kcp.tunnel.v1.TargetR\x06target\x12\x1d\n" +
 	"\n" +
 	"timeout_ms\x18\x03 \x01(\rR\ttimeoutMs\x12\x1d\n" +
 	"\n" +
-	"early_data\x18\x04 \x01(\fR\tearlyData\"|\n" +
+	"early_data\x18\x04 \x01(\fR\tearlyData\x12O\n" +
+	"\rtrace_context\x18\x05 \x03(\v2*.kcp.tunnel.v1.DialOrder.TraceContextEntryR\ftraceContext\x1a?\n" +
+	"\x11TraceContextEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x94\x01\n" +
 	"\vDialFailure\x12\x17\n" +
 	"\adial_id\x18\x01 \x01(\x04R\x06dialId\x12\x12\n" +
 	"\x04code\x18\x02 \x01(\x05R\x04code\x12\x18\n" +
 	"\amessage\x18\x03 \x01(\tR\amessage\x12&\n" +
-	"\x0fearly_data_sent\x18\x04 \x01(\bR\rearlyDataSent\"_\n" +
+	"\x0fearly_data_sent\x18\x04 \x01(\bR\rearlyDataSent\x12\x16\n" +
+	"\x06reason\x18\x05 \x01(\tR\x06reason\"_\n" +
 	"\rTunnelRequest\x12/\n" +
 	"\x04open\x18\x01 \x01(\v2\x19.kcp.tunnel.v1.TunnelOpenH\x00R\x04open\x12\x14\n" +
 	"\x04data\x18\x02 \x01(\fH\x00R\x04dataB\a\n" +
@@ -1927,7 +1966,7 @@ func file_kcp_tunnel_v1_tunnel_proto_rawDescGZIP() []byte {
 	return file_kcp_tunnel_v1_tunnel_proto_rawDescData
 }
 
-var file_kcp_tunnel_v1_tunnel_proto_msgTypes = make([]protoimpl.MessageInfo, 23)
+var file_kcp_tunnel_v1_tunnel_proto_msgTypes = make([]protoimpl.MessageInfo, 24)
 var file_kcp_tunnel_v1_tunnel_proto_goTypes = []any{
 	(*ListAgentsRequest)(nil),     // 0: kcp.tunnel.v1.ListAgentsRequest
 	(*ListAgentsResponse)(nil),    // 1: kcp.tunnel.v1.ListAgentsResponse
@@ -1952,19 +1991,20 @@ var file_kcp_tunnel_v1_tunnel_proto_goTypes = []any{
 	(*TunnelRequest)(nil),         // 20: kcp.tunnel.v1.TunnelRequest
 	(*TunnelResponse)(nil),        // 21: kcp.tunnel.v1.TunnelResponse
 	(*TunnelOpen)(nil),            // 22: kcp.tunnel.v1.TunnelOpen
-	(*timestamppb.Timestamp)(nil), // 23: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 24: google.protobuf.Duration
+	nil,                           // 23: kcp.tunnel.v1.DialOrder.TraceContextEntry
+	(*timestamppb.Timestamp)(nil), // 24: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 25: google.protobuf.Duration
 }
 var file_kcp_tunnel_v1_tunnel_proto_depIdxs = []int32{
 	2,  // 0: kcp.tunnel.v1.ListAgentsResponse.agents:type_name -> kcp.tunnel.v1.AgentInfo
-	23, // 1: kcp.tunnel.v1.AgentInfo.connected_since:type_name -> google.protobuf.Timestamp
-	23, // 2: kcp.tunnel.v1.AgentInfo.last_probe:type_name -> google.protobuf.Timestamp
-	24, // 3: kcp.tunnel.v1.AgentInfo.last_probe_rtt:type_name -> google.protobuf.Duration
+	24, // 1: kcp.tunnel.v1.AgentInfo.connected_since:type_name -> google.protobuf.Timestamp
+	24, // 2: kcp.tunnel.v1.AgentInfo.last_probe:type_name -> google.protobuf.Timestamp
+	25, // 3: kcp.tunnel.v1.AgentInfo.last_probe_rtt:type_name -> google.protobuf.Duration
 	5,  // 4: kcp.tunnel.v1.ListTunnelsResponse.tunnels:type_name -> kcp.tunnel.v1.TunnelInfo
 	6,  // 5: kcp.tunnel.v1.TunnelInfo.target:type_name -> kcp.tunnel.v1.Target
-	23, // 6: kcp.tunnel.v1.TunnelInfo.established:type_name -> google.protobuf.Timestamp
-	24, // 7: kcp.tunnel.v1.TunnelInfo.age:type_name -> google.protobuf.Duration
-	24, // 8: kcp.tunnel.v1.TunnelInfo.idle:type_name -> google.protobuf.Duration
+	24, // 6: kcp.tunnel.v1.TunnelInfo.established:type_name -> google.protobuf.Timestamp
+	25, // 7: kcp.tunnel.v1.TunnelInfo.age:type_name -> google.protobuf.Duration
+	25, // 8: kcp.tunnel.v1.TunnelInfo.idle:type_name -> google.protobuf.Duration
 	6,  // 9: kcp.tunnel.v1.DialRequest.target:type_name -> kcp.tunnel.v1.Target
 	9,  // 10: kcp.tunnel.v1.DialResponse.established:type_name -> kcp.tunnel.v1.Established
 	10, // 11: kcp.tunnel.v1.DialResponse.close_write:type_name -> kcp.tunnel.v1.CloseWrite
@@ -1977,26 +2017,27 @@ var file_kcp_tunnel_v1_tunnel_proto_depIdxs = []int32{
 	15, // 18: kcp.tunnel.v1.ConnectResponse.drain:type_name -> kcp.tunnel.v1.Drain
 	14, // 19: kcp.tunnel.v1.ConnectResponse.probe:type_name -> kcp.tunnel.v1.Probe
 	13, // 20: kcp.tunnel.v1.ConnectResponse.replicas:type_name -> kcp.tunnel.v1.Replicas
-	23, // 21: kcp.tunnel.v1.Registered.since:type_name -> google.protobuf.Timestamp
-	24, // 22: kcp.tunnel.v1.Registered.max_connection_age:type_name -> google.protobuf.Duration
+	24, // 21: kcp.tunnel.v1.Registered.since:type_name -> google.protobuf.Timestamp
+	25, // 22: kcp.tunnel.v1.Registered.max_connection_age:type_name -> google.protobuf.Duration
 	6,  // 23: kcp.tunnel.v1.DialOrder.target:type_name -> kcp.tunnel.v1.Target
-	22, // 24: kcp.tunnel.v1.TunnelRequest.open:type_name -> kcp.tunnel.v1.TunnelOpen
-	10, // 25: kcp.tunnel.v1.TunnelResponse.close_write:type_name -> kcp.tunnel.v1.CloseWrite
-	7,  // 26: kcp.tunnel.v1.DialService.Dial:input_type -> kcp.tunnel.v1.DialRequest
-	0,  // 27: kcp.tunnel.v1.AdminService.ListAgents:input_type -> kcp.tunnel.v1.ListAgentsRequest
-	3,  // 28: kcp.tunnel.v1.AdminService.ListTunnels:input_type -> kcp.tunnel.v1.ListTunnelsRequest
-	11, // 29: kcp.tunnel.v1.AgentService.Connect:input_type -> kcp.tunnel.v1.ConnectRequest
-	20, // 30: kcp.tunnel.v1.AgentService.Tunnel:input_type -> kcp.tunnel.v1.TunnelRequest
-	8,  // 31: kcp.tunnel.v1.DialService.Dial:output_type -> kcp.tunnel.v1.DialResponse
-	1,  // 32: kcp.tunnel.v1.AdminService.ListAgents:output_type -> kcp.tunnel.v1.ListAgentsResponse
-	4,  // 33: kcp.tunnel.v1.AdminService.ListTunnels:output_type -> kcp.tunnel.v1.ListTunnelsResponse
-	12, // 34: kcp.tunnel.v1.AgentService.Connect:output_type -> kcp.tunnel.v1.ConnectResponse
-	21, // 35: kcp.tunnel.v1.AgentService.Tunnel:output_type -> kcp.tunnel.v1.TunnelResponse
-	31, // [31:36] is the sub-list for method output_type
-	26, // [26:31] is the sub-list for method input_type
-	26, // [26:26] is the sub-list for extension type_name
-	26, // [26:26] is the sub-list for extension extendee
-	0,  // [0:26] is the sub-list for field type_name
+	23, // 24: kcp.tunnel.v1.DialOrder.trace_context:type_name -> kcp.tunnel.v1.DialOrder.TraceContextEntry
+	22, // 25: kcp.tunnel.v1.TunnelRequest.open:type_name -> kcp.tunnel.v1.TunnelOpen
+	10, // 26: kcp.tunnel.v1.TunnelResponse.close_write:type_name -> kcp.tunnel.v1.CloseWrite
+	7,  // 27: kcp.tunnel.v1.DialService.Dial:input_type -> kcp.tunnel.v1.DialRequest
+	0,  // 28: kcp.tunnel.v1.AdminService.ListAgents:input_type -> kcp.tunnel.v1.ListAgentsRequest
+	3,  // 29: kcp.tunnel.v1.AdminService.ListTunnels:input_type -> kcp.tunnel.v1.ListTunnelsRequest
+	11, // 30: kcp.tunnel.v1.AgentService.Connect:input_type -> kcp.tunnel.v1.ConnectRequest
+	20, // 31: kcp.tunnel.v1.AgentService.Tunnel:input_type -> kcp.tunnel.v1.TunnelRequest
+	8,  // 32: kcp.tunnel.v1.DialService.Dial:output_type -> kcp.tunnel.v1.DialResponse
+	1,  // 33: kcp.tunnel.v1.AdminService.ListAgents:output_type -> kcp.tunnel.v1.ListAgentsResponse
+	4,  // 34: kcp.tunnel.v1.AdminService.ListTunnels:output_type -> kcp.tunnel.v1.ListTunnelsResponse
+	12, // 35: kcp.tunnel.v1.AgentService.Connect:output_type -> kcp.tunnel.v1.ConnectResponse
+	21, // 36: kcp.tunnel.v1.AgentService.Tunnel:output_type -> kcp.tunnel.v1.TunnelResponse
+	32, // [32:37] is the sub-list for method output_type
+	27, // [27:32] is the sub-list for method input_type
+	27, // [27:27] is the sub-list for extension type_name
+	27, // [27:27] is the sub-list for extension extendee
+	0,  // [0:27] is the sub-list for field type_name
 }
 
 func init() { file_kcp_tunnel_v1_tunnel_proto_init() }
@@ -2040,7 +2081,7 @@ func file_kcp_tunnel_v1_tunnel_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kcp_tunnel_v1_tunnel_proto_rawDesc), len(file_kcp_tunnel_v1_tunnel_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   23,
+			NumMessages:   24,
 			NumExtensions: 0,
 			NumServices:   3,
 		},
