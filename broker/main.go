@@ -28,6 +28,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/internal/flagcheck"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	"github.com/kcp-dev/tunnel-broker/internal/ops"
+	"github.com/kcp-dev/tunnel-broker/internal/tracing"
 	"github.com/kcp-dev/tunnel-broker/internal/version"
 )
 
@@ -52,6 +53,12 @@ func run() error {
 	for _, w := range pol.Warnings() {
 		log.Warn("policy rule can never match as written", "policy", o.policyFile, "rule", w)
 	}
+	o.tracing.Service, o.tracing.Version, o.tracing.Log = "tunnel-broker", version.Get().String(), log
+	stopTracing, err := tracing.Setup(o.tracing)
+	if err != nil {
+		return err
+	}
+	defer stopTracing()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	// The health port answers from the start, and through the drain after
@@ -112,6 +119,7 @@ type options struct {
 	metricsPerCluster                    bool
 	identity                             *identity.Options
 	egress                               egressFlags
+	tracing                              tracing.Config
 }
 
 // parseFlags parses args into fs: the broker's options, or a FlagError;
@@ -187,6 +195,7 @@ func (o *options) addFlags(fs *flag.FlagSet) (maxStreams *uint, window *int) {
 	fs.StringVar(&o.opsListen, "metrics-listen", ":9090", "address for /metrics, /healthz and /readyz (empty: off)")
 	fs.BoolVar(&o.metricsPerCluster, "metrics-per-cluster", false, "export kcp_tunnel_broker_agents{cluster}, one series per logical cluster served (a scrape then copies the routing table under its lock)")
 	fs.StringVar(&o.pprof, "pprof-listen", "", "address for /debug/pprof (empty: off; keep it on loopback)")
+	o.tracing.AddFlags(fs)
 	fs.BoolVar(&o.jsonLogs, "log-json", false, "log JSON lines instead of text")
 	fs.BoolVar(&o.verbose, "v", false, "log every tunnel, not only failures")
 	o.identity = identity.AddFlags(fs)

@@ -10,6 +10,7 @@ import (
 	"sync"
 	"time"
 
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/encoding"
 	"google.golang.org/grpc/mem"
@@ -81,13 +82,13 @@ type conn struct {
 // first Write, Read or CloseWrite sends it, and timeout bounds the wait for
 // the broker's answer.
 // timeout is the dial's, of which remaining is left.
-func newConn(stream tunnelv1.DialService_DialClient, cancel context.CancelFunc, target *tunnelv1.Target, timeout, remaining time.Duration) *conn {
+func newConn(stream tunnelv1.DialService_DialClient, cancel context.CancelFunc, target *tunnelv1.Target, timeout, remaining time.Duration, span trace.Span) *conn {
 	c := &conn{
 		stream:     stream,
 		cancel:     cancel,
 		local:      addr("kcp-tunnel-client"),
 		remote:     addr(target.Key()),
-		dial:       dialState{target: target, timeout: timeout, answered: make(chan struct{})},
+		dial:       dialState{target: target, timeout: timeout, answered: make(chan struct{}), span: span},
 		frames:     make(chan *wire.Frame),
 		readDL:     newDeadline(),
 		writeDL:    newDeadline(),

@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/connectivity"
@@ -83,8 +84,10 @@ func (d *Dialer) DialService(ctx context.Context, cluster, namespace, name strin
 	if timeout <= 0 {
 		timeout = DefaultDialTimeout
 	}
-	c, err := d.open(ctx, target, timeout)
+	ctx, span := startDialSpan(ctx, target)
+	c, err := d.open(ctx, target, timeout, span)
 	if err != nil {
+		endDialSpan(span, "", err)
 		// A nil *conn in a net.Conn would not be nil to the caller.
 		return nil, err
 	}
@@ -101,11 +104,11 @@ func (d *Dialer) DialService(ctx context.Context, cluster, namespace, name strin
 // waits for a ready connection to a broker replica, within timeout and ctx:
 // after a broker restart the dial goes out as soon as kcp's connection is
 // back, instead of failing at once while gRPC waits to reconnect.
-func (d *Dialer) open(ctx context.Context, target *tunnelv1.Target, timeout time.Duration) (*conn, error) {
+func (d *Dialer) open(ctx context.Context, target *tunnelv1.Target, timeout time.Duration, span trace.Span) (*conn, error) {
 	start := time.Now()
 	// The stream outlives the dial, so it must not die with ctx; the dial
 	// is bounded by timeout, and a dial that waits also by ctx.
-	streamCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	streamCtx, cancel := context.WithCancel(withTraceContext(context.WithoutCancel(ctx), span))
 	var timedOut atomic.Bool
 	giveUp := time.AfterFunc(timeout, func() { timedOut.Store(true); cancel() })
 	stopWaiting := context.AfterFunc(ctx, cancel)
@@ -117,7 +120,7 @@ func (d *Dialer) open(ctx context.Context, target *tunnelv1.Target, timeout time
 	}
 	switch {
 	case err == nil:
-		return newConn(stream, cancel, target, timeout, timeout-time.Since(start)), nil
+		return newConn(stream, cancel, target, timeout, timeout-time.Since(start), span), nil
 	case (timedOut.Load() || errors.Is(ctx.Err(), context.DeadlineExceeded)) && d.waitedForABroker():
 		// No broker was ready before the dial's timeout or deadline: say
 		// why, in words, from gRPC's last connection error, which its
@@ -169,6 +172,8 @@ type dialState struct {
 	// dial has failed; err is the failure, set before.
 	answered chan struct{}
 	err      error
+	// span is the dial's (trace.go), ended as the dial is answered.
+	span trace.Span
 }
 
 // sendTarget sends the dial's target, with up to wire.MaxEarlyData bytes of
@@ -241,6 +246,7 @@ func (r *receiver) answer(f *wire.Frame) {
 	case err == nil && msg.GetEstablished() != nil:
 		if r.dial.outcome.CompareAndSwap(dialing, dialEstablished) {
 			r.dial.timer.Stop()
+			endDialSpan(r.dial.span, msg.GetEstablished().GetTunnelId(), nil)
 			close(r.dial.answered)
 		}
 		// Otherwise the timeout came first and has cancelled the stream:
@@ -277,5 +283,6 @@ func (d *dialState) unanswered() bool { return !isClosed(d.answered) }
 // fail ends an unanswered dial with err.
 func (d *dialState) fail(err error) {
 	d.err = err
+	endDialSpan(d.span, "", err)
 	close(d.answered)
 }

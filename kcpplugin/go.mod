@@ -4,7 +4,8 @@
 // own; k8s.io/apiserver and client-go v0.31.0 (Kubernetes 1.31, the oldest
 // its API works with) are below kcp v0.28.1's fork of 1.32; everything else
 // is what those require, below kcp v0.28.1's too (x/net v0.30.0 against
-// v0.39.0, OpenTelemetry v1.31.0 against v1.33.0). test/release's
+// v0.39.0, OpenTelemetry v1.31.0 against v1.33.0: kcpplugin uses its API
+// only, for the dial's span, never its SDK). test/release's
 // TestKcppluginRaisesNothingInKcp checks kcp v0.28.1, v0.30.0 and v0.32.3;
 // make release-check builds and runs a consumer on these floors and one on
 // the newest. Do not raise them with go work sync or go get -u: go.work
@@ -15,6 +16,8 @@ go 1.23.0
 
 require (
 	github.com/kcp-dev/tunnel-broker/proto v0.0.0-00010101000000-000000000000
+	go.opentelemetry.io/otel v1.31.0
+	go.opentelemetry.io/otel/trace v1.31.0
 	go.uber.org/goleak v1.3.0
 	golang.org/x/net v0.30.0
 	google.golang.org/grpc v1.69.2
@@ -49,12 +52,10 @@ require (
 	github.com/spf13/pflag v1.0.5 // indirect
 	github.com/x448/float16 v0.8.4 // indirect
 	go.opentelemetry.io/contrib/instrumentation/net/http/otelhttp v0.53.0 // indirect
-	go.opentelemetry.io/otel v1.31.0 // indirect
 	go.opentelemetry.io/otel/exporters/otlp/otlptrace v1.28.0 // indirect
 	go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracegrpc v1.27.0 // indirect
 	go.opentelemetry.io/otel/metric v1.31.0 // indirect
 	go.opentelemetry.io/otel/sdk v1.31.0 // indirect
-	go.opentelemetry.io/otel/trace v1.31.0 // indirect
 	go.opentelemetry.io/proto/otlp v1.3.1 // indirect
 	golang.org/x/oauth2 v0.23.0 // indirect
 	golang.org/x/sys v0.26.0 // indirect

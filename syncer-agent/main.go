@@ -22,6 +22,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/internal/flagcheck"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
 	"github.com/kcp-dev/tunnel-broker/internal/ops"
+	"github.com/kcp-dev/tunnel-broker/internal/tracing"
 	"github.com/kcp-dev/tunnel-broker/internal/version"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 	"github.com/kcp-dev/tunnel-broker/syncer-agent/agent"
@@ -44,6 +45,7 @@ type options struct {
 	jsonLogs, verbose bool
 	showVersion       bool
 	identity          *identity.Options
+	tracing           tracing.Config
 	resolver          *resolverFlags
 }
 
@@ -59,6 +61,7 @@ func addFlags(fs *flag.FlagSet) *options {
 	fs.StringVar(&o.pprofListen, "pprof-listen", "", "address for /debug/pprof (empty: off; keep it on loopback)")
 	fs.StringVar(&o.brokerID, "broker-spiffe-id", "", "SPIFFE ID the broker must present (default: any ID in the agent's trust domain)")
 	fs.StringVar(&o.name, "name", "", "required: name shown in the broker's logs and metrics, e.g. the sync target: a DNS-1123 label")
+	o.tracing.AddFlags(fs)
 	fs.BoolVar(&o.jsonLogs, "log-json", false, "log JSON lines instead of text")
 	fs.BoolVar(&o.verbose, "v", false, "log every tunnel, not only failures")
 	fs.BoolVar(&o.showVersion, "version", false, "print the version and exit")
@@ -132,6 +135,12 @@ func run() error {
 		return nil
 	}
 	log := ops.NewLogger(o.jsonLogs, o.verbose)
+	o.tracing.Service, o.tracing.Version, o.tracing.Log = "syncer-agent", version.Get().String(), log
+	stopTracing, err := tracing.Setup(o.tracing)
+	if err != nil {
+		return err
+	}
+	defer stopTracing()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	// The health port answers from the start, and through the drain after

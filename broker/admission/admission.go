@@ -24,6 +24,7 @@ import (
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -34,6 +35,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/registry"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
 	"github.com/kcp-dev/tunnel-broker/internal/errinfo"
+	"github.com/kcp-dev/tunnel-broker/internal/tracing"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
@@ -148,20 +150,27 @@ type Ticket struct {
 	release func()
 	spliced bool
 	log     *slog.Logger
+	span    trace.Span // the tunnel's (trace.go)
+	err     error      // why the dial failed, for the span
 }
 
 // Hold counts one more tunnel against caller, unless it holds its limit:
 // ResourceExhausted. The front end must Splice a tunnel on the ticket or
-// Release it.
-func (a *Admission) Hold(caller Caller) (*Ticket, error) {
+// Release it. The tunnel's span starts here, a child of the span context
+// the front end found in ctx (the caller's), if any.
+func (a *Admission) Hold(ctx context.Context, caller Caller) (*Ticket, error) {
+	_, span := startTunnelSpan(ctx, caller)
 	release, over := a.callers.Take(caller.ID)
 	if over == quota.Under {
-		return &Ticket{a: a, caller: caller, release: release, log: a.cfg.Log}, nil
+		return &Ticket{a: a, caller: caller, release: release, log: a.cfg.Log, span: span}, nil
 	}
 	metrics.LimitsHit.WithLabelValues("tunnels_per_caller").Inc()
 	metrics.Dials.WithLabelValues(codes.ResourceExhausted.String()).Inc()
-	a.cfg.Log.Warn("dial refused: caller at its tunnel limit", "caller", caller.String(), "frontend", caller.Frontend, "limit", a.callers.PerID)
-	return nil, status.Errorf(codes.ResourceExhausted, "%s already holds %d tunnels, the most a caller may", caller, a.callers.PerID)
+	a.cfg.Log.Warn("dial refused: caller at its tunnel limit", append([]any{"caller", caller.String(), "frontend", caller.Frontend, "limit", a.callers.PerID},
+		tracing.LogAttrs(span)...)...)
+	err := status.Errorf(codes.ResourceExhausted, "%s already holds %d tunnels, the most a caller may", caller, a.callers.PerID)
+	tracing.End(span, err)
+	return nil, err
 }
 
 // Release gives the ticket back unless a tunnel was spliced on it, whose
@@ -169,36 +178,62 @@ func (a *Admission) Hold(caller Caller) (*Ticket, error) {
 func (tk *Ticket) Release() {
 	if !tk.spliced {
 		tk.release()
+		tracing.End(tk.span, tk.err)
 	}
+}
+
+// TraceID is the trace of the tunnel's span, "" when it has none (no
+// trace from the caller and tracing off).
+func (tk *Ticket) TraceID() string {
+	if sc := tk.span.SpanContext(); sc.IsValid() {
+		return sc.TraceID().String()
+	}
+	return ""
 }
 
 // Dial checks a dial's target and early data (check), and orders an agent
 // to connect to it within ctx and the dial timeout. The tunnel it returns
 // must be spliced (Splice) or ended (tunnel.End).
-func (tk *Ticket) Dial(ctx context.Context, target *tunnelv1.Target, earlyData []byte) (*tunnel.Tunnel, error) {
+func (tk *Ticket) Dial(ctx context.Context, target *tunnelv1.Target, earlyData []byte) (t *tunnel.Tunnel, err error) {
 	tk.a.dialing.Add(1)
 	defer tk.a.dialing.Add(-1)
-	if err := tk.check(target, len(earlyData)); err != nil {
-		return nil, err
-	}
-	log := tk.a.cfg.Log.With("cluster", target.GetCluster(), "namespace", target.GetNamespace(), "service", target.GetService(),
-		"ip", target.GetIp(), "port", target.GetPort(), "caller", tk.caller.String(), "frontend", tk.caller.Frontend)
-	releaseEarly, err := tk.HoldEarlyData(len(earlyData))
+	defer func() { tk.err = err }()
+	ctx = trace.ContextWithSpan(ctx, tk.span)
+	releaseEarly, err := tk.admit(ctx, target, len(earlyData))
 	if err != nil {
 		return nil, err
 	}
 	defer releaseEarly()
+	tk.span.SetAttributes(tracing.TargetAttrs(target)...)
+	log := tk.a.cfg.Log.With(append([]any{"cluster", target.GetCluster(), "namespace", target.GetNamespace(), "service", target.GetService(),
+		"ip", target.GetIp(), "port", target.GetPort(), "caller", tk.caller.String(), "frontend", tk.caller.Frontend},
+		tracing.LogAttrs(tk.span)...)...)
 	ctx, cancel := context.WithTimeout(ctx, tk.a.cfg.Timeout)
 	defer cancel()
+	ctx, span := tracing.Tracer().Start(ctx, spanDial)
 	t, took, failure, err := tk.a.dial(ctx, target, earlyData)
 	if err != nil {
+		tracing.End(span, err)
 		log.Info("dial failed", failure...)
 		return nil, err
 	}
-	t.Caller, t.CallerID, t.Established = tk.caller.String(), tk.caller.ID, time.Now()
+	tracing.End(span, nil, tracing.TunnelID.String(t.ID), tracing.Agent.String(t.Agent.String()))
+	tk.span.SetAttributes(tracing.TunnelID.String(t.ID), tracing.Agent.String(t.Agent.String()))
+	t.Caller, t.CallerID, t.Established, t.TraceID = tk.caller.String(), tk.caller.ID, time.Now(), tk.TraceID()
 	tk.log = log.With("tunnel", t.ID, "agent", t.Agent.String())
 	tk.log.Debug("tunnel established", "took", took)
 	return t, nil
+}
+
+// admit is the admission span: the dial's checks (check), and its early
+// data held against its bounds (HoldEarlyData).
+func (tk *Ticket) admit(ctx context.Context, target *tunnelv1.Target, earlyData int) (releaseEarly func(), err error) {
+	_, span := tracing.Tracer().Start(ctx, spanAdmission)
+	defer func() { tracing.End(span, err) }()
+	if err := tk.check(target, earlyData); err != nil {
+		return nil, err
+	}
+	return tk.HoldEarlyData(earlyData)
 }
 
 // dial is tunnel.Dial, counted in the dial metrics, with the limit that
@@ -303,6 +338,9 @@ func (tk *Ticket) Splice(t *tunnel.Tunnel, caller tunnel.Leg, kind string) error
 	}
 	callerStatus, agentStatus := t.Splice(caller, a.cfg.Tunnels, released)
 	a.audit(t, tk.caller.Frontend, callerStatus)
+	up, down := t.Bytes()
+	tracing.End(tk.span, callerStatus, tracing.AgentCode.Int64(int64(status.Code(agentStatus))),
+		tracing.BytesUp.Int64(up), tracing.BytesDown.Int64(down))
 	if agentStatus != nil {
 		tk.log.Info("tunnel ended", "caller_code", status.Code(callerStatus).String(),
 			"agent_code", status.Code(agentStatus).String(), "error", status.Convert(agentStatus).Message())

@@ -39,14 +39,14 @@ func newDoor(t *testing.T, cfg admission.Config) *admission.Admission {
 
 func TestOneQuotaCountsACallersTunnelsWhicheverFrontEndTheyComeThrough(t *testing.T) {
 	door := newDoor(t, admission.Config{MaxTunnelsPerCaller: 2})
-	dial, err := door.Hold(admission.Caller{ID: kcp, Frontend: "Dial"})
+	dial, err := door.Hold(t.Context(), admission.Caller{ID: kcp, Frontend: "Dial"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := door.Hold(admission.Caller{ID: kcp, Frontend: "CONNECT", Authorized: true}); err != nil {
+	if _, err := door.Hold(t.Context(), admission.Caller{ID: kcp, Frontend: "CONNECT", Authorized: true}); err != nil {
 		t.Fatal(err)
 	}
-	_, err = door.Hold(admission.Caller{ID: kcp, Frontend: "Dial"})
+	_, err = door.Hold(t.Context(), admission.Caller{ID: kcp, Frontend: "Dial"})
 	testutil.CheckStatus(t, "a third tunnel", err, codes.ResourceExhausted, "already holds 2 tunnels")
 	// A ticket given back, twice even, counts once.
 	dial.Release()
@@ -59,7 +59,7 @@ func TestOneQuotaCountsACallersTunnelsWhicheverFrontEndTheyComeThrough(t *testin
 func TestADialIsCheckedBeforeItIsOrdered(t *testing.T) {
 	draining, drain := context.WithCancel(context.Background())
 	door := newDoor(t, admission.Config{Draining: draining})
-	ticket, err := door.Hold(admission.Caller{ID: kcp, Frontend: "Dial"})
+	ticket, err := door.Hold(t.Context(), admission.Caller{ID: kcp, Frontend: "Dial"})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -43,5 +43,6 @@ func (a *Admission) audit(t *tunnel.Tunnel, frontend string, callerStatus error)
 		slog.Int64("bytes_up", up),
 		slog.Int64("bytes_down", down),
 		slog.String("code", status.Code(callerStatus).String()),
+		slog.String("trace_id", t.TraceID),
 	))
 }

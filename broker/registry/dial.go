@@ -7,9 +7,11 @@ import (
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/kcp-dev/tunnel-broker/internal/tracing"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -95,9 +97,12 @@ func (r *Registry) dialOnce(ctx context.Context, target *tunnelv1.Target, earlyD
 		return nil, err
 	}
 	defer r.answered(p)
-	order := &tunnelv1.DialOrder{DialId: p.id, Target: target, TimeoutMs: remainingMS(ctx), EarlyData: earlyData}
+	order := &tunnelv1.DialOrder{DialId: p.id, Target: target, TimeoutMs: remainingMS(ctx), EarlyData: earlyData,
+		TraceContext: tracing.Fields(ctx)}
 	select {
 	case p.agent.orders <- order:
+		trace.SpanFromContext(ctx).AddEvent("order sent", trace.WithAttributes(
+			tracing.Agent.String(p.agent.String()), tracing.TunnelID.String(tunnelID(p.id))))
 	case <-p.agent.gone:
 		return r.giveUp(p, agentGone(p))
 	case <-ctx.Done():

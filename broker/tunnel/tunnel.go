@@ -51,6 +51,8 @@ type Tunnel struct {
 	Caller      string
 	CallerID    spiffeid.ID
 	Established time.Time
+	// TraceID is the trace of the tunnel's spans, "" if it has none.
+	TraceID string
 
 	claim   *registry.Claim
 	agent   *splice.ServerStreamLeg

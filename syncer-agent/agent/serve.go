@@ -13,11 +13,15 @@ import (
 	"syscall"
 	"time"
 
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/kcp-dev/tunnel-broker/internal/errinfo"
 	"github.com/kcp-dev/tunnel-broker/internal/redact"
 	"github.com/kcp-dev/tunnel-broker/internal/splice"
+	"github.com/kcp-dev/tunnel-broker/internal/tracing"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
@@ -42,26 +46,34 @@ const maxFailureMessage = 256
 // under the tunnel id, which the broker's log and the caller's message name
 // too.
 func (a *Agent) open(ctx context.Context, client tunnelv1.AgentServiceClient, order *tunnelv1.DialOrder, fail func(*tunnelv1.DialFailure)) (run func()) {
-	d := a.newDialed(order)
-	d.report = func(code codes.Code, message string, earlySent bool) {
-		fail(&tunnelv1.DialFailure{DialId: d.id, Code: int32(code), Message: redacted(message),
+	ctx, span := startOrderSpan(ctx, order)
+	d := a.newDialed(order, span)
+	d.report = func(code codes.Code, reason, message string, earlySent bool) {
+		fail(&tunnelv1.DialFailure{DialId: d.id, Code: int32(code), Reason: reason, Message: redacted(message),
 			EarlyDataSent: earlySent && len(d.early) > 0})
 	}
 	if err := a.dialTarget(ctx, d, order); err != nil {
-		d.report(err.code, err.message, false)
+		d.report(err.code, err.reason, err.message, false)
+		tracing.End(span, status.Error(err.code, err.message))
 		return nil
 	}
-	return openStream(ctx, client, d, a.stalledWriteTimeout())
+	run = openStream(ctx, client, d, a.stalledWriteTimeout())
+	if run == nil {
+		tracing.End(span, status.Error(codes.Unavailable, "the agent could not open a tunnel to the broker"))
+		return nil
+	}
+	tracing.End(span, nil)
+	return run
 }
 
 // newDialed is the dial of order before it connects, with a log that
-// names its tunnel id and target.
-func (a *Agent) newDialed(order *tunnelv1.DialOrder) *dialed {
+// names its tunnel id, target and trace.
+func (a *Agent) newDialed(order *tunnelv1.DialOrder, span trace.Span) *dialed {
 	t := order.GetTarget()
 	return &dialed{
 		id: order.GetDialId(),
-		log: a.Log.With("tunnel", fmt.Sprintf("%016x", order.GetDialId()), "cluster", t.GetCluster(), "namespace", t.GetNamespace(),
-			"service", t.GetService(), "port", t.GetPort()),
+		log: a.Log.With(append([]any{"tunnel", tunnelID(order.GetDialId()), "cluster", t.GetCluster(), "namespace", t.GetNamespace(),
+			"service", t.GetService(), "port", t.GetPort()}, tracing.LogAttrs(span)...)...),
 		early: order.GetEarlyData(),
 	}
 }
@@ -80,6 +92,10 @@ func (a *Agent) dialTarget(ctx context.Context, d *dialed, order *tunnelv1.DialO
 	return nil
 }
 
+// tunnelID is the name of the tunnel of a dial, as the broker's log, its
+// listing and the caller's errors give it.
+func tunnelID(dialID uint64) string { return fmt.Sprintf("%016x", dialID) }
+
 // redacted is a failure's message as the broker gets it: its callers see
 // no more of it, and nothing of the addresses behind the agent.
 func redacted(message string) string { return redact.Text(message, maxFailureMessage) }
@@ -93,7 +109,7 @@ type dialed struct {
 	log    *slog.Logger
 	// report fails the dial; earlySent says that the early data, if any,
 	// may have reached the target.
-	report func(code codes.Code, message string, earlySent bool)
+	report func(code codes.Code, reason, message string, earlySent bool)
 }
 
 // openStream carries a dial on a Tunnel stream of its own: it opens the
@@ -109,7 +125,7 @@ func openStream(ctx context.Context, client tunnelv1.AgentServiceClient, d *dial
 		cancel()
 		d.target.Close()
 		d.log.Info("could not open tunnel", "error", err)
-		d.report(codes.Unavailable, "the agent could not open a tunnel to the broker", false)
+		d.report(codes.Unavailable, "", "the agent could not open a tunnel to the broker", false)
 		return nil
 	}
 	d.log.Debug("tunnel open", "target", d.target.RemoteAddr().String())
@@ -123,7 +139,7 @@ func openStream(ctx context.Context, client tunnelv1.AgentServiceClient, d *dial
 			// once) may end before the broker read the open, and the dial
 			// would wait there for its timeout. Fail it; the broker ignores
 			// a failure for a dial it already claimed.
-			d.report(codes.Unavailable, "the tunnel failed as it opened: "+reason(failed.Err), true)
+			d.report(codes.Unavailable, "", "the tunnel failed as it opened: "+reason(failed.Err), true)
 		}
 	}
 }
@@ -168,12 +184,14 @@ func carry(ctx context.Context, d *dialed, stream tunnelv1.AgentService_TunnelCl
 	return failed
 }
 
-// dialError is why the agent could not connect: a code and message for the
-// broker and the caller, and the detail for the agent's log.
+// dialError is why the agent could not connect: a code, reason (package
+// errinfo's, or none) and message for the broker and the caller, and the
+// detail for the agent's log.
 type dialError struct {
 	code    codes.Code
 	message string
 	detail  error
+	reason  string
 }
 
 // connect dials the addresses the resolver returns, in order, until one
@@ -181,7 +199,7 @@ type dialError struct {
 func (a *Agent) connect(ctx context.Context, order *tunnelv1.DialOrder) (*net.TCPConn, *dialError) {
 	t := order.GetTarget()
 	if err := t.Validate(); err != nil {
-		return nil, &dialError{codes.InvalidArgument, err.Error(), err}
+		return nil, &dialError{code: codes.InvalidArgument, message: err.Error(), detail: err}
 	}
 	svc := fmt.Sprintf("Service %s/%s port %d", t.GetNamespace(), t.GetService(), t.GetPort())
 	if t.GetIp() != "" {
@@ -193,22 +211,64 @@ func (a *Agent) connect(ctx context.Context, order *tunnelv1.DialOrder) (*net.TC
 	}
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	addrs, err := a.Resolver.Resolve(ctx, t)
+	addrs, err := a.lookup(ctx, t)
 	if err != nil {
 		// The resolver speaks of Services and namespaces; what else it
 		// says (a refused endpoint's address) is redacted by report.
 		st := status.Convert(err)
-		return nil, &dialError{st.Code(), st.Message(), err}
+		return nil, &dialError{code: st.Code(), message: st.Message(), detail: err, reason: errinfo.Of(err)}
 	}
 	if len(addrs) == 0 {
 		msg := svc + " has no endpoints"
-		return nil, &dialError{codes.Unavailable, msg, errors.New(msg)}
+		return nil, &dialError{code: codes.Unavailable, message: msg, detail: errors.New(msg), reason: errinfo.NoEndpoints}
 	}
+	conn, errs := dialEndpoints(ctx, addrs)
+	if conn != nil {
+		return conn, nil
+	}
+	detail := errors.Join(errs...)
+	// The poller's deadline for a connect is ctx's, and may fire before
+	// ctx's own timer does: an i/o timeout is the same timeout.
+	if ctx.Err() != nil || errors.Is(detail, os.ErrDeadlineExceeded) {
+		return nil, &dialError{code: codes.DeadlineExceeded, message: fmt.Sprintf("connecting to %s timed out after %v", svc, timeout), detail: detail}
+	}
+	var reasons []string
+	refused := true // by every endpoint tried
+	for _, err := range errs {
+		if r := reason(err); !slices.Contains(reasons, r) {
+			reasons = append(reasons, r)
+		}
+		refused = refused && errors.Is(err, syscall.ECONNREFUSED)
+	}
+	if len(addrs) > 1 {
+		svc = fmt.Sprintf("%s (%d endpoints)", svc, len(addrs))
+	}
+	why := errinfo.TargetUnreachable
+	if refused {
+		why = errinfo.TargetRefused
+	}
+	return nil, &dialError{code: codes.Unavailable, message: fmt.Sprintf("connecting to %s: %s", svc, strings.Join(reasons, ", ")), detail: detail, reason: why}
+}
+
+// lookup is the resolver's answer for t, in a span of its own.
+func (a *Agent) lookup(ctx context.Context, t *tunnelv1.Target) ([]string, error) {
+	ctx, span := tracing.Tracer().Start(ctx, spanLookup)
+	addrs, err := a.Resolver.Resolve(ctx, t)
+	tracing.End(span, err, tracing.Endpoints.Int(len(addrs)))
+	return addrs, err
+}
+
+// dialEndpoints connects to the first of addrs that accepts, in order, in
+// a span of its own; or returns why each it tried did not.
+func dialEndpoints(ctx context.Context, addrs []string) (*net.TCPConn, []error) {
+	ctx, span := tracing.Tracer().Start(ctx, spanConnect, trace.WithSpanKind(trace.SpanKindClient))
 	var errs []error
 	var d net.Dialer
 	for _, addr := range addrs {
 		c, err := d.DialContext(ctx, "tcp", addr)
 		if err == nil {
+			span.SetAttributes(attribute.Int("tunnel.endpoints_tried", len(errs)+1))
+			tracing.End(span, nil)
 			return c.(*net.TCPConn), nil
 		}
 		errs = append(errs, err)
@@ -216,22 +276,10 @@ func (a *Agent) connect(ctx context.Context, order *tunnelv1.DialOrder) (*net.TC
 			break
 		}
 	}
-	detail := errors.Join(errs...)
-	// The poller's deadline for a connect is ctx's, and may fire before
-	// ctx's own timer does: an i/o timeout is the same timeout.
-	if ctx.Err() != nil || errors.Is(detail, os.ErrDeadlineExceeded) {
-		return nil, &dialError{codes.DeadlineExceeded, fmt.Sprintf("connecting to %s timed out after %v", svc, timeout), detail}
-	}
-	var reasons []string
-	for _, err := range errs {
-		if r := reason(err); !slices.Contains(reasons, r) {
-			reasons = append(reasons, r)
-		}
-	}
-	if len(addrs) > 1 {
-		svc = fmt.Sprintf("%s (%d endpoints)", svc, len(addrs))
-	}
-	return nil, &dialError{codes.Unavailable, fmt.Sprintf("connecting to %s: %s", svc, strings.Join(reasons, ", ")), detail}
+	// The span says why in words; the addresses stay in the log.
+	span.SetAttributes(attribute.Int("tunnel.endpoints_tried", len(errs)))
+	tracing.End(span, status.Error(codes.Unavailable, reason(errors.Join(errs...))))
+	return nil, errs
 }
 
 // reason says in words why a connection failed, without the addresses

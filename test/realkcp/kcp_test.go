@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"maps"
 	"net"
+	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -75,6 +76,10 @@ type server struct {
 	brokerAddr  string
 	brokerStops int
 
+	// otlp receives the spans of kcp (--tracing-config-file), the brokers
+	// and the agents.
+	otlp *harness.OTLPReceiver
+
 	// physical is a real kube-apiserver (and etcd): the service cluster
 	// of the provider test, read by its agent; admin writes into it.
 	physical *harness.KubeCluster
@@ -103,7 +108,7 @@ func startServer(t *harness.Main) *server {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := &server{env: env, vip: harness.StartServiceVIP(t), ca: ca, policy: harness.DefaultPolicy()}
+	s := &server{env: env, vip: harness.StartServiceVIP(t), ca: ca, policy: harness.DefaultPolicy(), otlp: harness.StartOTLPReceiver(t)}
 	s.broker = s.vip.Addr
 	s.restartBroker()
 
@@ -127,7 +132,8 @@ func startServer(t *harness.Main) *server {
 		// The physical cluster's etcd has 2379 and 2380.
 		"--embedded-etcd-client-port", "2381", "--embedded-etcd-peer-port", "2382",
 		"--tunnel-broker", s.broker, "--tunnel-broker-spiffe-id", harness.ID("/broker").String(),
-		"--tunnel-svid-cert", s.svid.Cert, "--tunnel-svid-key", s.svid.Key, "--tunnel-trust-bundle", s.svid.Bundle)
+		"--tunnel-svid-cert", s.svid.Cert, "--tunnel-svid-key", s.svid.Key, "--tunnel-trust-bundle", s.svid.Bundle,
+		"--tracing-config-file", s.writeTracingConfig(t, dir))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -169,6 +175,20 @@ func startServer(t *harness.Main) *server {
 	return s
 }
 
+// writeTracingConfig writes kcp's tracing configuration, as
+// kube-apiserver's --tracing-config-file takes it: spans to s.otlp, every
+// request sampled. kcp takes no trace from its clients (a request's
+// traceparent is only a link of kcp's own root span), so only a rate of a
+// million per million makes sure the call that dials a tunnel is traced.
+func (s *server) writeTracingConfig(t harness.T, dir string) string {
+	path := filepath.Join(dir, "tracing.yaml")
+	config := fmt.Sprintf("apiVersion: apiserver.config.k8s.io/v1beta1\nkind: TracingConfiguration\nendpoint: %s\nsamplingRatePerMillion: 1000000\n", s.otlp.Addr)
+	if err := os.WriteFile(path, []byte(config), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
 // writeKCPSVID writes kcp's SVID files, valid until notAfter.
 func (s *server) writeKCPSVID(t harness.T, notAfter time.Time) devca.Files {
 	f, err := s.env.CA.WriteSVID(filepath.Join(s.env.Dir, "kcp-svid"), devca.Leaf{SPIFFEID: "/kcp", NotAfter: notAfter})
@@ -200,7 +220,7 @@ func (s *server) bind(name, cluster string) {
 // not needed yet.
 func (s *server) restartBroker() {
 	policyFile := harness.WriteShared(s.env.T, s.env.T.TempDir(), "policy.yaml", s.policy)
-	proc, addr := s.env.StartBrokerProcess("--policy", policyFile)
+	proc, addr := s.env.StartBrokerProcess("--policy", policyFile, "--otlp-endpoint", s.otlp.Endpoint)
 	old := s.brokerProc
 	s.brokerProc, s.brokerAddr = proc, addr
 	s.vip.SetEndpoints(addr)
@@ -305,7 +325,7 @@ func (s *server) agent(t *testing.T, name, cluster, addr string) *harness.Proces
 	t.Helper()
 	s.bind(name, cluster)
 	env := &harness.Env{T: t, Dir: t.TempDir(), CA: s.env.CA}
-	return env.StartAgentProcess(s.broker, "/agent/"+name, lookupFile(cluster, map[string]string{"webhook": addr}))
+	return env.StartAgentProcess(s.broker, "/agent/"+name, lookupFile(cluster, map[string]string{"webhook": addr}), "--otlp-endpoint", s.otlp.Endpoint)
 }
 
 // lookupFile is an agent's services file: port 443 of each Service of

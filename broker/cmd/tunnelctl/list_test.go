@@ -98,7 +98,7 @@ func TestTunnelsSaysWhenTheLimitCutTheList(t *testing.T) {
 	} {
 		f := &fakeAdmin{tunnels: tc.open}
 		var out bytes.Buffer
-		if err := listTunnels(t.Context(), serveFake(t, f), &tunnelv1.ListTunnelsRequest{}, tc.limit, &out); err != nil {
+		if err := listTunnels(t.Context(), serveFake(t, f), &tunnelv1.ListTunnelsRequest{}, tc.limit, false, &out); err != nil {
 			t.Fatal(err)
 		}
 		lines := strings.Split(strings.TrimSuffix(out.String(), "\n"), "\n")

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"flag"
 	"fmt"
@@ -21,13 +22,14 @@ func tunnels(fs *flag.FlagSet) func([]string) (runner, error) {
 	cluster := fs.String("cluster", "", "only tunnels to this logical cluster (its name, not a path)")
 	caller := fs.String("caller", "", "only tunnels of this caller SPIFFE ID")
 	limit := fs.Int("limit", 10000, "print at most this many tunnels, the first by tunnel id; the header says when more are open")
+	traces := fs.Bool("trace-ids", false, "add a TRACE column: the OpenTelemetry trace of each tunnel (- when it has none)")
 	return func([]string) (runner, error) {
 		if err := flagcheck.Check(fs, "limit"); err != nil {
 			return nil, err
 		}
 		req := &tunnelv1.ListTunnelsRequest{Cluster: *cluster, CallerSpiffeId: *caller}
 		return func(ctx context.Context, conn *grpc.ClientConn) error {
-			return listTunnels(ctx, conn, req, *limit, os.Stdout)
+			return listTunnels(ctx, conn, req, *limit, *traces, os.Stdout)
 		}, nil
 	}
 }
@@ -37,8 +39,8 @@ const maxPageSize = 1000
 
 // listTunnels prints the tunnels req selects, at most limit of them,
 // reading the listing a page at a time; its header says when the limit cut
-// the list.
-func listTunnels(ctx context.Context, conn *grpc.ClientConn, req *tunnelv1.ListTunnelsRequest, limit int, out io.Writer) error {
+// the list. traces adds each tunnel's trace id.
+func listTunnels(ctx context.Context, conn *grpc.ClientConn, req *tunnelv1.ListTunnelsRequest, limit int, traces bool, out io.Writer) error {
 	client := tunnelv1.NewAdminServiceClient(conn)
 	var listed []*tunnelv1.TunnelInfo
 	var replica string
@@ -62,13 +64,21 @@ func listTunnels(ctx context.Context, conn *grpc.ClientConn, req *tunnelv1.ListT
 	}
 	fmt.Fprintln(out, header)
 	w := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(w, "TUNNEL\tCALLER\tTARGET\tAGENT\tAGE\tUP\tDOWN\tIDLE")
+	columns := "TUNNEL\tCALLER\tTARGET\tAGENT\tAGE\tUP\tDOWN\tIDLE"
+	if traces {
+		columns += "\tTRACE"
+	}
+	fmt.Fprintln(w, columns)
 	for _, t := range listed {
 		tg := t.GetTarget()
-		fmt.Fprintf(w, "%s\t%s\t%s/%s/%s:%d\t%s\t%s\t%d\t%d\t%s\n", t.GetTunnelId(), t.GetCallerSpiffeId(),
+		fmt.Fprintf(w, "%s\t%s\t%s/%s/%s:%d\t%s\t%s\t%d\t%d\t%s", t.GetTunnelId(), t.GetCallerSpiffeId(),
 			tg.GetCluster(), tg.GetNamespace(), tg.GetService(), tg.GetPort(), t.GetAgentName(),
 			t.GetAge().AsDuration().Round(time.Second), t.GetBytesUp(), t.GetBytesDown(),
 			t.GetIdle().AsDuration().Round(time.Second))
+		if traces {
+			fmt.Fprintf(w, "\t%s", cmp.Or(t.GetTraceId(), "-"))
+		}
+		fmt.Fprintln(w)
 	}
 	return w.Flush()
 }

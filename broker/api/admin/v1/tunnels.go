@@ -46,6 +46,7 @@ func (s *Service) ListTunnels(_ context.Context, req *tunnelv1.ListTunnelsReques
 			BytesUp:        uint64(t.BytesUp),
 			BytesDown:      uint64(t.BytesDown),
 			Idle:           durationpb.New(t.Idle),
+			TraceId:        t.TraceID,
 		})
 	}
 	if more {

@@ -16,6 +16,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/internal/receive"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
 	"github.com/kcp-dev/tunnel-broker/internal/identity"
+	"github.com/kcp-dev/tunnel-broker/internal/tracing"
 	tunnelv1 "github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1"
 )
 
@@ -52,7 +53,8 @@ func (s *Service) Dial(stream tunnelv1.DialService_DialServer) error {
 	caller, _ := identity.PeerID(stream.Context())
 	// A dial counts against its caller's tunnels from its stream's start,
 	// so that dials that have not named their target yet count too.
-	ticket, err := s.cfg.Admission.Hold(admission.Caller{ID: caller, Frontend: Frontend})
+	// The caller's trace context rides in the stream's metadata.
+	ticket, err := s.cfg.Admission.Hold(tracing.FromMetadata(stream.Context()), admission.Caller{ID: caller, Frontend: Frontend})
 	if err != nil {
 		return err
 	}

@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"time"
 
+	"go.opentelemetry.io/otel/propagation"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -17,6 +18,7 @@ import (
 	"github.com/kcp-dev/tunnel-broker/broker/metrics"
 	"github.com/kcp-dev/tunnel-broker/broker/tunnel"
 	"github.com/kcp-dev/tunnel-broker/internal/splice"
+	"github.com/kcp-dev/tunnel-broker/internal/tracing"
 )
 
 // refusal is a CONNECT answered without a tunnel.
@@ -92,7 +94,9 @@ func (s *Server) open(conn net.Conn, who caller, deadline time.Time) (*tunnel.Tu
 	if err != nil {
 		return nil, nil, nil, refuse(http.StatusBadRequest, err.Error())
 	}
-	ticket, err := s.cfg.Admission.Hold(who.admitted())
+	// kube-apiserver sends no trace context with its CONNECT; another
+	// client may, in the request's traceparent header.
+	ticket, err := s.cfg.Admission.Hold(tracing.FromFields(context.Background(), propagation.HeaderCarrier(req.Header)), who.admitted())
 	if err != nil {
 		return nil, nil, nil, refuse(httpStatus(status.Code(err)), status.Convert(err).Message())
 	}

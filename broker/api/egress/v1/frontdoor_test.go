@@ -51,7 +51,7 @@ func TestAConnectTunnelIsListedAuditedAndCountsInItsCallersOneQuota(t *testing.T
 
 	// The caller holds its one tunnel: a Dial of the same identity is
 	// refused, as is a second CONNECT.
-	if _, err := door.Hold(admission.Caller{ID: caller, Frontend: "Dial"}); status.Code(err) != codes.ResourceExhausted {
+	if _, err := door.Hold(t.Context(), admission.Caller{ID: caller, Frontend: "Dial"}); status.Code(err) != codes.ResourceExhausted {
 		t.Errorf("a Dial beside the CONNECT tunnel: %v, want ResourceExhausted", err)
 	}
 	_, r2 := f.connect(t, apiServerPath, connectTo("10.96.0.10:443"))

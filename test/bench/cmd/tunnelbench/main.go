@@ -53,6 +53,7 @@ type config struct {
 	peerBin      string        // if set, also measure the remotedialer peer (peer.go) with this binary
 	timeout      time.Duration // bound of one bulk transfer
 	hopDelay     time.Duration // if > 0, every hop of every path is delayed this much each way (delayrelay.go)
+	trace        bool          // kcpplugin, the broker and the agent send every dial's spans to a receiver (tracing.go)
 
 	// The hostile phase (hostile.go).
 	hostileStreams int
@@ -125,6 +126,7 @@ func parseFlags() (config, time.Duration) {
 	flag.StringVar(&cfg.peerBin, "peer-remotedialer", "", "if set, the remotedialer-peer binary (test/bench/peers/remotedialer/build.sh prints its path): also measure rancher's remotedialer as a peer in the throughput, latency, rps, dial, isolation, webhook and idle phases, as peer_remotedialer_* rows")
 	flag.DurationVar(&cfg.timeout, "timeout", 3*time.Minute, "bound of one bulk transfer")
 	flag.DurationVar(&cfg.hopDelay, "hop-delay", 0, "if > 0, every connection between two processes of every path crosses a relay (a child process) that holds each chunk of bytes this long each way, as a network would, e.g. 250us; leaves out the phases "+strings.Join(undelayedPhases, ", ")+" (0: off)")
+	flag.BoolVar(&cfg.trace, "trace", false, "trace every dial: kcpplugin (a root span per dial), the broker and the agent send their spans by OTLP to a receiver in this process, as a traced kcp and tunnel would (off: tracing off, the default)")
 	flag.IntVar(&cfg.hostileStreams, "hostile-streams", 1000, "hostile phase: streams one identity opens and never finishes, per case")
 	hostileMessage := flag.String("hostile-message", "32KiB", "hostile phase: the size the first message announces (the broker's --max-message-size makes it maximal)")
 	flag.IntVar(&cfg.hostileFrame, "hostile-frame", 16384, "hostile phase: bytes per HTTP/2 DATA frame (1 is the costliest for the broker)")

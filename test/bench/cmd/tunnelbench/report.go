@@ -120,6 +120,7 @@ func (rep *report) header(r *runner) {
 	if c.hopDelay > 0 {
 		hopDelay = "on," + c.hopDelay.String()
 	}
+	rep.note("trace=%v: kcpplugin, the broker and the agent send every dial's spans by OTLP to a receiver in this process (off: tracing off, as by default)", c.trace)
 	rep.note("config: hop-delay=%s size=%s duration=%v conns=%d dials=%d paced-dials=%d paced-pause=%v idle=%v flood=%s webhook-conns=%d phases=%s relay=%v peer-remotedialer=%v hostile-streams=%d hostile-message=%d hostile-frame=%d hostile-pad=%d hostile-tunnels=%d",
 		hopDelay, bytesString(c.size), c.duration, c.conns, c.dials, c.pacedDials, c.pacedPause, c.idle, bytesString(c.flood), c.webhookConns, strings.Join(c.phases, ","), r.relay != nil, c.peerBin != "",
 		c.hostileStreams, c.hostileMessage, c.hostileFrame, c.hostilePad, c.hostileTunnels)
@@ -132,6 +133,9 @@ func (rep *report) footer(r *runner) {
 	rep.note("load at end: %s", loadAvg())
 	if r.hops != nil {
 		rep.note("hop relays: %v of CPU over the run, in no figure", r.hops.cpu().Round(time.Millisecond))
+	}
+	if r.cfg.trace {
+		rep.note("%s", r.spansReceived())
 	}
 	rep.note("took %v", time.Since(r.started).Round(time.Second))
 }

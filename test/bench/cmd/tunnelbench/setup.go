@@ -65,7 +65,9 @@ type runner struct {
 
 	// pprof is whether the binaries have --pprof-listen.
 	pprof bool
-	main  *pair
+	// otlp receives every process's spans, with -trace (tracing.go).
+	otlp *harness.OTLPReceiver
+	main *pair
 
 	closeOnce sync.Once
 }
@@ -162,6 +164,13 @@ func (r *runner) startPair() *pair {
 		p.brokerPprof, p.agentPprof = harness.FreeAddr(r.m), harness.FreeAddr(r.m)
 		brokerExtra = []string{"--pprof-listen", p.brokerPprof}
 		agentExtra = []string{"--pprof-listen", p.agentPprof}
+	}
+	if r.cfg.trace {
+		if r.otlp == nil {
+			r.otlp = r.startTracing()
+		}
+		flags := []string{"--otlp-endpoint", r.otlp.Endpoint}
+		brokerExtra, agentExtra = append(brokerExtra, flags...), append(agentExtra, flags...)
 	}
 	var egress []string
 	p.egressSocket, egress = egressFlags(harness.Binaries(r.m), r.env.Dir)
