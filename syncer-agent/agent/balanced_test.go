@@ -67,12 +67,13 @@ func TestAFleetBehindABalancerThatPinsItSaysSo(t *testing.T) {
 	testutil.Eventually(t, "the fleet to say the balancer may pin it", func() bool {
 		return strings.Contains(logs.String(), "connections in a row reached broker replicas this agent holds already: does the load balancer pin a client to one replica")
 	})
-	if held, known := f.Registered(); held != 1 || known != 2 {
-		t.Errorf("registered with %d of %d replicas, want 1 of 2", held, known)
-	}
-	if err := f.NotReady(); err == nil || !strings.Contains(err.Error(), "registered with 1 of the 2 broker replicas behind tunnel.example.org:8443") {
-		t.Errorf("readiness: %v, want it to say 1 of the 2", err)
-	}
+	// The registration and the count it is measured against may still be
+	// settling when the warning is logged (a loaded machine showed 1 of 1).
+	testutil.Eventually(t, "the fleet to hold 1 of the 2 replicas and say so in its readiness", func() bool {
+		held, known := f.Registered()
+		err := f.NotReady()
+		return held == 1 && known == 2 && err != nil && strings.Contains(err.Error(), "registered with 1 of the 2 broker replicas behind tunnel.example.org:8443")
+	})
 }
 
 func TestAFleetBehindOneAddressTakesACountOf100AtMost(t *testing.T) {
