@@ -1,17 +1,12 @@
 package tunnel
 
 import (
-	"context"
 	"errors"
-	"io"
-	"net"
-	"syscall"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
 	"github.com/kcp-dev/tunnel-broker/internal/errinfo"
-	"github.com/kcp-dev/tunnel-broker/internal/redact"
 	"github.com/kcp-dev/tunnel-broker/internal/splice"
 )
 
@@ -73,37 +68,7 @@ func (t *Tunnel) statuses(f *splice.Failure) (callerStatus, agentStatus error) {
 		return status.Error(codes.Canceled, "caller went away"),
 			status.Errorf(codes.Canceled, "caller went away: %v", err)
 	default:
-		return errinfo.Errorf(codes.Unavailable, errinfo.TunnelLost, "tunnel lost on the agent's side: %s (tunnel %s)", agentLoss(err), t.ID),
+		return errinfo.Errorf(codes.Unavailable, errinfo.TunnelLost, "tunnel lost on the agent's side: %s (tunnel %s)", errinfo.AgentLoss(err), t.ID),
 			status.Errorf(codes.Aborted, "tunnel aborted: %v", err)
 	}
-}
-
-// maxLossText bounds what agentLoss passes on of an error it has no words
-// for.
-const maxLossText = 256
-
-// agentLoss says in words why the agent's leg failed, by the error's type
-// and status code, never its text: its connection to the broker broke or
-// closed, its stream was cancelled (the agent stopped, or lost its
-// connection), or, redacted, what else the leg's error says. Go's network
-// errors name both ends of the agent's connection
-// ("read tcp 10.0.0.1:8443->10.0.0.7:42610: ..."), which a caller must not
-// see; gRPC passes a broken transport on as Unavailable, with the cause
-// only in its text, which the broker's log keeps.
-func agentLoss(err error) string {
-	var op *net.OpError
-	var errno syscall.Errno
-	switch {
-	case errors.As(err, &errno):
-		return "the agent's connection to the broker broke (" + errno.Error() + ")"
-	case errors.As(err, &op), errors.Is(err, net.ErrClosed):
-		return "the agent's connection to the broker broke"
-	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
-		return "the agent's connection to the broker closed"
-	case errors.Is(err, context.Canceled), status.Code(err) == codes.Canceled:
-		return "the agent stopped, or lost its connection to the broker"
-	case status.Code(err) == codes.Unavailable:
-		return "the agent's connection to the broker broke or closed"
-	}
-	return redact.Text(status.Convert(err).Message(), maxLossText)
 }

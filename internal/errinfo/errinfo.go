@@ -1,7 +1,8 @@
-// Package errinfo is the root module's one home of the reasons its
-// statuses carry: a google.rpc.ErrorInfo detail with a stable Reason in
-// Domain, which a client reads with Of instead of matching a status's
-// message. The broker attaches them (New, Error); tunnelctl chooses its
+// Package errinfo is the root module's one home of what its errors say:
+// the reasons its statuses carry, a google.rpc.ErrorInfo detail with a
+// stable Reason in Domain, which a client reads with Of instead of
+// matching a status's message; and the words for network errors, by type
+// (words.go). The broker attaches them (New, Error); tunnelctl chooses its
 // hints by them; docs/protocol.md §5 lists them, since clients may rely on
 // them. A message is for people and may change; a reason may not.
 //

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"net"
 	"os"
@@ -139,7 +138,7 @@ func openStream(ctx context.Context, client tunnelv1.AgentServiceClient, d *dial
 			// once) may end before the broker read the open, and the dial
 			// would wait there for its timeout. Fail it; the broker ignores
 			// a failure for a dial it already claimed.
-			d.report(codes.Unavailable, "", "the tunnel failed as it opened: "+reason(failed.Err), true)
+			d.report(codes.Unavailable, "", "the tunnel failed as it opened: "+errinfo.ConnectFailure(failed.Err), true)
 		}
 	}
 }
@@ -235,7 +234,7 @@ func (a *Agent) connect(ctx context.Context, order *tunnelv1.DialOrder) (*net.TC
 	var reasons []string
 	refused := true // by every endpoint tried
 	for _, err := range errs {
-		if r := reason(err); !slices.Contains(reasons, r) {
+		if r := errinfo.ConnectFailure(err); !slices.Contains(reasons, r) {
 			reasons = append(reasons, r)
 		}
 		refused = refused && errors.Is(err, syscall.ECONNREFUSED)
@@ -278,33 +277,8 @@ func dialEndpoints(ctx context.Context, addrs []string) (*net.TCPConn, []error) 
 	}
 	// The span says why in words; the addresses stay in the log.
 	span.SetAttributes(attribute.Int("tunnel.endpoints_tried", len(errs)))
-	tracing.End(span, status.Error(codes.Unavailable, reason(errors.Join(errs...))))
+	tracing.End(span, status.Error(codes.Unavailable, errinfo.ConnectFailure(errors.Join(errs...))))
 	return nil, errs
-}
-
-// reason says in words why a connection failed, without the addresses
-// that Go's errors name.
-func reason(err error) string {
-	var errno syscall.Errno
-	var dns *net.DNSError
-	switch {
-	case errors.As(err, &errno):
-		return errno.Error() // "connection refused", "no route to host"
-	case errors.As(err, &dns) && dns.IsNotFound:
-		return "no such host"
-	case errors.As(err, &dns):
-		return "the name did not resolve"
-	case errors.Is(err, os.ErrDeadlineExceeded), errors.Is(err, context.DeadlineExceeded):
-		return "timed out"
-	case errors.Is(err, context.Canceled):
-		return "cancelled"
-	case errors.Is(err, io.EOF):
-		return "the target closed the connection"
-	}
-	if st, ok := status.FromError(err); ok {
-		return "the broker's stream ended (" + st.Code().String() + ")"
-	}
-	return "the connection failed"
 }
 
 // DefaultStalledWriteTimeout is the broker's default --idle-timeout: by
