@@ -13,7 +13,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"syscall"
-	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
@@ -31,10 +30,10 @@ import (
 // in its picker's status. So DialOptions records the failure itself, with
 // its type, where it happens: its dialer (connRecord.dial), its
 // credentials (recordingCreds) and the first bytes after the handshake
-// (firstBytes, where a TLS 1.3 server's refusal of the client's
-// certificate arrives); a stream interceptor (connRecord.stream) hands the
-// record to the stream's error, and connectionFailure reads it with
-// errors.As and errors.Is.
+// (firstBytes; a TLS 1.3 server's refusal of the client's certificate
+// arrives there, which wire.AwaitServer makes part of the handshake); a
+// stream interceptor (connRecord.stream) hands the record to the stream's
+// error, and connectionFailure reads it with errors.As and errors.Is.
 
 // stage is where a connection to a broker failed.
 type stage int
@@ -76,7 +75,7 @@ func (r *connRecord) get() *connFailure {
 // the broker is kcp's peer in the cluster, as for the webhook client
 // (webhook.go).
 func (r *connRecord) options(creds credentials.TransportCredentials) []grpc.DialOption {
-	return append(wire.DialOptions(recordingCreds{creds, r}),
+	return append(wire.DialOptions(recordingCreds{wire.AwaitServer(creds), r}),
 		grpc.WithContextDialer(r.dial), grpc.WithChainStreamInterceptor(r.stream))
 }
 
@@ -119,8 +118,9 @@ func (e *recordedError) GRPCStatus() *status.Status { return status.Convert(e.er
 
 func (e *recordedError) Unwrap() []error { return []error{e.error, e.conn.err} }
 
-// recordingCreds are a connection's credentials, recording why its
-// handshake failed, and its first bytes after (firstBytes).
+// recordingCreds are a connection's credentials (which await a TLS 1.3
+// server's first bytes, wire.AwaitServer), recording why its handshake
+// failed, and its first bytes after (firstBytes).
 type recordingCreds struct {
 	credentials.TransportCredentials
 	record *connRecord
@@ -130,44 +130,21 @@ func (c recordingCreds) ClientHandshake(ctx context.Context, authority string, r
 	conn, info, err := c.TransportCredentials.ClientHandshake(ctx, authority, raw)
 	if err != nil {
 		if ctx.Err() != context.Canceled {
-			c.record.set(&connFailure{err, stageHandshake})
+			at := stageHandshake
+			var first *wire.FirstBytesError
+			if errors.As(err, &first) {
+				at = stageFirstBytes
+			}
+			c.record.set(&connFailure{err, at})
 		}
 		return conn, info, err
 	}
 	fb := &firstBytes{Conn: conn, record: c.record}
-	if ti, ok := info.(credentials.TLSInfo); ok && ti.State.Version >= tls.VersionTLS13 {
-		if err := fb.await(ctx); err != nil {
-			conn.Close()
-			return nil, nil, err
-		}
+	if wire.AwaitedServer(info) {
+		// The server's first bytes have come: the connection succeeded.
+		fb.exchanged(true, nil)
 	}
 	return fb, info, nil
-}
-
-// await reads the server's first bytes after a TLS 1.3 handshake, within
-// ctx, for Read to return first. In TLS 1.3 the client's handshake ends
-// before the server has checked the client's certificate: a server that
-// refuses it sends its alert after, and closes, and a write of the
-// client's meanwhile would fail with "broken pipe" and lose the alert.
-// Waiting for it makes the alert the handshake's failure, with its type. A
-// gRPC server sends its SETTINGS as soon as its handshake is done, so the
-// wait costs no round trip of its own.
-func (c *firstBytes) await(ctx context.Context) error {
-	if deadline, ok := ctx.Deadline(); ok {
-		_ = c.Conn.SetReadDeadline(deadline)
-	}
-	stop := context.AfterFunc(ctx, func() { _ = c.Conn.SetReadDeadline(time.Unix(1, 0)) })
-	buf := make([]byte, 512)
-	n, err := c.Read(buf)
-	if !stop() {
-		return ctx.Err()
-	}
-	if err != nil {
-		return err
-	}
-	_ = c.Conn.SetReadDeadline(time.Time{})
-	c.first = buf[:n]
-	return nil
 }
 
 func (c recordingCreds) Clone() credentials.TransportCredentials {
@@ -175,22 +152,15 @@ func (c recordingCreds) Clone() credentials.TransportCredentials {
 }
 
 // firstBytes is a connection after its handshake, recording why it failed
-// until its first bytes arrive (under TLS 1.3, await reads them within
-// the handshake). Then the connection succeeded, and the record is
-// cleared.
+// until its first bytes arrive (under TLS 1.3, within the handshake). Then
+// the connection succeeded, and the record is cleared.
 type firstBytes struct {
 	net.Conn
 	record *connRecord
 	done   atomic.Bool
-	first  []byte // what await read, for Read to return first
 }
 
 func (c *firstBytes) Read(b []byte) (int, error) {
-	if len(c.first) > 0 {
-		n := copy(b, c.first)
-		c.first = c.first[n:]
-		return n, nil
-	}
 	n, err := c.Conn.Read(b)
 	if !c.done.Load() {
 		c.exchanged(n > 0, err)

@@ -8,6 +8,8 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
 	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
 	"google.golang.org/grpc/credentials"
+
+	"github.com/kcp-dev/tunnel-broker/proto/kcp/tunnel/v1/wire"
 )
 
 // SVIDSource is what a workload presents and trusts: its SVID and the bundles
@@ -86,7 +88,7 @@ func serverBounds(creds credentials.TransportCredentials, o options) credentials
 func ClientCredentials(src SVIDSource, authorize tlsconfig.Authorizer, opts ...Option) credentials.TransportCredentials {
 	o := collect(opts)
 	creds := credentials.NewTLS(clientConfig(src, authorize))
-	creds = diagnoseNotGRPC(withAuthInfo(awaitServer(creds)))
+	creds = diagnoseNotGRPC(withAuthInfo(wire.AwaitServer(creds)))
 	return reportRefusals(guardPanics(creds, o.refusals), o.refusals)
 }
 
