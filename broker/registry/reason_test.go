@@ -61,13 +61,7 @@ func TestAFailedDialCarriesItsReason(t *testing.T) {
 }
 
 func TestADialFailedTwiceCarriesTheSecondsReason(t *testing.T) {
-	r := New(Limits{})
-	a := registerAgent(t, r, "a", "root")
-	b := registerAgent(t, r, "b", "root")
-	d := startDial(t, r, target("root"))
-	first, o1 := orderedTo(t, a, b)
-	failOrder(r, first, o1, codes.Unavailable, "refused once")
-	second := map[*Agent]*Agent{a: b, b: a}[first]
+	r, d, first, second, _ := failedOnce(t)
 	nextOrder(t, second)
 	r.Unregister(second)
 	err := d.wait().err

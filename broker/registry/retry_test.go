@@ -51,14 +51,22 @@ func TestADialFailedByOneAgentIsRetriedOnAnother(t *testing.T) {
 	}
 }
 
-func TestADialThatEveryAgentFailsReturnsOneErrorNamingBoth(t *testing.T) {
-	r := New(Limits{})
+// failedOnce is a dial in root, which has two agents, that the agent it
+// was ordered to first failed with Unavailable "refused once" (order o1):
+// the registry orders it again to second.
+func failedOnce(t *testing.T) (r *Registry, d *dialing, first, second *Agent, o1 *tunnelv1.DialOrder) {
+	t.Helper()
+	r = New(Limits{})
 	a := registerAgent(t, r, "a", "root")
 	b := registerAgent(t, r, "b", "root")
-	d := startDial(t, r, target("root"))
-	first, o1 := orderedTo(t, a, b)
+	d = startDial(t, r, target("root"))
+	first, o1 = orderedTo(t, a, b)
 	failOrder(r, first, o1, codes.Unavailable, "refused once")
-	second := map[*Agent]*Agent{a: b, b: a}[first]
+	return r, d, first, map[*Agent]*Agent{a: b, b: a}[first], o1
+}
+
+func TestADialThatEveryAgentFailsReturnsOneErrorNamingBoth(t *testing.T) {
+	r, d, first, second, o1 := failedOnce(t)
 	o2 := nextOrder(t, second)
 	failOrder(r, second, o2, codes.Unavailable, "refused twice")
 	err := d.wait().err
