@@ -53,7 +53,7 @@ func (a *Agent) open(ctx context.Context, client tunnelv1.AgentServiceClient, or
 	}
 	if err := a.dialTarget(ctx, d, order); err != nil {
 		d.report(err.code, err.reason, err.message, false)
-		tracing.End(span, status.Error(err.code, err.message))
+		tracing.End(span, status.Error(err.code, redacted(err.message)))
 		return nil
 	}
 	run = openStream(ctx, client, d, a.stalledWriteTimeout())
