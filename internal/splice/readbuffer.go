@@ -94,60 +94,19 @@ func (b *ReadBuffer) frame(data []byte) wire.Frame {
 		return wire.Frame{}
 	}
 	if b.big == nil || &(*b.big)[maxFrameHead] != &data[0] {
-		return smallFrame(data)
+		return wire.NewDataFrame(data)
 	}
 	buf := b.big
 	b.big = nil
-	putHead(*buf, len(data))
-	*buf = (*buf)[:maxFrameHead+len(data)]
+	// The head goes in the room before the payload, its length as a
+	// varint of three bytes however small (protobuf reads a varint with
+	// more bytes than it needs as well), so that it ends where the
+	// payload starts.
+	head := (*buf)[:maxFrameHead]
+	n := len(data)
+	head[0], head[1], head[2], head[3] = dataTag, byte(n)|0x80, byte(n>>7)|0x80, byte(n>>14)
+	*buf = (*buf)[:maxFrameHead+n]
 	return wire.NewFrame(mem.BufferSlice{mem.NewBuffer(buf, readPool{})})
-}
-
-// putHead writes a data frame's head of a payload of n bytes in the room
-// before it, buf[:maxFrameHead]: its length as a varint of three bytes
-// however small (protobuf reads a varint with more bytes than it needs as
-// well), so that the head ends where the payload starts.
-func putHead(buf []byte, n int) {
-	buf[0], buf[1], buf[2], buf[3] = dataTag, byte(n)|0x80, byte(n>>7)|0x80, byte(n>>14)
-}
-
-// smallReads are the pooled buffers of the frames of small reads (at most
-// smallRead bytes, after the room for a frame's head), which ReadFrame
-// copies out of the ReadBuffer's own: a pooled buffer, not a new slice,
-// whose Free (or gRPC's, once it has sent the frame) returns it.
-var smallReads = sync.Pool{New: func() any { b := make([]byte, maxFrameHead+smallRead); return &b }}
-
-// smallFrame is a copy of data (at most smallRead bytes) as a data frame
-// in a pooled buffer.
-func smallFrame(data []byte) wire.Frame {
-	if len(data) > smallRead {
-		return wire.NewDataFrame(data)
-	}
-	buf := smallReads.Get().(*[]byte)
-	*buf = (*buf)[:maxFrameHead+copy((*buf)[maxFrameHead:], data)]
-	putHead(*buf, len(data))
-	return wire.NewFrame(mem.BufferSlice{mem.NewBuffer(buf, smallPool{})})
-}
-
-// smallPool is smallReads as gRPC's buffer pool, for smallFrame's buffers.
-type smallPool struct{}
-
-func (smallPool) Get(length int) *[]byte {
-	if length > maxFrameHead+smallRead {
-		b := make([]byte, length)
-		return &b
-	}
-	b := smallReads.Get().(*[]byte)
-	*b = (*b)[:length]
-	return b
-}
-
-func (smallPool) Put(b *[]byte) {
-	if cap(*b) != maxFrameHead+smallRead {
-		return
-	}
-	*b = (*b)[:cap(*b)]
-	smallReads.Put(b)
 }
 
 // Release returns the pooled buffer, if any.

@@ -100,9 +100,9 @@ func TestAnEmptyReadIsAnEmptyFrame(t *testing.T) {
 }
 
 func TestSmallReadFramesOwnTheirBytes(t *testing.T) {
-	// Small reads go into pooled buffers of their own: a frame freed and
-	// its buffer reused must not show in a frame still held, and a frame
-	// partly read writes out the rest.
+	// A small read's frame owns its bytes: a frame freed, and the read
+	// buffer read into again, must not show in a frame still held, and a
+	// frame partly read writes out the rest.
 	var b ReadBuffer
 	var frames []wire.Frame
 	for i := range 4 {
