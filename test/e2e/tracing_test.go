@@ -281,3 +281,28 @@ func TestTracingACONNECTTakesItsCallersTraceparent(t *testing.T) {
 		return false
 	})
 }
+
+// TestTracingToACollectorThatIsDownLosesNoDial: the broker and the agent
+// send spans to an address whose connects never complete, and every dial
+// of a traced caller still goes through at once; the spans are what is
+// lost.
+func TestTracingToACollectorThatIsDownLosesNoDial(t *testing.T) {
+	env := harness.NewEnv(t)
+	down := "http://" + harness.StartUnanswered(t)
+	_, addr := env.StartBrokerProcess("--otlp-endpoint", down)
+	env.StartAgentProcess(addr, "/agent/sync-target-1", echoServices(harness.StartEcho(t)), "--otlp-endpoint", down)
+	tp := sdktrace.NewTracerProvider() // records spans, exports nowhere: the caller traces
+	defer func() { _ = tp.Shutdown(context.Background()) }()
+	dialer := env.Dialer(addr, "/kcp")
+	dialer.EarlyData = false
+	for i := range 50 {
+		ctx, span := tp.Tracer("test").Start(context.Background(), "webhook call")
+		conn, err := dialer.DialService(ctx, "root", "default", "echo", 80)
+		span.End()
+		if err != nil {
+			t.Fatalf("dial %d with the collector down: %v", i, err)
+		}
+		roundTrip(t, conn, fmt.Sprintf("dial %d", i))
+		conn.Close()
+	}
+}
